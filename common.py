@@ -1,0 +1,1070 @@
+"""Plumbing shared by the four method scripts: tasks and rewards, the built-in tiny model,
+the vLLM sampler process and learner -> sampler weight sync, learner helpers, logging and
+checkpoints. Algorithm logic lives in the scripts, not here.
+
+Terms (DESIGN.md section 8): a *sampling round* is one batch of prompts sent to the sampler
+and its completions returned; a *step* is one optimizer.step(); an *episode* is one completion
+used for training; the *policy version* of a token is the number of steps the weights that
+produced it had seen; *lag* = learner version - token version.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+# --------------------------------------------------------------------------------------
+# Errors and argument checks
+# --------------------------------------------------------------------------------------
+
+
+class SamplerError(RuntimeError):
+    """The sampler process failed, died or stopped answering."""
+
+
+def check_args(condition: bool, flag: str, message: str) -> None:
+    """Reject a nonsensical flag value at start-up with a message that names the flag."""
+    if not condition:
+        raise SystemExit(f"error: {flag}: {message}")
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def limit_cpu_threads() -> None:
+    """On a 2-core machine the learner, the sampler and OpenMP spin-waits fight for cores;
+    one thread per process was 4-6x faster than two (vllm-notes.md)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+# --------------------------------------------------------------------------------------
+# Tasks and rewards
+# --------------------------------------------------------------------------------------
+
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+COUNTDOWN_FORMAT_SCORE = 0.1  # TinyZero: a well-formed but wrong answer
+_MAX_ABS_VALUE = 10**12  # larger intermediate values are treated as malformed
+
+
+class _Unsafe(ValueError):
+    pass
+
+
+def safe_arithmetic(expression: str) -> tuple[Fraction, list[int]]:
+    """Evaluate `expression` allowing only non-negative integer literals, parentheses and
+    + - * /, exactly (Fractions). Returns (value, integer literals used). Raises ValueError on
+    anything else (names, calls, **, unary ops, floats), on division by zero and on huge values."""
+    if len(expression) > 200:
+        raise _Unsafe("expression too long")
+    tree = ast.parse(expression.strip(), mode="eval")
+    numbers: list[int] = []
+
+    def walk(node: ast.AST) -> Fraction:
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+            numbers.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            left, right = walk(node.left), walk(node.right)
+            if isinstance(node.op, ast.Add):
+                value = left + right
+            elif isinstance(node.op, ast.Sub):
+                value = left - right
+            elif isinstance(node.op, ast.Mult):
+                value = left * right
+            else:
+                if right == 0:
+                    raise _Unsafe("division by zero")
+                value = left / right
+            if abs(value) > _MAX_ABS_VALUE:
+                raise _Unsafe("value too large")
+            return value
+        raise _Unsafe(f"not allowed: {type(node).__name__}")
+
+    return walk(tree), numbers
+
+
+def countdown_reward(completion: str, numbers: list[int], target: int, format_score: float = COUNTDOWN_FORMAT_SCORE) -> float:
+    """TinyZero convention: 1 for a correct equation in the last <answer>...</answer> that uses
+    each given number exactly once; `format_score` for a well-formed but wrong answer; 0 when
+    there is no answer."""
+    answers = ANSWER_RE.findall(completion)
+    if not answers:
+        return 0.0
+    try:
+        value, used = safe_arithmetic(answers[-1])
+    except (SyntaxError, ValueError, RecursionError):
+        return format_score
+    if sorted(used) != sorted(numbers):
+        return format_score
+    return 1.0 if value == target else format_score
+
+
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def gsm8k_extract(text: str) -> str | None:
+    """The final number of a GSM8K answer: after '####' when present, else the last number."""
+    if "####" in text:
+        text = text.split("####")[-1]
+    found = _NUMBER_RE.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def gsm8k_reward(completion: str, answer: str) -> float:
+    """Exact match on the final number, commas removed, compared numerically ("18.00" == "18")."""
+    predicted, expected = gsm8k_extract(completion), gsm8k_extract(answer)
+    if predicted is None or expected is None:
+        return 0.0
+    try:
+        return 1.0 if Fraction(predicted) == Fraction(expected) else 0.0
+    except (ValueError, ZeroDivisionError):
+        return 0.0
+
+
+@dataclass
+class Problem:
+    prompt: str
+    numbers: list[int] = field(default_factory=list)
+    target: int = 0
+    answer: str = ""  # a known solution (Countdown) or the reference answer (GSM8K)
+
+
+def _solution_string(rng: np.random.Generator, numbers: list[int], max_target: int) -> tuple[str, int] | None:
+    """Combine `numbers` in random order with random ops into one expression whose every
+    intermediate value is a non-negative integer; returns (expression, value)."""
+    # each item: (text, value, precedence) with precedence 2 for atoms/products, 1 for sums
+    items = [(str(n), n, 3) for n in numbers]
+    while len(items) > 1:
+        i, j = rng.choice(len(items), size=2, replace=False)
+        (a, va, pa), (b, vb, pb) = items[i], items[j]
+        op = "+-*/"[rng.integers(4)]
+        if op == "-" and va < vb:
+            (a, va, pa), (b, vb, pb) = (b, vb, pb), (a, va, pa)
+        if op == "/" and (vb == 0 or va % vb != 0):
+            op = "+"
+        if op in "+-":
+            text = f"{a}{op}{b if pb >= 2 or op == '+' else f'({b})'}"
+            value, prec = (va + vb if op == "+" else va - vb), 1
+        else:
+            left = a if pa >= 2 else f"({a})"
+            right = b if pb >= 3 else f"({b})"
+            value, prec = (va * vb if op == "*" else va // vb), 2
+            text = f"{left}{op}{right}"
+        items = [it for k, it in enumerate(items) if k not in (i, j)] + [(text, value, prec)]
+    text, value, _ = items[0]
+    if not (1 <= value <= max_target):
+        return None
+    return text, value
+
+
+TINY_PROMPT = "{numbers}->{target}:"
+CHAT_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant "
+    "solves it. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer.\nUser: Using the numbers {numbers_list}, create an "
+    "equation that equals {target}. You can use basic arithmetic operations (+, -, *, /) and "
+    "each number can only be used once. Show your work in <think> </think> tags. And return "
+    "the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.\n"
+    "Assistant: Let me solve this step by step.\n<think>"
+)
+
+
+@dataclass
+class CountdownTask:
+    """Offline Countdown generator: problem i of a split is a pure function of (seed, split, i),
+    so a data position is one integer. Train and test are disjoint by a hash of the problem."""
+
+    seed: int = 0
+    min_numbers: int = 3
+    max_numbers: int = 4
+    max_number: int = 20
+    max_target: int = 100
+    prompt_template: str = TINY_PROMPT
+    name: str = "countdown"
+
+    def problem(self, split: str, index: int) -> Problem:
+        attempt = 0
+        while True:
+            rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, index, attempt])
+            attempt += 1
+            count = int(rng.integers(self.min_numbers, self.max_numbers + 1))
+            numbers = [int(x) for x in rng.integers(1, self.max_number + 1, size=count)]
+            made = _solution_string(rng, numbers, self.max_target)
+            if made is None:
+                continue
+            solution, target = made
+            in_test = int(hashlib.sha1(f"{sorted(numbers)}|{target}".encode()).hexdigest(), 16) % 10 == 0
+            if in_test != (split == "test"):
+                continue
+            prompt = self.prompt_template.format(
+                numbers=" ".join(map(str, numbers)), numbers_list=numbers, target=target
+            )
+            return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return countdown_reward(completion, problem.numbers, problem.target)
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        return self.reward(completion, problem) == 1.0
+
+    def completion_text(self, problem: Problem) -> str:
+        """The supervised target used to build the tiny model."""
+        return f"<answer>{problem.answer}</answer>"
+
+
+@dataclass
+class ListTask:
+    """A task over a fixed list of problems (a Hub dataset); index wraps around."""
+
+    train: list[Problem]
+    test: list[Problem]
+    name: str
+    reward_fn: Any
+
+    def problem(self, split: str, index: int) -> Problem:
+        problems = self.train if split == "train" else self.test
+        return problems[index % len(problems)]
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return self.reward_fn(completion, problem)
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        return self.reward(completion, problem) == 1.0
+
+
+def _load_hub_dataset(*args, **kwargs):
+    try:
+        from datasets import load_dataset
+    except ImportError as e:
+        raise SystemExit("error: --task from the Hub needs the `datasets` package: pip install -e '.[hub]'") from e
+    try:
+        return load_dataset(*args, **kwargs)
+    except Exception as e:  # the Hub's errors are many; the user needs one line
+        raise SystemExit(
+            f"error: could not load dataset {args[0]!r} from the Hugging Face Hub ({type(e).__name__}: {e}). "
+            "Offline? Use --task countdown (the offline generator)."
+        ) from e
+
+
+def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) -> Any:
+    """`countdown`: the offline generator. `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
+    TinyZero data). `gsm8k`: openai/gsm8k. Hub tasks need network access to the Hub."""
+    template = TINY_PROMPT if tiny_prompts else CHAT_PROMPT
+    if name == "countdown":
+        if tiny_prompts:
+            return CountdownTask(seed=seed, **TINY_TASK)
+        return CountdownTask(seed=seed, max_number=99, prompt_template=template)
+    if name == "countdown-hub":
+        rows = _load_hub_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
+        problems = [
+            Problem(prompt=template.format(numbers=" ".join(map(str, r["nums"])), numbers_list=r["nums"], target=r["target"]),
+                    numbers=list(r["nums"]), target=int(r["target"]))
+            for r in rows
+        ]
+        random.Random(seed).shuffle(problems)
+        return ListTask(problems[test_size:], problems[:test_size], name,
+                        lambda c, p: countdown_reward(c, p.numbers, p.target))
+    if name == "gsm8k":
+        data = _load_hub_dataset("openai/gsm8k", "main")
+        to_problem = lambda r: Problem(prompt=f"Question: {r['question']}\nAnswer:", answer=r["answer"])  # noqa: E731
+        return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]][:test_size],
+                        name, lambda c, p: gsm8k_reward(c, p.answer))
+    raise SystemExit(f"error: --task: unknown task {name!r} (countdown, countdown-hub, gsm8k)")
+
+
+class RewardModel:
+    """Any HF AutoModelForSequenceClassification with num_labels=1, scored in batches."""
+
+    def __init__(self, path: str, device: str = "cpu", batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device, self.batch_size = device, batch_size
+
+    @torch.no_grad()
+    def score(self, texts: list[str]) -> list[float]:
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True, truncation=True)
+            logits = self.model(**batch.to(self.device)).logits
+            scores += logits[:, 0].float().tolist()
+        return scores
+
+
+# --------------------------------------------------------------------------------------
+# Models: loading with clear errors, and the built-in tiny model
+# --------------------------------------------------------------------------------------
+
+TINY = "tiny"
+# The tiny model's Countdown: three numbers 1-9, short prompts; small enough that a 0.6M-parameter
+# model starts with some success and RL has room to improve it.
+TINY_TASK = dict(min_numbers=3, max_numbers=3, max_number=9, max_target=100, prompt_template=TINY_PROMPT)
+CACHE_DIR = Path(os.environ.get("FASTRL_CACHE", Path.home() / ".cache" / "fastrl"))
+TINY_SPECIAL = ["<pad>", "<eos>", "<unk>"]
+TINY_ADDED = ["<answer>", "</answer>"]
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """The built-in model: a small Qwen2 (tied embeddings, like Qwen2.5-0.5B) with a character
+    tokenizer, briefly supervised on the offline Countdown generator."""
+
+    seed: int = 0
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 128
+    sft_steps: int = 450
+    sft_batch_size: int = 64
+    sft_lr: float = 2e-3
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _tiny_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL)}
+    for c in "\n" + "".join(chr(i) for i in range(32, 127)):
+        vocab[c] = len(vocab)
+    # BPE with no merges splits text into single characters; Fuse joins them back on decode
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True) for t in TINY_SPECIAL])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_ADDED])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log=print) -> Path:
+    """Build, briefly fine-tune and save the tiny model as a normal HF directory. Deterministic
+    for a given config on a given machine (one CPU thread, fixed seeds)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        set_seed(config.seed)
+        tokenizer = _tiny_tokenizer()
+        model_config = Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+        )
+        model = Qwen2ForCausalLM(model_config)
+        task = CountdownTask(seed=config.seed, **TINY_TASK)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
+        start = time.time()
+        for step in range(config.sft_steps):
+            problems = [task.problem("train", step * config.sft_batch_size + i) for i in range(config.sft_batch_size)]
+            prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+            completions = [tokenizer(task.completion_text(p))["input_ids"] + [tokenizer.eos_token_id] for p in problems]
+            input_ids, attention_mask, completion_mask = pad_prompt_completions(prompts, completions, tokenizer.pad_token_id)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            labels = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, -100)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            if step % 50 == 0 or step == config.sft_steps - 1:
+                log(f"[tiny model] sft step {step + 1}/{config.sft_steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+        tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+        tmp.rename(out_dir)  # atomic: a half-built model is never picked up from the cache
+    finally:
+        torch.set_num_threads(threads)
+    return out_dir
+
+
+def tiny_model_path(config: TinyConfig = TinyConfig(), log=print) -> Path:
+    """The cached tiny model, built on first use (about 2 minutes on 2 cores)."""
+    path = CACHE_DIR / f"tiny-qwen2-{config.key()}"
+    if not (path / "config.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log(f"building the tiny model into {path} (once; cached afterwards)")
+        try:
+            build_tiny_model(path, config, log=log)
+        except OSError:
+            if not (path / "config.json").exists():  # not another process winning the rename
+                raise
+    return path
+
+
+def resolve_model(name: str) -> str:
+    """`tiny` -> the built-in model's directory; anything else is passed on as a local path or
+    Hub id."""
+    return str(tiny_model_path()) if name == TINY else name
+
+
+def load_hf(cls, path: str, **kwargs):
+    """`cls.from_pretrained(path)` that fails with one clear line instead of a Hub traceback."""
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or not Path(path).exists()
+        hint = " Offline or without the Hub? Use --model tiny (the built-in model)." if offline else ""
+        raise SystemExit(f"error: --model: cannot load {path!r}: {str(e).splitlines()[0]}{hint}") from None
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = load_hf(AutoTokenizer, path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return load_hf(AutoModelForCausalLM, path, dtype=dtype).to(device)
+
+
+# --------------------------------------------------------------------------------------
+# Learner helpers: padding and logprobs
+# --------------------------------------------------------------------------------------
+
+
+def pad_prompt_completions(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """Right-pad prompt+completion rows. Returns input_ids, attention_mask and completion_mask
+    (1 on completion tokens), all [batch, max_len]."""
+    length = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    completion_mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[row, : len(p) + len(c)] = torch.tensor(p + c)
+        attention_mask[row, : len(p) + len(c)] = 1
+        completion_mask[row, len(p): len(p) + len(c)] = 1
+    return input_ids, attention_mask, completion_mask
+
+
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0, with_entropy: bool = False):
+    """Per-token log pi(y_t | x, y_<t) of the completion tokens under `model`, in fp32, with the
+    sampler's temperature applied (matching vLLM's processed_logprobs when top_p = 1 and top_k
+    is off). Returns [batch, len-1] tensors aligned with input_ids[:, 1:], zero off the
+    completion, plus per-token entropy when asked."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    logps = torch.log_softmax(logits, dim=-1)
+    targets = input_ids[:, 1:]
+    mask = completion_mask[:, 1:].to(logps.dtype)
+    chosen = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    if not with_entropy:
+        return chosen
+    entropy = -(logps.exp() * logps).sum(-1) * mask
+    return chosen, entropy
+
+
+def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], width: int) -> torch.Tensor:
+    """The sampler's per-token logprobs laid out like token_logprobs' output."""
+    out = torch.zeros((len(samples), width), dtype=torch.float32)
+    for row, (s, plen) in enumerate(zip(samples, prompt_lens)):
+        out[row, plen - 1: plen - 1 + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Sampler process (vLLM) and weight sync
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Completion:
+    """One sampled response as the sampler returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # sampler's processed logprob of each sampled token
+    finish_reason: str | None  # "stop" (EOS), "length", "abort"
+    versions: list[tuple[int, int, int]]  # (policy version, start, end) spans over token_ids
+    text: str = ""
+    tag: Any = None  # the caller's label, returned unchanged (e.g. (prompt index, sample index))
+    finished: bool = True  # False for a streamed chunk (only the new tokens)
+
+    @property
+    def version_min(self) -> int:
+        return min(v for v, _, _ in self.versions) if self.versions else 0
+
+    @property
+    def version_max(self) -> int:
+        return max(v for v, _, _ in self.versions) if self.versions else 0
+
+
+@dataclass
+class SamplerConfig:
+    model: str
+    placement: str = "auto"  # "cpu", "colocate" (learner's GPU, ipc), "separate" (own GPU, nccl), "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    dtype: str = "float32"
+    kv_cache_bytes: int = 256 * 2**20  # CPU only
+    gpu_memory_utilization: float = 0.3  # GPU only; colocated with the learner, keep it small
+    max_num_seqs: int = 256
+    startup_timeout: float = 300.0
+    call_timeout: float = 120.0
+
+
+def resolve_placement(placement: str) -> str:
+    if placement != "auto":
+        return placement
+    gpus = torch.cuda.device_count()
+    return "cpu" if gpus == 0 else ("separate" if gpus >= 2 else "colocate")
+
+
+def weight_backend(placement: str) -> str:
+    return {"cpu": "gloo", "colocate": "ipc", "separate": "nccl"}[placement]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- the gloo weight-transfer engine (CPU): vLLM's built-in backends need CUDA ----------
+
+_GLOO_REGISTERED = False
+
+
+def register_gloo_engine() -> None:
+    """Register the CPU weight-transfer backend "gloo" with vLLM's worker and trainer
+    factories. Called in both processes before vLLM builds its engine."""
+    global _GLOO_REGISTERED
+    if _GLOO_REGISTERED:
+        return
+    from datetime import timedelta
+
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    from vllm.distributed.weight_transfer.base import (
+        TrainerInitInfo,
+        TrainerWeightTransferEngine,
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    group_timeout = timedelta(seconds=float(os.environ.get("FASTRL_WEIGHT_TIMEOUT", "60")))
+
+    @dataclass
+    class GlooInitInfo(WeightTransferInitInfo):
+        master_address: str
+        master_port: int
+        rank_offset: int
+        world_size: int
+
+    @dataclass
+    class GlooUpdateInfo(WeightTransferUpdateInfo):
+        names: list[str]
+        dtype_names: list[str]
+        shapes: list[list[int]]
+
+    @dataclass
+    class GlooTrainerInitInfo(TrainerInitInfo):
+        backend: ClassVar[str] = "gloo"
+        master_address: str = "127.0.0.1"
+        master_port: int = 0
+        world_size: int = 2
+
+    class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+        """Worker side: receive broadcasts from the learner (rank 0) and load them through vLLM's
+        layerwise reload, which repacks the CPU backend's linear weights."""
+
+        init_info_cls = GlooInitInfo
+        update_info_cls = GlooUpdateInfo
+
+        def init_transfer_engine(self, init_info):
+            rank = init_info.rank_offset + self.parallel_config.rank
+            self.group = stateless_init_torch_distributed_process_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                backend="gloo", timeout=group_timeout)
+
+        def start_weight_update(self):
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+
+        def update_weights(self, update_info):
+            self.receive_weights(self.parse_update_info(update_info))  # no accelerator sync on CPU
+
+        def receive_weights(self, update_info):
+            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                self.group.broadcast(weight, 0).wait()
+                self.model.load_weights([(name, weight)])
+
+        def finish_weight_update(self):
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)
+            # With tied embeddings the CPU backend's packed lm_head copy stays stale after a
+            # reload (vllm-notes.md): re-dispatch it from the freshly loaded embedding.
+            head = getattr(self.model, "lm_head", None)
+            if head is not None and hasattr(head, "weight") and self.device.type == "cpu":
+                dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+        def shutdown(self):
+            self.group = None
+
+    class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
+        """Learner side, the same shape as vLLM's NCCL trainer engine: drive start -> update
+        (concurrently with our broadcast) -> finish through the client."""
+
+        init_info_cls = GlooTrainerInitInfo
+
+        @classmethod
+        def trainer_init(cls, init_info, *, client, source=None):
+            from concurrent.futures import ThreadPoolExecutor
+
+            engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+            worker_info = dict(master_address=init_info.master_address, master_port=init_info.master_port,
+                               rank_offset=1, world_size=init_info.world_size)
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                future = pool.submit(client.init_weight_transfer_engine, worker_info)
+                engine.group = stateless_init_torch_distributed_process_group(
+                    init_info.master_address, init_info.master_port, 0, init_info.world_size,
+                    backend="gloo", timeout=group_timeout)
+                future.result()
+            return engine
+
+        def send_weights(self):
+            from concurrent.futures import ThreadPoolExecutor
+
+            meta = self.source.metadata()
+            update_info = dict(names=[m.name for m in meta], dtype_names=[str(m.dtype).split(".")[-1] for m in meta],
+                               shapes=[list(m.shape) for m in meta])
+            self.client.start_weight_update()
+            pool = ThreadPoolExecutor(max_workers=1)
+            try:
+                future = pool.submit(self.client.update_weights, update_info)
+                for _, tensor in self.source:
+                    self.group.broadcast(tensor.detach().to("cpu", copy=False).contiguous(), 0).wait()
+                future.result()
+            finally:
+                pool.shutdown(wait=False)  # never join a thread stuck on a dead peer
+            self.client.finish_weight_update()
+
+        def shutdown(self):
+            self.group = None
+
+    WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+    WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+    _GLOO_REGISTERED = True
+
+
+# ---- the sampler process ---------------------------------------------------------------
+
+
+def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str | None) -> None:
+    """Entry point of the spawned sampler process: owns an in-process vLLM engine and drives it
+    step by step, so that commands (new requests, weight updates, pause) are applied between
+    two decode steps and results stream back as soon as they exist."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: ~2.5 s start, not ~20 s
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cuda_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
+    try:
+        _serve(config, conn, parent_pid)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the learner is gone: nothing to report to
+    except BaseException:
+        try:
+            conn.send(("fatal", None, traceback.format_exc()))
+        except Exception:
+            pass
+    finally:
+        os._exit(0)  # skip vLLM's atexit handlers, which can block on a dead peer
+
+
+def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
+    register_gloo_engine()
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.sampling_params import RequestOutputKind
+
+    torch.set_num_threads(1) if config.placement == "cpu" else None
+    engine_kwargs: dict[str, Any] = dict(
+        model=config.model, seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len,
+        enforce_eager=True, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
+        weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement)),
+        enable_prefix_caching=False,
+    )
+    if config.placement == "cpu":
+        engine_kwargs["kv_cache_memory_bytes"] = config.kv_cache_bytes
+    else:
+        engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
+    conn.send(("ready", None, None))
+
+    paused = False
+    streaming: dict[str, int] = {}  # request id -> tokens already streamed
+    tags: dict[str, Any] = {}
+    sent_tokens: dict[str, int] = {}
+
+    def version_spans(output) -> list[tuple[int, int, int]]:
+        # vLLM labels the weights it started with "default": that is policy version 0
+        spans = output.weight_versions or [dataclasses.make_dataclass("S", ["version", "start", "end"])("default", 0, len(output.token_ids))]
+        return [(0 if s.version == "default" else int(s.version), s.start, s.end) for s in spans]
+
+    def handle(message) -> None:
+        nonlocal paused
+        command, call_id, payload = message
+        result = None
+        if command == "add":
+            for request_id, prompt_ids, params, stream_every, tag in payload:
+                params = SamplingParams(**params, output_kind=RequestOutputKind.CUMULATIVE)
+                engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                tags[request_id] = tag
+                if stream_every:
+                    streaming[request_id] = stream_every
+                    sent_tokens[request_id] = 0
+        elif command == "abort":
+            engine.abort_request(list(payload))
+        elif command == "pause":
+            paused = True
+        elif command == "resume":
+            paused = False
+        elif command == "reset_running":  # re-prefill running sequences with the new weights
+            engine.reset_prefix_cache(reset_running_requests=True)
+        elif command == "weights_init":
+            engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": payload})
+        elif command == "weights_start":
+            engine.collective_rpc("start_weight_update")
+        elif command == "weights_update":
+            engine.collective_rpc("update_weights", kwargs={"update_info": payload})
+        elif command == "weights_finish":
+            engine.collective_rpc("finish_weight_update")
+            engine.set_weight_version(str(payload))
+        elif command == "num_unfinished":
+            result = engine.get_num_unfinished_requests()
+        elif command == "ping":
+            result = os.getpid()
+        elif command == "shutdown":
+            conn.send(("ack", call_id, None))
+            raise EOFError
+        else:
+            raise ValueError(f"unknown sampler command {command!r}")
+        if call_id is not None:
+            conn.send(("ack", call_id, result))
+
+    while True:
+        busy = not paused and engine.has_unfinished_requests()
+        # drain every pending command before the next decode step; block briefly when idle
+        while conn.poll(0 if busy else 1.0):
+            try:
+                handle(conn.recv())
+            except (EOFError, BrokenPipeError):
+                raise
+            except Exception:
+                conn.send(("error", None, traceback.format_exc()))
+            busy = not paused and engine.has_unfinished_requests()
+        if os.getppid() != parent_pid:
+            raise EOFError  # orphaned: the learner died without closing the pipe
+        if not busy:
+            continue
+        results = []
+        for output in engine.step():
+            rid = output.request_id
+            c = output.outputs[0]
+            if output.finished:
+                start = sent_tokens.pop(rid, 0)
+                streaming.pop(rid, None)
+                lps = [pos[tok].logprob for tok, pos in zip(c.token_ids, c.logprobs)] if c.logprobs else []
+                results.append(Completion(rid, list(output.prompt_token_ids), list(c.token_ids), lps,
+                                          c.finish_reason, version_spans(c), c.text, tags.pop(rid, None)))
+            elif rid in streaming and len(c.token_ids) - sent_tokens[rid] >= streaming[rid]:
+                start = sent_tokens[rid]
+                lps = [pos[tok].logprob for tok, pos in zip(c.token_ids[start:], c.logprobs[start:])]
+                results.append(Completion(rid, [], list(c.token_ids[start:]), lps, None, [], "", tags[rid], finished=False))
+                sent_tokens[rid] = len(c.token_ids)
+        if results:
+            conn.send(("out", None, results))
+
+
+class Sampler:
+    """Learner-side handle on the sampler process. Implements vLLM's 4-method weight-sync
+    client protocol (init / start / update / finish) over the control pipe, so vLLM's own
+    trainer engines (nccl, ipc) and our gloo engine drive the transfer the same way.
+
+    Every wait has a timeout and checks that the process is alive: a dead or stuck sampler is a
+    SamplerError in the learner within seconds, never a hang."""
+
+    def __init__(self, config: SamplerConfig):
+        self.config = config
+        self.placement = resolve_placement(config.placement)
+        self.config.placement = self.placement
+        self.process = None
+        self.conn = None
+        self._lock = threading.RLock()
+        self._call_ids = iter(range(1, 1 << 62))
+        self._acks: dict[int, Any] = {}
+        self._outputs: list[Completion] = []
+        self._request_ids = iter(range(1 << 62))
+        self.pending: set[str] = set()
+        self.version = 0
+        self._weight_engine = None
+
+    # -- lifecycle --
+    def start(self) -> "Sampler":
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        cuda_device = {"cpu": None, "colocate": "0", "separate": "1"}[self.placement]
+        self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device),
+                                   name="vllm-sampler", daemon=False)
+        self.process.start()
+        child.close()
+        _LIVE_SAMPLERS.add(self)
+        self._wait(lambda: self._ready, self.config.startup_timeout, "start")
+        return self
+
+    _ready = False
+
+    def close(self) -> None:
+        """Stop the sampler process; safe to call twice and from error paths."""
+        if self.process is None:
+            return
+        try:
+            if self.process.is_alive():
+                self.conn.send(("shutdown", None, None))
+                self.process.join(5)
+        except Exception:
+            pass
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.process = None
+        _LIVE_SAMPLERS.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- plumbing --
+    def _receive(self, timeout: float) -> None:
+        """Receive at most one message within `timeout` seconds and file it."""
+        if self.process is None:
+            raise SamplerError("the sampler is not running")
+        if not self.conn.poll(timeout):
+            if not self.process.is_alive():
+                raise SamplerError(f"the sampler process died (exit code {self.process.exitcode}); see its log above")
+            return
+        try:
+            kind, call_id, payload = self.conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as e:
+            code = self.process.exitcode if self.process else None
+            raise SamplerError(f"the sampler process died (exit code {code}); see its log above") from e
+        if kind == "ready":
+            self._ready = True
+        elif kind == "out":
+            for c in payload:
+                if c.finished:
+                    self.pending.discard(c.request_id)
+            self._outputs += payload
+        elif kind == "ack":
+            self._acks[call_id] = payload
+        elif kind in ("error", "fatal"):
+            raise SamplerError(f"the sampler failed:\n{payload}")
+
+    def _wait(self, done, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise SamplerError(f"the sampler did not answer {what!r} within {timeout:.0f}s")
+            with self._lock:
+                if not done():
+                    self._receive(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def _call(self, command: str, payload: Any = None, timeout: float | None = None) -> Any:
+        call_id = next(self._call_ids)
+        with self._lock:
+            self.conn.send((command, call_id, payload))
+        self._wait(lambda: call_id in self._acks, timeout or self.config.call_timeout, command)
+        return self._acks.pop(call_id)
+
+    # -- generation --
+    def submit(self, prompts: list[list[int]], n: int = 1, tags: list[Any] | None = None, stream_every: int = 0,
+               **sampling) -> list[str]:
+        """Queue n samples of each prompt (token ids) without waiting. `sampling` are vLLM
+        SamplingParams fields (temperature, top_p, max_tokens, ...). With stream_every=C the
+        sampler also returns unfinished chunks of at least C new tokens. Returns request ids."""
+        sampling = {"logprobs": 0, **sampling}
+        requests, ids = [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                rid = str(next(self._request_ids))
+                tag = tags[i] if tags is not None else (i, j)
+                if tags is not None and n > 1:
+                    tag = (tags[i], j)
+                params = dict(sampling)
+                if "seed" in params and params["seed"] is not None:
+                    params["seed"] = params["seed"] + int(rid)  # distinct but reproducible per sample
+                requests.append((rid, list(prompt), params, stream_every, tag))
+                ids.append(rid)
+        with self._lock:
+            self.conn.send(("add", None, requests))
+        self.pending.update(ids)
+        return ids
+
+    def poll(self, timeout: float = 0.0, min_items: int = 1) -> list[Completion]:
+        """Return what the sampler has sent so far (finished completions and streamed chunks),
+        waiting up to `timeout` seconds for at least `min_items`."""
+        deadline = time.monotonic() + timeout
+        while len(self._outputs) < min_items:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with self._lock:
+                self._receive(min(left, 0.5))
+        with self._lock:
+            self._receive(0)
+            out, self._outputs = self._outputs, []
+        return out
+
+    def generate(self, prompts: list[list[int]], n: int = 1, timeout: float = 3600.0, **sampling) -> list[Completion]:
+        """Blocking: n samples per prompt, returned in prompt-major order (tag = (prompt, sample))."""
+        ids = self.submit(prompts, n=n, **sampling)
+        wanted = set(ids)
+        got: dict[str, Completion] = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < len(ids):
+            if time.monotonic() > deadline:
+                raise SamplerError(f"generation did not finish within {timeout:.0f}s")
+            for c in self.poll(timeout=1.0):
+                if c.finished and c.request_id in wanted:
+                    got[c.request_id] = c
+                elif c.finished:
+                    self._outputs.append(c)  # someone else's request: keep it
+        return [got[i] for i in ids]
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._lock:
+            self.conn.send(("abort", None, list(request_ids)))
+
+    def pause(self) -> None:
+        """Stop decoding; running sequences and their KV stay, new requests queue."""
+        self._call("pause")
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def num_unfinished(self) -> int:
+        return self._call("num_unfinished")
+
+    # -- weight sync: vLLM's VLLMWeightSyncClient protocol --
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("weights_init", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("weights_start")
+
+    def update_weights(self, update_info) -> None:
+        self._call("weights_update", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("weights_finish", weight_version if weight_version is not None else self._next_version)
+
+    _next_version = 0
+
+    def init_weight_sync(self, model: torch.nn.Module) -> None:
+        """Open the torch.distributed group between the learner (rank 0) and the vLLM worker
+        (rank 1) with the backend for this placement."""
+        register_gloo_engine()
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        backend = weight_backend(self.placement)
+        if backend == "gloo":
+            info_cls = WeightTransferTrainerFactory._registry["gloo"]().init_info_cls
+            info = info_cls(rank=0, master_address="127.0.0.1", master_port=_free_port(), world_size=2)
+        elif backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=_free_port(), world_size=2)
+        else:
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=0)
+        self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
+
+    def push_weights(self, version: int, recompute_kv: bool = False) -> float:
+        """Send the learner's current weights and label them `version`. The sampler applies them
+        between two decode steps: running sequences continue with the new weights on top of
+        their old KV cache, or re-prefill with them when recompute_kv. Returns seconds taken."""
+        if self._weight_engine is None:
+            raise RuntimeError("call init_weight_sync(model) before push_weights")
+        start = time.perf_counter()
+        self._next_version = version
+        self._weight_engine.send_weights()
+        if recompute_kv:
+            self._call("reset_running")
+        self.version = version
+        return time.perf_counter() - start
+
+
+_LIVE_SAMPLERS: set[Sampler] = set()
+
+
+def _close_live_samplers(*_):
+    for s in list(_LIVE_SAMPLERS):
+        s.close()
+
+
+import atexit  # noqa: E402
+
+atexit.register(_close_live_samplers)
+
+
+def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0, **kwargs) -> Sampler:
+    """Start the sampler process and wait until its engine is ready."""
+    return Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
