@@ -1,0 +1,69 @@
+import json
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import common
+
+
+def test_pad_and_token_logprobs_match_a_manual_forward(tiny_path):
+    model = common.load_policy(tiny_path, "cpu")
+    prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 1]]
+    ids, attn, mask = common.pad_prompt_completions(prompts, completions, pad_id=0)
+    assert ids.tolist() == [[5, 6, 7, 10, 11, 0], [8, 9, 12, 13, 14, 1]]
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    with torch.no_grad():
+        lp, ent = common.token_logprobs(model, ids, attn, mask, temperature=0.5, with_entropy=True)
+        logits = model(torch.tensor([[8, 9, 12, 13]])).logits[0].float() / 0.5
+    manual = torch.log_softmax(logits, -1)
+    assert lp[1, 1].item() == pytest.approx(manual[1, 12].item(), abs=1e-5)  # predicts token 12 from position 1
+    assert lp[1, 2].item() == pytest.approx(manual[2, 13].item(), abs=1e-5)
+    assert lp[0, 0] == 0 and lp[0, 5 - 1] == 0  # prompt and padding positions are zero
+    assert (ent[mask[:, 1:].bool()] > 0).all()
+
+
+def test_run_logger_writes_jsonl_tensorboard_and_args(tmp_path):
+    @dataclass
+    class Args:
+        lr: float = 1e-3
+        k: int = 2
+
+    logger = common.RunLogger("unit", Args(), root=str(tmp_path))
+    logger.log(1, {"charts/reward": 0.5, "losses/loss": torch.tensor(2.0)})
+    logger.log(2, {"charts/reward": 0.7})
+    logger.close()
+    run = tmp_path / "unit"
+    rows = common.read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["losses/loss"] == 2.0 and rows[1]["charts/reward"] == 0.7
+    assert json.loads((run / "args.json").read_text()) == {"lr": 1e-3, "k": 2}
+    assert any(p.name.startswith("events.out.tfevents") for p in run.iterdir())
+    assert "step 2" in (run / "console.log").read_text()
+
+
+def test_checkpoint_roundtrip_restores_model_optimizer_rng_and_position(tmp_path):
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    common.set_seed(7)
+    common.save_checkpoint(tmp_path / "checkpoint.pt", model, optimizer, step=5, data_position=40, extra_thing=3)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+
+    fresh = torch.nn.Linear(4, 2)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    state = common.load_checkpoint(tmp_path, fresh, fresh_opt)
+    assert (state["step"], state["data_position"], state["extra_thing"]) == (5, 40, 3)
+    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+    assert fresh_opt.state_dict()["state"][0]["step"] == 1
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    with pytest.raises(SystemExit, match="--resume"):
+        common.load_checkpoint(tmp_path / "nowhere", fresh, fresh_opt)
+
+
+def test_check_args_names_the_flag():
+    with pytest.raises(SystemExit, match="--k"):
+        common.check_args(0 >= 1, "--k", "must be >= 1")

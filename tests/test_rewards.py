@@ -1,0 +1,90 @@
+import pytest
+
+from common import CountdownTask, countdown_reward, encode_prompts, gsm8k_reward, make_task, safe_arithmetic
+
+NUMS, TARGET = [3, 5, 7], 22
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<answer>3*5+7</answer>", 1.0),
+        ("<answer> (7 + 5) * 3 - 14 </answer>", 0.1),  # 14 is not a given number
+        ("<answer>3*5+7", 0.0),  # no closing tag: malformed
+        ("answer: 3*5+7", 0.0),
+        ("<answer>5*3</answer>", 0.1),  # 7 missing
+        ("<answer>3*5+7+7</answer>", 0.1),  # 7 reused
+        ("<answer>3*5+8</answer>", 0.1),  # 8 not given
+        ("<answer>3*5+7-0</answer>", 0.1),  # an extra number, even 0
+        ("<answer>7/(5-5)+3</answer>", 0.1),  # division by zero, and 5 reused
+        ("<answer>3**5+7</answer>", 0.1),  # ** not allowed
+        ("<answer>__import__('os')</answer>", 0.1),  # never evaluated
+        ("<answer>-3*5+7</answer>", 0.1),  # unary minus not allowed
+        ("<answer>3.0*5+7</answer>", 0.1),  # floats are not the given numbers
+        ("<answer>3*5+7</answer> then <answer>3+5+7</answer>", 0.1),  # only the last answer counts
+        ("<answer>3+5+7</answer> then <answer>3*5+7</answer>", 1.0),
+        ("<answer>3*5+7 = 22</answer>", 0.1),  # not an expression
+        ("<answer></answer>", 0.1),
+    ],
+)
+def test_countdown_reward(completion, expected):
+    assert countdown_reward(completion, NUMS, TARGET) == expected
+
+
+def test_countdown_exact_division_and_huge_values():
+    assert countdown_reward("<answer>7/3*3+5</answer>", [7, 3, 3, 5], 12) == 1.0  # exact, no float error
+    assert countdown_reward("<answer>" + "*".join(["99999"] * 4) + "</answer>", [99999] * 4, 1) == 0.1  # > 1e12
+    assert countdown_reward("<answer>" + "(" * 500 + "1" + ")" * 500 + "</answer>", [1], 1) == 0.1  # too long
+
+
+def test_safe_arithmetic_rejects_names_and_calls():
+    for bad in ["a+1", "print(1)", "1 if 1 else 2", "[1]", "1<<3", "2**3"]:
+        with pytest.raises((ValueError, SyntaxError)):
+            safe_arithmetic(bad)
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("The answer is 18.", "so #### 18", 1.0),
+        ("#### 18.00", "#### 18", 1.0),
+        ("It costs $1,234 in total", "#### 1234", 1.0),
+        ("first 5 then 7", "#### 7", 1.0),  # the last number counts
+        ("first 7 then 5", "#### 7", 0.0),
+        ("-3 degrees", "#### -3", 1.0),
+        ("0.5", "#### .5", 1.0),
+        ("no number here", "#### 4", 0.0),
+        ("#### 17", "#### 18", 0.0),
+    ],
+)
+def test_gsm8k_reward(completion, answer, expected):
+    assert gsm8k_reward(completion, answer) == expected
+
+
+def test_countdown_generator_is_deterministic_solvable_and_split():
+    task = CountdownTask(seed=3)
+    train = [task.problem("train", i) for i in range(200)]
+    test = [task.problem("test", i) for i in range(200)]
+    assert [p.prompt for p in train] == [CountdownTask(seed=3).problem("train", i).prompt for i in range(200)]
+    for p in train + test:  # the known solution scores 1 under the reward
+        assert task.reward(task.completion_text(p), p) == 1.0
+        assert 3 <= len(p.numbers) <= 4 and 1 <= p.target <= 100
+    key = lambda p: (tuple(sorted(p.numbers)), p.target)  # noqa: E731
+    assert not {key(p) for p in train} & {key(p) for p in test}
+    assert [p.prompt for p in train] != [CountdownTask(seed=4).problem("train", i).prompt for i in range(200)]
+
+
+def test_hub_task_without_network_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="^error: --task"):  # no `datasets`, or no Hub: one line either way
+        make_task("gsm8k", seed=0, tiny_prompts=True)
+    with pytest.raises(SystemExit, match="unknown task"):
+        make_task("nope", seed=0, tiny_prompts=True)
+
+
+def test_long_prompts_are_skipped_and_counted(tokenizer):
+    task = make_task("countdown", seed=0, tiny_prompts=True)
+    problems = [task.problem("train", i) for i in range(10)]
+    problems[3].prompt = "9 " * 200 + "->5:"
+    kept, ids, skipped = encode_prompts(tokenizer, problems, max_prompt_tokens=32)
+    assert skipped == 1 and len(kept) == len(ids) == 9 and problems[3] not in kept

@@ -1,0 +1,157 @@
+"""The real vLLM sampler process on CPU with the tiny model: weight push, versions, streaming,
+pause, failure handling."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+import common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _prompts(tokenizer, count, split="test"):
+    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    problems = [task.problem(split, i) for i in range(count)]
+    return problems, [tokenizer(p.prompt)["input_ids"] for p in problems]
+
+
+def _learner_logprobs(model, samples, pad_id):
+    ids, attn, mask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_id)
+    with torch.no_grad():
+        learner = common.token_logprobs(model, ids, attn, mask, temperature=1.0)
+    sampler = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], learner.shape[1])
+    return learner, sampler, mask[:, 1:].bool()
+
+
+def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer, sampler):
+    model = common.load_policy(tiny_path, "cpu")
+    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    problems, prompts = _prompts(tokenizer, 200)
+    samples = sampler.generate(prompts, n=1, temperature=1.0, max_tokens=32, seed=1)
+    accuracy = sum(task.is_correct(s.text, p) for s, p in zip(samples, problems)) / len(problems)
+    assert 0.02 < accuracy < 0.6, accuracy  # some success, lots of room for RL
+
+
+def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
+    config = common.TinyConfig(sft_steps=8)
+    a = common.build_tiny_model(tmp_path / "a", config, log=lambda *_: None)
+    b = common.build_tiny_model(tmp_path / "b", config, log=lambda *_: None)
+    c = common.build_tiny_model(tmp_path / "c", common.TinyConfig(sft_steps=8, seed=1), log=lambda *_: None)
+    ma, mb, mc = (common.load_policy(str(p), "cpu") for p in (a, b, c))
+    for (name, pa), pb, pc in zip(ma.named_parameters(), mb.parameters(), mc.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not all(torch.equal(pa, pc) for pa, pc in zip(ma.parameters(), mc.parameters()))
+
+
+def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
+    model = common.load_policy(tiny_path, "cpu")
+    sampler.init_weight_sync(model)
+    _, prompts = _prompts(tokenizer, 24)
+
+    before = sampler.generate(prompts, n=2, temperature=1.0, max_tokens=24, seed=0)
+    learner, behaviour, mask = _learner_logprobs(model, before, tokenizer.pad_token_id)
+    assert (learner - behaviour)[mask].abs().max() < 1e-4
+    assert {s.version_max for s in before} == {sampler.version}
+
+    # a push that really changes the weights, including the tied embedding / lm_head
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    old_learner = learner
+    sampler.push_weights(version=sampler.version + 1)
+    after = sampler.generate(prompts, n=2, temperature=1.0, max_tokens=24, seed=0)
+    learner, behaviour, mask = _learner_logprobs(model, after, tokenizer.pad_token_id)
+    assert (learner - behaviour)[mask].abs().max() < 1e-4
+    assert all(s.versions == [(sampler.version, 0, len(s.token_ids))] for s in after)
+    # and the sampler's old logprobs would not have matched the new model
+    stale, _, stale_mask = _learner_logprobs(model, before, tokenizer.pad_token_id)
+    assert (stale - old_learner)[stale_mask].abs().max() > 1e-2
+
+
+def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
+    _, prompts = _prompts(tokenizer, 4)
+    ids = sampler.submit(prompts, n=1, stream_every=3, temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    chunks, finals = {i: [] for i in ids}, {}
+    deadline = time.monotonic() + 60
+    while len(finals) < len(ids) and time.monotonic() < deadline:
+        for c in sampler.poll(timeout=1.0):
+            (chunks if not c.finished else finals)[c.request_id] = (chunks[c.request_id] + [c]) if not c.finished else c
+    assert set(finals) == set(ids)
+    for rid in ids:
+        streamed = [t for c in chunks[rid] for t in c.token_ids]
+        assert len(chunks[rid]) >= 2 and all(len(c.token_ids) >= 3 for c in chunks[rid])
+        assert streamed == finals[rid].token_ids[: len(streamed)]
+        assert len(finals[rid].token_ids) == 24
+
+
+def test_pause_keeps_sequences_and_resume_continues(tokenizer, sampler):
+    _, prompts = _prompts(tokenizer, 8)
+    sampler.pause()
+    ids = sampler.submit(prompts, n=1, temperature=1.0, max_tokens=20, seed=1)
+    assert sampler.poll(timeout=2.0) == []  # nothing decodes while paused
+    assert sampler.num_unfinished() == len(ids)
+    sampler.resume()
+    done = []
+    deadline = time.monotonic() + 60
+    while len(done) < len(ids) and time.monotonic() < deadline:
+        done += [c for c in sampler.poll(timeout=1.0) if c.finished]
+    assert sorted(c.request_id for c in done) == sorted(ids)
+
+
+def test_sampler_error_is_reported_not_hung(sampler):
+    with pytest.raises(common.SamplerError, match="max_tokens|ValueError|must be"):
+        sampler.generate([[5, 6, 7]], n=1, max_tokens=-3)
+    sampler.generate([[5, 6, 7]], n=1, max_tokens=2)  # still serving afterwards
+
+
+def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
+    sampler = common.start_sampler(tiny_path, placement="cpu")
+    pid = sampler.process.pid
+    _, prompts = _prompts(tokenizer, 64)
+    sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
+    time.sleep(0.5)
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(common.SamplerError, match="died"):
+        sampler.generate(prompts[:1], n=1, max_tokens=4)
+    assert time.monotonic() - start < 30
+    sampler.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert [c for c in psutil.Process().children(recursive=True) if c.pid == pid] == []
+
+
+def test_dead_learner_takes_the_sampler_down(tiny_path):
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import common
+        if __name__ == "__main__":
+            s = common.start_sampler({tiny_path!r}, placement="cpu")
+            print(s.process.pid, flush=True)
+            os._exit(1)  # die without any cleanup
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 15
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_bad_model_path_is_one_clear_line(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "common.py"), "--model", str(tmp_path / "missing")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --model: cannot load") and "--model tiny" in last
