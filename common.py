@@ -556,6 +556,14 @@ def weight_backend(placement: str) -> str:
     return {"cpu": "gloo", "colocate": "ipc", "separate": "nccl"}[placement]
 
 
+def peak_rss_mib(pid: int | str = "self") -> float:
+    """Peak resident set size (VmHWM) of a process in MiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def _free_port() -> int:
     import socket
 
@@ -744,14 +752,13 @@ def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
     conn.send(("ready", None, None))
 
     paused = False
-    streaming: dict[str, int] = {}  # request id -> tokens already streamed
+    streaming: dict[str, tuple] = {}  # request id -> (chunk size, tokens, logprobs, tokens sent)
     tags: dict[str, Any] = {}
-    sent_tokens: dict[str, int] = {}
 
-    def version_spans(output) -> list[tuple[int, int, int]]:
+    def version_spans(output, num_tokens: int) -> list[tuple[int, int, int]]:
         # vLLM labels the weights it started with "default": that is policy version 0
-        spans = output.weight_versions or [dataclasses.make_dataclass("S", ["version", "start", "end"])("default", 0, len(output.token_ids))]
-        return [(0 if s.version == "default" else int(s.version), s.start, s.end) for s in spans]
+        spans = [(s.version, s.start, s.end) for s in output.weight_versions or []] or [("default", 0, num_tokens)]
+        return [(0 if v == "default" else int(v), start, end) for v, start, end in spans]
 
     def handle(message) -> None:
         nonlocal paused
@@ -759,12 +766,13 @@ def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
         result = None
         if command == "add":
             for request_id, prompt_ids, params, stream_every, tag in payload:
-                params = SamplingParams(**params, output_kind=RequestOutputKind.CUMULATIVE)
-                engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+                # FINAL_ONLY builds an output once per request, as LLM.generate does; building
+                # cumulative outputs every step costs ~15% throughput. Streamed requests use DELTA.
+                kind = RequestOutputKind.DELTA if stream_every else RequestOutputKind.FINAL_ONLY
+                engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(**params, output_kind=kind))
                 tags[request_id] = tag
                 if stream_every:
-                    streaming[request_id] = stream_every
-                    sent_tokens[request_id] = 0
+                    streaming[request_id] = (stream_every, [], [], 0)  # chunk size, tokens, logprobs, sent
         elif command == "abort":
             engine.abort_request(list(payload))
         elif command == "pause":
@@ -786,6 +794,8 @@ def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
             result = engine.get_num_unfinished_requests()
         elif command == "ping":
             result = os.getpid()
+        elif command == "peak_rss":
+            result = peak_rss_mib()
         elif command == "shutdown":
             conn.send(("ack", call_id, None))
             raise EOFError
@@ -813,17 +823,21 @@ def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
         for output in engine.step():
             rid = output.request_id
             c = output.outputs[0]
+            token_ids = list(c.token_ids)
+            logprobs = [pos[tok].logprob for tok, pos in zip(c.token_ids, c.logprobs)] if c.logprobs else []
+            if rid in streaming:  # DELTA: c holds only the new tokens
+                every, tokens, lps, sent = streaming[rid]
+                tokens += token_ids
+                lps += logprobs
+                if output.finished:
+                    token_ids, logprobs = tokens, lps
+                elif len(tokens) - sent >= every:
+                    results.append(Completion(rid, [], tokens[sent:], lps[sent:], None, [], "", tags[rid], finished=False))
+                    streaming[rid] = (every, tokens, lps, len(tokens))
             if output.finished:
-                start = sent_tokens.pop(rid, 0)
                 streaming.pop(rid, None)
-                lps = [pos[tok].logprob for tok, pos in zip(c.token_ids, c.logprobs)] if c.logprobs else []
-                results.append(Completion(rid, list(output.prompt_token_ids), list(c.token_ids), lps,
-                                          c.finish_reason, version_spans(c), c.text, tags.pop(rid, None)))
-            elif rid in streaming and len(c.token_ids) - sent_tokens[rid] >= streaming[rid]:
-                start = sent_tokens[rid]
-                lps = [pos[tok].logprob for tok, pos in zip(c.token_ids[start:], c.logprobs[start:])]
-                results.append(Completion(rid, [], list(c.token_ids[start:]), lps, None, [], "", tags[rid], finished=False))
-                sent_tokens[rid] = len(c.token_ids)
+                results.append(Completion(rid, list(output.prompt_token_ids), token_ids, logprobs, c.finish_reason,
+                                          version_spans(c, len(token_ids)), c.text, tags.pop(rid, None)))
         if results:
             conn.send(("out", None, results))
 
@@ -1000,6 +1014,10 @@ class Sampler:
 
     def num_unfinished(self) -> int:
         return self._call("num_unfinished")
+
+    def peak_rss_mib(self) -> float:
+        """The sampler process's peak resident memory."""
+        return self._call("peak_rss")
 
     # -- weight sync: vLLM's VLLMWeightSyncClient protocol --
     def init_weight_transfer_engine(self, init_info: dict) -> None:

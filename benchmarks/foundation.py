@@ -1,0 +1,127 @@
+"""Foundation benchmarks (CPU): sampler throughput through our process vs vLLM called directly,
+weight-push speed for the tiny model and a ~50M-parameter random model, peak memory.
+
+    .venv/bin/python benchmarks/foundation.py
+
+Everything is measured in one run; ratios are what to compare across machines."""
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import tyro  # noqa: E402
+
+import common  # noqa: E402
+
+
+@dataclass
+class Args:
+    num_prompts: int = 256
+    """prompts per generation call"""
+    n: int = 4
+    """samples per prompt"""
+    max_tokens: int = 48
+    """completion length cap (ignore_eos: every completion has exactly this many tokens)"""
+    repeats: int = 3
+    """timed repeats per side (after one warm-up call); the median is reported"""
+    push_repeats: int = 5
+    """timed weight pushes per model"""
+
+
+def sampling(args):
+    return dict(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
+
+
+def time_ours(path, prompts, args):
+    times = []
+    with common.start_sampler(path, placement="cpu") as sampler:
+        sampler.generate(prompts, n=args.n, **sampling(args))  # warm-up
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = sampler.generate(prompts, n=args.n, **sampling(args))
+            times.append(time.perf_counter() - start)
+    return sum(len(c.token_ids) for c in out) / statistics.median(times)
+
+
+def time_direct(path, prompts, args):
+    """vLLM's own LLM in this process, the same engine settings as our sampler."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
+              kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256, enable_prefix_caching=False, seed=0)
+    params = SamplingParams(n=args.n, **sampling(args))
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests, params, use_tqdm=False)
+    times = []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        out = llm.generate(requests, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
+    del llm
+    return tokens / statistics.median(times)
+
+
+def time_push(path, args):
+    model = common.load_policy(path, "cpu")
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    with common.start_sampler(path, placement="cpu") as sampler:
+        sampler.init_weight_sync(model)
+        sampler.push_weights(1)  # warm-up
+        times = [sampler.push_weights(v) for v in range(2, 2 + args.push_repeats)]
+    seconds = statistics.median(times)
+    return sum(p.numel() for p in model.parameters()), seconds, size / seconds
+
+
+def random_50m(directory):
+    """A random ~50M-parameter Qwen2 with the tiny model's tokenizer (vocab padded to 32k)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                         tie_word_embeddings=True, torch_dtype="float32")
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    common.load_tokenizer(str(common.tiny_model_path())).save_pretrained(directory)
+    return str(directory)
+
+
+def main():
+    args = tyro.cli(Args)
+    common.limit_cpu_threads()
+    tiny = str(common.tiny_model_path())
+    tokenizer = common.load_tokenizer(tiny)
+    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]
+
+    ours = time_ours(tiny, prompts, args)
+    push_tiny = time_push(tiny, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        push_big = time_push(random_50m(tmp), args)
+    direct = time_direct(tiny, prompts, args)  # last: it leaves vLLM state in this process
+
+    rows = [
+        ("sampler throughput, ours (tok/s)", f"{ours:.0f}"),
+        ("sampler throughput, vLLM direct (tok/s)", f"{direct:.0f}"),
+        ("ours / direct", f"{ours / direct:.2f}x"),
+        (f"weight push, tiny ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
+        (f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s"),
+    ]
+    print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, median of {args.repeats}\n")
+    print("| measure | value |\n|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+
+
+if __name__ == "__main__":
+    main()

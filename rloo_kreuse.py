@@ -1,0 +1,348 @@
+"""RLOO with off-policy K-reuse (papers/rloo-k-reuse.txt).
+
+Each sampling round draws G responses for each of P prompts from the vLLM sampler, then takes K
+gradient steps on that one batch, correcting for the policy drift with importance weights
+w = exp(log pi_theta_j(y|x) - log pi_theta_0(y|x)). K=1 is plain on-policy RLOO. Weights are
+pushed to the sampler once per round.
+
+    python rloo_kreuse.py --model tiny --k 4               # the built-in model, CPU
+    python rloo_kreuse.py --k 8 --model Qwen/Qwen2.5-0.5B  # the paper's v3 setup (GPU)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+
+import common
+
+
+@dataclass
+class Args:
+    exp_name: str = "rloo_kreuse"
+    """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    track: bool = False
+    """log to Weights & Biases"""
+    model: str = "tiny"
+    """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
+    task: str = "countdown"
+    """countdown (offline generator), countdown-hub (TinyZero's data) or gsm8k"""
+    placement: str = "auto"
+    """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+
+    # the method
+    k: int = 1
+    """K: gradient steps per sampling round (1 = on-policy RLOO; the paper sweeps 1/2/4/8)"""
+    group_size: int | None = None
+    """group size G: responses per prompt for the leave-one-out baseline [paper 2; tiny 8]"""
+    num_prompts: int | None = None
+    """prompts per sampling round [paper 4; tiny 32]"""
+    num_rounds: int | None = None
+    """sampling rounds (the paper's 'training steps') [paper 250; tiny 80]"""
+    learning_rate: float | None = None
+    """Adam learning rate, constant [paper 1e-6; tiny 1e-4]"""
+    beta_kl: float = 0.01
+    """KL(pi || pi_ref) penalty coefficient (sequence-level k3 estimator)"""
+    beta_ent: float | None = None
+    """entropy bonus coefficient [paper 0.05; tiny 0.01]"""
+    max_grad_norm: float = 0.5
+    """gradient clipping norm"""
+    temperature: float = 0.8
+    """sampling temperature"""
+    top_p: float | None = None
+    """nucleus sampling [paper 0.95; tiny 1.0, so that sampler logprobs equal the learner's]"""
+    max_new_tokens: int | None = None
+    """response length cap [paper setup 512; tiny 32]"""
+    iw_level: str = "sequence"
+    """importance weights per `sequence` (the paper) or per `token`"""
+    iw_clip: float | None = None
+    """rho-bar: clip importance weights at this value (off by default; the paper's next step)"""
+    ppo_clip: float | None = None
+    """epsilon: use the PPO-style clipped ratio instead (Proximal RLOO, async-RLHF paper App. B)"""
+    recompute_old_logprobs: bool = False
+    """recompute log pi_theta0 with the learner on the sampling weights instead of using the
+    sampler's logprobs (exact on-policy start; costs one extra forward per round)"""
+    overlap: bool = False
+    """generate round r+1 while the learner does the K steps of round r (one round off-policy)"""
+
+    # evaluation, logging, checkpoints
+    eval_samples: int = 16
+    """samples per held-out problem for pass@k (the paper's Table 4 uses 16)"""
+    eval_problems: int | None = None
+    """held-out problems [paper 50; tiny 200]"""
+    eval_every: int = 0
+    """also evaluate every N rounds (0: only at start and end)"""
+    save_every: int = 0
+    """checkpoint every N rounds (0: only at the end)"""
+    resume: str | None = None
+    """run directory (or checkpoint file) to continue from"""
+    minibatch_size: int = 64
+    """sequences per forward pass when computing the loss (memory only: gradients accumulate)"""
+
+
+PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, top_p=0.95,
+             max_new_tokens=512, eval_problems=50)
+TINY = dict(group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, top_p=1.0,
+            max_new_tokens=32, eval_problems=200)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out advantage A_i = r_i - mean_{j != i} r_j within each group. rewards: [P, G]."""
+    group = rewards.shape[1]
+    return rewards - (rewards.sum(1, keepdim=True) - rewards) / (group - 1)
+
+
+def importance_weights(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """w = exp(log pi_theta - log pi_theta0): [N] per sequence, or [N, T] per token."""
+    if level == "sequence":
+        return torch.exp((logp - old_logp).mul(mask).sum(1))
+    return torch.exp(logp - old_logp) * mask
+
+
+def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, args):
+    """The paper's Eq. 4 for one minibatch: -E[w A log pi] - beta_ent H + beta_kl KL(pi||pi_ref).
+    logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]. Returns (loss, stats)."""
+    seq_logp = (logp * mask).sum(1)
+    if args.ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
+        ratio = importance_weights(logp, old_logp, mask, "sequence")
+        clipped = ratio.clamp(1 - args.ppo_clip, 1 + args.ppo_clip)
+        pg = -torch.min(ratio * advantages, clipped * advantages)
+        w = ratio.detach()
+    else:
+        w = importance_weights(logp, old_logp, mask, args.iw_level).detach()
+        if args.iw_clip is not None:
+            w = w.clamp(max=args.iw_clip)
+        if args.iw_level == "sequence":
+            pg = -w * advantages * seq_logp
+        else:
+            pg = -(w * logp * mask).sum(1) * advantages
+    # k3 estimator of KL(pi || pi_ref) per token, summed over the response
+    log_ratio = (ref_logp - logp) * mask
+    kl = (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+    tokens = mask.sum(1).clamp(min=1)
+    mean_entropy = (entropy * mask).sum(1) / tokens
+    loss = (pg + args.beta_kl * kl - args.beta_ent * mean_entropy).mean()
+    w_seq = w if w.dim() == 1 else (w.sum(1) / tokens)
+    return loss, dict(pg=pg.mean(), kl=kl.mean(), entropy=mean_entropy.mean(), w=w_seq)
+
+
+def ess(weights: torch.Tensor) -> float:
+    """Normalised effective sample size (sum w)^2 / (N sum w^2), in (0, 1]."""
+    return (weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())).item()
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def evaluate(sampler, task, tokenizer, args) -> dict[str, float]:
+    """pass@k on the held-out split, sampling as in training (Table 4 protocol)."""
+    problems, prompts, _ = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.eval_problems)],
+                                                 args.max_prompt_tokens)
+    samples = sampler.generate(prompts, n=args.eval_samples, temperature=args.temperature, top_p=args.top_p,
+                               max_tokens=args.max_new_tokens)
+    correct = np.array([task.is_correct(s.text, problems[i // args.eval_samples]) for i, s in enumerate(samples)])
+    correct = correct.reshape(len(problems), args.eval_samples).sum(1)
+    ks = [k for k in (1, 4, 8, 16) if k <= args.eval_samples]
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(args.eval_samples, c, k) for c in correct])) for k in ks}
+
+
+def main():
+    args = tyro.cli(Args)
+    defaults = TINY if args.model == common.TINY else PAPER
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    common.check_args(args.k >= 1, "--k", f"must be >= 1, got {args.k}")
+    common.check_args(args.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {args.group_size}")
+    common.check_args(args.num_prompts >= 1 and args.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1")
+    common.check_args(args.iw_level in ("sequence", "token"), "--iw-level", "must be `sequence` or `token`")
+    common.check_args(args.learning_rate > 0, "--learning-rate", "must be > 0")
+    common.check_args(0 < args.top_p <= 1 and args.temperature > 0, "--top-p/--temperature", "need 0 < top_p <= 1, temperature > 0")
+    common.check_args(args.iw_clip is None or args.iw_clip > 0, "--iw-clip", "must be > 0")
+    common.check_args(args.ppo_clip is None or 0 < args.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)")
+    common.check_args(not (args.recompute_old_logprobs and args.overlap), "--recompute-old-logprobs",
+                      "cannot be combined with --overlap: the learner no longer holds the sampling weights")
+    args.batch_size = args.num_prompts * args.group_size  # episodes per round
+    args.max_prompt_tokens = 64 if args.model == common.TINY else 256
+    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
+    if args.resume:
+        run_name = Path(args.resume).name if Path(args.resume).is_dir() else Path(args.resume).parent.name
+
+    common.set_seed(args.seed)
+    common.limit_cpu_threads()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_path = common.resolve_model(args.model)
+    tokenizer = common.load_tokenizer(model_path)
+    policy = common.load_policy(model_path, device)
+    policy.gradient_checkpointing_enable() if device.type == "cuda" else None
+    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7)
+    task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    logger = common.RunLogger(run_name, args, track=args.track)
+    print(f"run directory: {logger.dir}")
+
+    start_round, data_position, step = 0, 0, 0
+    timing = dict(sample=0.0, update=0.0, wall=0.0)
+    if args.resume:
+        state = common.load_checkpoint(args.resume, policy, optimizer)
+        start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
+        print(f"resumed from {args.resume}: round {start_round}, step {step}")
+
+    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
+                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+    try:
+        sampler.init_weight_sync(policy)
+        if step:
+            sampler.push_weights(step)
+        sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+
+        def next_prompts():
+            nonlocal data_position
+            problems, prompts, skipped = common.encode_prompts(
+                tokenizer, [task.problem("train", data_position + i) for i in range(args.num_prompts)], args.max_prompt_tokens)
+            data_position += args.num_prompts
+            return problems, prompts, skipped
+
+        def submit_round():
+            problems, prompts, skipped = next_prompts()
+            ids = sampler.submit(prompts, n=args.group_size, **sampling)
+            return problems, ids, skipped, time.perf_counter()
+
+        def collect_round(pending):
+            problems, ids, skipped, submitted = pending
+            wanted, got = set(ids), {}
+            while len(got) < len(ids):
+                for c in sampler.poll(timeout=1.0):
+                    if c.request_id in wanted:
+                        got[c.request_id] = c
+            return problems, [got[i] for i in ids], skipped, time.perf_counter() - submitted
+
+        eval_start = evaluate(sampler, task, tokenizer, args)
+        logger.log(step, eval_start)
+        pending = submit_round()
+        loop_start = time.perf_counter() - timing["wall"]
+        for round_index in range(start_round, args.num_rounds):
+            # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
+            wait_start = time.perf_counter()
+            problems, samples, skipped, generated_in = collect_round(pending)
+            sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
+            timing["sample"] += sample_seconds
+            if args.overlap and round_index + 1 < args.num_rounds:
+                pending = submit_round()  # generated with the current weights while we update
+
+            update_start = time.perf_counter()
+            texts = [s.text for s in samples]
+            rewards = torch.tensor([task.reward(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
+            correct = np.mean([task.is_correct(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
+            advantages = rloo_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
+            input_ids, attention_mask, completion_mask = common.pad_prompt_completions(
+                [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], tokenizer.pad_token_id)
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            mask = completion_mask[:, 1:].to(device, torch.float32)
+            old_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+            minibatches = [slice(i, min(i + args.minibatch_size, len(samples))) for i in range(0, len(samples), args.minibatch_size)]
+            fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
+            logprob_diff, diff_sum = float("nan"), 0.0
+            with torch.no_grad():
+                ref_logp = torch.cat([common.token_logprobs(ref_policy, input_ids[mb], attention_mask[mb], completion_mask[mb].to(device),
+                                                            args.temperature) for mb in minibatches])
+                if args.recompute_old_logprobs:
+                    sampler_logp = old_logp
+                    old_logp = torch.cat([common.token_logprobs(policy, input_ids[mb], attention_mask[mb], completion_mask[mb].to(device),
+                                                                args.temperature) for mb in minibatches])
+                    logprob_diff = (((sampler_logp - old_logp).abs() * mask).sum() / mask.sum()).item()
+
+            # ---- K gradient steps on this one batch ----
+            iw_means, ess_values = [], []
+            for k_step in range(args.k):
+                optimizer.zero_grad()
+                weights = []
+                for mb in minibatches:
+                    logp, entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], completion_mask[mb].to(device),
+                                                          args.temperature, with_entropy=True)
+                    if k_step == 0 and fresh and not args.recompute_old_logprobs:
+                        # the first thing to look at when training goes wrong (DESIGN.md section 2)
+                        diff_sum += ((logp.detach() - old_logp[mb]).abs() * mask[mb]).sum().item()
+                    loss, stats = rloo_loss(logp, old_logp[mb], ref_logp[mb], entropy, mask[mb], advantages[mb], args)
+                    (loss * (mb.stop - mb.start) / len(samples)).backward()  # minibatches add up to the batch mean
+                    weights.append(stats["w"])
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                optimizer.step()
+                step += 1
+                weights = torch.cat(weights)
+                iw_means.append(weights.mean().item())
+                ess_values.append(ess(weights))
+            if fresh and not args.recompute_old_logprobs:
+                logprob_diff = diff_sum / mask.sum().item()
+            update_seconds = time.perf_counter() - update_start
+            timing["update"] += update_seconds
+
+            # ---- push the new weights; the next round samples with them ----
+            push_seconds = sampler.push_weights(step)
+            if not args.overlap and round_index + 1 < args.num_rounds:
+                pending = submit_round()
+            timing["wall"] = time.perf_counter() - loop_start
+
+            lags = [step - args.k - s.version_min for s in samples]  # learner version at the round's first k-step
+            metrics = {
+                "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
+                "charts/response_length": mask.sum(1).mean().item(), "charts/episodes": (round_index + 1) * args.batch_size,
+                "charts/skipped_long_prompts": skipped, "charts/ess_min": min(ess_values), "charts/lag_mean": float(np.mean(lags)),
+                "losses/loss": loss.item(), "losses/pg": stats["pg"].item(), "losses/kl": stats["kl"].item(),
+                "losses/entropy": stats["entropy"].item(), "losses/grad_norm": grad_norm.item(),
+                "time/sample_seconds": sample_seconds, "time/update_seconds": update_seconds, "time/push_seconds": push_seconds,
+                "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
+                "time/grad_steps_per_second": step / max(timing["wall"], 1e-9),
+            }
+            if math.isfinite(logprob_diff):
+                metrics["charts/sampler_learner_logprob_diff"] = logprob_diff
+            metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
+            metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
+            logger.log(step, metrics, echo=False)
+            print(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
+                  f"acc {correct:.3f} kl {metrics['losses/kl']:.3f} ent {metrics['losses/entropy']:.3f} "
+                  f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {min(ess_values):.2f} "
+                  f"sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
+
+            last = round_index + 1 == args.num_rounds
+            if args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
+                logger.log(step, evaluate(sampler, task, tokenizer, args))
+            if last or (args.save_every and (round_index + 1) % args.save_every == 0):
+                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
+                                       round=round_index + 1, timing=timing)
+
+        eval_end = evaluate(sampler, task, tokenizer, args)
+        logger.log(step, eval_end)
+        memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
+    finally:
+        sampler.close()
+
+    wall, sample, update = timing["wall"], timing["sample"], timing["update"]
+    print(f"\nTable 2 (this run): K={args.k}, {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap}")
+    print("| K | wall (s) | sample (s) | update (s) | sample % | grad steps/s |\n|---|---|---|---|---|---|")
+    print(f"| {args.k} | {wall:.1f} | {sample:.1f} | {update:.1f} | {100 * sample / wall:.0f}% | {step / wall:.3f} |")
+    keys = sorted(eval_end, key=lambda k: int(k.split("@")[1]))
+    print(f"\nTable 4 (held-out, {args.eval_problems} problems x {args.eval_samples} samples)")
+    print("| model | " + " | ".join(k.split("/")[1] for k in keys) + " |\n|---|" + "---|" * len(keys))
+    print("| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |")
+    print(f"| RLOO K={args.k} | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |")
+    print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
+    logger.log(step, {"eval/pass@1_gain": eval_end["eval/pass@1"] - eval_start["eval/pass@1"],
+                      "memory/learner_peak_mib": memory["learner"], "memory/sampler_peak_mib": memory["sampler"]}, echo=False)
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()
