@@ -1,0 +1,141 @@
+"""RLOO K-reuse: advantages and loss against hand-computed values, importance weights on the
+real sampler, and the script from its real command line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+import rloo_kreuse as rloo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_leave_one_out_advantage_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.1, 0.1], [0.0, 0.0, 0.0, 0.0]])
+    expected = torch.tensor([[1 - 0.2 / 3, 0 - 1.2 / 3, 0.1 - 1.1 / 3, 0.1 - 1.1 / 3], [0, 0, 0, 0]])
+    assert torch.allclose(rloo.rloo_advantages(rewards), expected)
+    assert torch.allclose(rloo.rloo_advantages(torch.tensor([[1.0, 0.0]])), torch.tensor([[1.0, -1.0]]))
+
+
+def _args(**kw):
+    base = dict(ppo_clip=None, iw_level="sequence", iw_clip=None, beta_kl=0.0, beta_ent=0.0)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_rloo_loss_by_hand():
+    # two sequences of two tokens each; the second sequence's last token is padding
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -9.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0], [-0.5, 0.0]])
+    ref = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]])
+    ent = torch.tensor([[0.5, 1.5], [2.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    w = torch.tensor([torch.e ** 0.5, 1.0])  # exp(sum(logp - old)) per sequence
+    pg = -(w * adv * torch.tensor([-3.0, -0.5]))
+    loss, stats = rloo.rloo_loss(logp, old, ref, ent, mask, adv, _args())
+    assert loss.item() == pytest.approx(pg.mean().item(), rel=1e-6)
+    assert torch.allclose(stats["w"], w)
+    # gradient of -w A log pi wrt the token logprobs is -w A (w is not differentiated)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-w[0] / 2, -w[0] / 2], [0.5, 0.0]]))
+
+    # KL (k3, summed per sequence) and entropy (mean per token) terms
+    kl = torch.tensor([(torch.e ** 0 - 0 - 1) + (torch.e ** 1 - 1 - 1), (torch.e ** -0.5 + 0.5 - 1)])
+    loss2, stats2 = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, _args(beta_kl=0.1, beta_ent=0.2))
+    assert stats2["kl"].item() == pytest.approx(kl.mean().item(), rel=1e-6)
+    assert stats2["entropy"].item() == pytest.approx((1.0 + 2.0) / 2, rel=1e-6)
+    assert loss2.item() == pytest.approx((pg + 0.1 * kl - 0.2 * torch.tensor([1.0, 2.0])).mean().item(), rel=1e-6)
+
+    # importance-weight clipping and the PPO-style clipped ratio
+    _, clipped = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, _args(iw_clip=1.2))
+    assert torch.allclose(clipped["w"], torch.tensor([1.2, 1.0]))
+    loss3, _ = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, _args(ppo_clip=0.2))
+    assert loss3.item() == pytest.approx(-(min(w[0], 1.2) * 1.0 + -1.0 * 1.0) / 2, rel=1e-6)
+
+
+def test_ess_and_pass_at_k():
+    assert rloo.ess(torch.ones(8)) == pytest.approx(1.0)
+    assert rloo.ess(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
+    assert rloo.pass_at_k(16, 0, 1) == 0 and rloo.pass_at_k(16, 16, 4) == 1
+    assert rloo.pass_at_k(4, 1, 1) == pytest.approx(0.25) and rloo.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+
+
+def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
+    """K=1 / fresh weights: w = 1 (1e-4) and ESS = 1; after an update, w moves away from 1."""
+    policy = common.load_policy(tiny_path, "cpu")
+    sampler.init_weight_sync(policy)
+    sampler.push_weights(sampler.version + 1)  # the sampler holds exactly the learner's weights
+    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    problems = [task.problem("train", i) for i in range(8)]
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+    samples = sampler.generate(prompts, n=4, temperature=0.8, top_p=1.0, max_tokens=24)
+    ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], tokenizer.pad_token_id)
+    mask = cmask[:, 1:].float()
+    old = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1])
+
+    logp = common.token_logprobs(policy, ids, attn, cmask, 0.8)
+    w = rloo.importance_weights(logp.detach(), old, mask, "sequence")
+    assert torch.allclose(w, torch.ones_like(w), atol=1e-4)
+    assert rloo.ess(w) == pytest.approx(1.0, abs=1e-6)
+
+    rewards = torch.tensor([task.reward(s.text, problems[i // 4]) for i, s in enumerate(samples)])
+    adv = rloo.rloo_advantages(rewards.view(-1, 4)).view(-1)
+    if adv.abs().sum() == 0:
+        adv = torch.linspace(-1, 1, len(samples))  # make sure the step moves the policy
+    optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
+    for _ in range(2):
+        logp = common.token_logprobs(policy, ids, attn, cmask, 0.8)
+        loss, _ = rloo.rloo_loss(logp, old, old, torch.zeros_like(logp), mask, adv, _args())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        w = rloo.importance_weights(common.token_logprobs(policy, ids, attn, cmask, 0.8), old, mask, "sequence")
+    assert (w - 1).abs().max() > 1e-2 and rloo.ess(w) < 1.0
+
+
+def _run(*flags, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_rounds_from_the_command_line_then_resume():
+    flags = ["--exp-name", "pytest_rloo", "--k", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "16",
+             "--eval-samples", "4"]
+    out = _run(*flags, "--num-rounds", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    rows = common.read_metrics(run_dir)
+    rounds = [r for r in rows if "charts/reward" in r]
+    assert [r["step"] for r in rounds] == [2, 4]
+    assert rounds[0]["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and rounds[0]["charts/ess_k1"] == pytest.approx(1.0, abs=1e-3)
+    assert rounds[0]["charts/sampler_learner_logprob_diff"] < 1e-4
+    assert (run_dir / "checkpoint.pt").exists() and json.loads((run_dir / "args.json").read_text())["k"] == 2
+    assert "| K | wall (s)" in out.stdout and "pass@1" in out.stdout
+
+    resumed = _run(*flags, "--num-rounds", "3", "--resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout and "round 1/" not in resumed.stdout
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert (state["round"], state["step"]) == (3, 6)
+
+
+def test_overlap_mode_runs_one_round_off_policy():
+    out = _run("--exp-name", "pytest_rloo_overlap", "--k", "2", "--num-prompts", "8", "--group-size", "4", "--num-rounds", "3",
+               "--overlap", "--eval-problems", "8", "--eval-samples", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    lags = [r["charts/lag_mean"] for r in common.read_metrics(run_dir) if "charts/lag_mean" in r]
+    assert lags[0] == 0 and all(lag == 2 for lag in lags[1:])  # round r+1 was generated before round r's K=2 steps
+
+
+@pytest.mark.parametrize("flags, flag", [(["--k", "0"], "--k"), (["--group-size", "1"], "--group-size"),
+                                         (["--iw-level", "word"], "--iw-level"), (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs")])
+def test_bad_flags_are_rejected_at_start(flags, flag):
+    out = _run(*flags, timeout=120)
+    assert out.returncode != 0 and f"error: {flag}" in out.stderr
