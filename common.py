@@ -737,7 +737,13 @@ def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
     from vllm.config import WeightTransferConfig
     from vllm.sampling_params import RequestOutputKind
 
-    torch.set_num_threads(1) if config.placement == "cpu" else None
+    if config.placement == "cpu":
+        torch.set_num_threads(1)
+    # Every push logs "RotaryEmbedding / ParallelLMHead: Failed to load weights": the rotary cache
+    # is not a parameter and a tied lm_head arrives as embed_tokens. Expected, so not shown.
+    import logging
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     engine_kwargs: dict[str, Any] = dict(
         model=config.model, seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len,
         enforce_eager=True, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,

@@ -186,7 +186,6 @@ def main():
     model_path = common.resolve_model(args.model)
     tokenizer = common.load_tokenizer(model_path)
     policy = common.load_policy(model_path, device)
-    policy.gradient_checkpointing_enable() if device.type == "cuda" else None
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7)
     task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)

@@ -155,3 +155,27 @@ def test_bad_model_path_is_one_clear_line(tmp_path):
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("error: --model: cannot load") and "--model tiny" in last
+
+
+def test_ctrl_c_stops_learner_and_sampler(tmp_path):
+    """SIGINT to the whole foreground process group (what Ctrl-C does) ends both processes."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "rloo_kreuse.py"), "--exp-name", "pytest_ctrl_c", "--num-rounds", "500",
+                             "--eval-problems", "8", "--eval-samples", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:  # wait until training is under way
+            if line.startswith("round 1/"):
+                break
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 2  # learner and sampler
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    alive = lambda: [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # noqa: E731
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert alive() == []
+    assert proc.returncode != 0

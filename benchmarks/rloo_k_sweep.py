@@ -1,0 +1,71 @@
+"""The paper's Table 2 on the tiny model: RLOO K-reuse for K = 1, 2, 4, 8 (same seed, same
+prompts, same number of sampling rounds), plus K=4 with --overlap, all in one run.
+
+    .venv/bin/python benchmarks/rloo_k_sweep.py --num-rounds 30
+
+Reports wall / sample / update seconds, sample %, gradient steps per second, the measured
+grad-steps/s ratio K vs K=1 and the ideal K*(S+U)/(S+K*U) from the K run's own per-round
+sample time S and per-step update time U (update seconds / K)."""
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+
+@dataclass
+class Args:
+    num_rounds: int = 30
+    """sampling rounds per run"""
+    ks: tuple[int, ...] = (1, 2, 4, 8)
+    """K values to sweep"""
+    overlap_k: int = 4
+    """K for the --overlap comparison (0: skip)"""
+    seed: int = 1
+    extra: str = ""
+    """extra flags for rloo_kreuse.py, e.g. '--num-prompts 16'"""
+
+
+def run(k: int, args: Args, overlap: bool = False) -> dict:
+    flags = ["--k", str(k), "--num-rounds", str(args.num_rounds), "--seed", str(args.seed), "--exp-name", f"ksweep_k{k}{'_overlap' if overlap else ''}",
+             "--eval-problems", "50", *args.extra.split()] + (["--overlap"] if overlap else [])
+    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-3000:])
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    rounds = [r for r in common.read_metrics(run_dir) if "time/sample_seconds" in r]
+    sample = sum(r["time/sample_seconds"] for r in rounds)
+    update = sum(r["time/update_seconds"] for r in rounds)
+    wall = rounds[-1]["step"] / rounds[-1]["time/grad_steps_per_second"]  # the training loop, no start-up or eval
+    return dict(k=k, wall=wall, sample=sample, update=update, steps=rounds[-1]["step"], S=sample / len(rounds),
+                U=update / len(rounds) / k, reward=np.mean([r["charts/reward"] for r in rounds[-5:]]), dir=run_dir)
+
+
+def main():
+    args = tyro.cli(Args)
+    results = [run(k, args) for k in args.ks]
+    base = results[0]["steps"] / results[0]["wall"]
+    print(f"\nRLOO K sweep, tiny model, {args.num_rounds} rounds, seed {args.seed}\n")
+    print("| K | wall (s) | sample (s) | update (s) | sample % | grad steps/s | vs K=1 | ideal K(S+U)/(S+KU) | measured/ideal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        rate = r["steps"] / r["wall"]
+        ideal = r["k"] * (r["S"] + r["U"]) / (r["S"] + r["k"] * r["U"])
+        print(f"| {r['k']} | {r['wall']:.1f} | {r['sample']:.1f} | {r['update']:.1f} | {100 * r['sample'] / r['wall']:.0f}% | "
+              f"{rate:.3f} | {rate / base:.2f}x | {ideal:.2f}x | {rate / base / ideal:.2f} |")
+    if args.overlap_k:
+        plain = next((r for r in results if r["k"] == args.overlap_k), None) or run(args.overlap_k, args)
+        over = run(args.overlap_k, args, overlap=True)
+        print(f"\n--overlap at K={args.overlap_k}: wall {plain['wall']:.1f}s -> {over['wall']:.1f}s "
+              f"({plain['wall'] / over['wall']:.2f}x faster; exposed sample time {plain['sample']:.1f}s -> {over['sample']:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()
