@@ -521,6 +521,7 @@ class Completion:
     text: str = ""
     tag: Any = None  # the caller's label, returned unchanged (e.g. (prompt index, sample index))
     finished: bool = True  # False for a streamed chunk (only the new tokens)
+    finished_at: float = 0.0  # time.time() in the sampler when this was produced
 
     @property
     def version_min(self) -> int:
@@ -838,12 +839,13 @@ def _serve(config: SamplerConfig, conn, parent_pid: int) -> None:
                 if output.finished:
                     token_ids, logprobs = tokens, lps
                 elif len(tokens) - sent >= every:
-                    results.append(Completion(rid, [], tokens[sent:], lps[sent:], None, [], "", tags[rid], finished=False))
+                    results.append(Completion(rid, [], tokens[sent:], lps[sent:], None, [], "", tags[rid], finished=False,
+                                              finished_at=time.time()))
                     streaming[rid] = (every, tokens, lps, len(tokens))
             if output.finished:
                 streaming.pop(rid, None)
                 results.append(Completion(rid, list(output.prompt_token_ids), token_ids, logprobs, c.finish_reason,
-                                          version_spans(c, len(token_ids)), c.text, tags.pop(rid, None)))
+                                          version_spans(c, len(token_ids)), c.text, tags.pop(rid, None), finished_at=time.time()))
         if results:
             conn.send(("out", None, results))
 
@@ -991,21 +993,29 @@ class Sampler:
             out, self._outputs = self._outputs, []
         return out
 
+    def wait_for(self, request_ids: list[str], timeout: float = 3600.0) -> list[Completion]:
+        """Block until these requests have finished; returns them in the same order. Other
+        finished completions that arrive meanwhile stay queued for a later poll()."""
+        wanted = set(request_ids)
+        got: dict[str, Completion] = {}
+        keep: list[Completion] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < len(wanted):
+                if time.monotonic() > deadline:
+                    raise SamplerError(f"generation did not finish within {timeout:.0f}s")
+                for c in self.poll(timeout=1.0):
+                    if c.finished and c.request_id in wanted:
+                        got[c.request_id] = c
+                    else:
+                        keep.append(c)
+        finally:
+            self._outputs = keep + self._outputs
+        return [got[i] for i in request_ids]
+
     def generate(self, prompts: list[list[int]], n: int = 1, timeout: float = 3600.0, **sampling) -> list[Completion]:
         """Blocking: n samples per prompt, returned in prompt-major order (tag = (prompt, sample))."""
-        ids = self.submit(prompts, n=n, **sampling)
-        wanted = set(ids)
-        got: dict[str, Completion] = {}
-        deadline = time.monotonic() + timeout
-        while len(got) < len(ids):
-            if time.monotonic() > deadline:
-                raise SamplerError(f"generation did not finish within {timeout:.0f}s")
-            for c in self.poll(timeout=1.0):
-                if c.finished and c.request_id in wanted:
-                    got[c.request_id] = c
-                elif c.finished:
-                    self._outputs.append(c)  # someone else's request: keep it
-        return [got[i] for i in ids]
+        return self.wait_for(self.submit(prompts, n=n, **sampling), timeout)
 
     def abort(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -1104,6 +1114,25 @@ def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int) -
             kept.append(problem)
             ids.append(tokens)
     return kept, ids, len(problems) - len(kept)
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int, samples_per_problem: int, max_prompt_tokens: int,
+             **sampling) -> dict[str, float]:
+    """pass@k (k = 1, 4, 8, 16 up to samples_per_problem) on the first `num_problems` held-out
+    problems, sampling with the sampler's current weights."""
+    problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)], max_prompt_tokens)
+    samples = sampler.generate(prompts, n=samples_per_problem, **sampling)
+    correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
+               for i, p in enumerate(problems)]
+    ks = [k for k in (1, 4, 8, 16) if k <= samples_per_problem]
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in ks}
 
 
 # --------------------------------------------------------------------------------------

@@ -139,25 +139,6 @@ def ess(weights: torch.Tensor) -> float:
     return (weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())).item()
 
 
-def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
-    if num_samples - num_correct < k:
-        return 1.0
-    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
-
-
-def evaluate(sampler, task, tokenizer, args) -> dict[str, float]:
-    """pass@k on the held-out split, sampling as in training (Table 4 protocol)."""
-    problems, prompts, _ = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.eval_problems)],
-                                                 args.max_prompt_tokens)
-    samples = sampler.generate(prompts, n=args.eval_samples, temperature=args.temperature, top_p=args.top_p,
-                               max_tokens=args.max_new_tokens)
-    correct = np.array([task.is_correct(s.text, problems[i // args.eval_samples]) for i, s in enumerate(samples)])
-    correct = correct.reshape(len(problems), args.eval_samples).sum(1)
-    ks = [k for k in (1, 4, 8, 16) if k <= args.eval_samples]
-    return {f"eval/pass@{k}": float(np.mean([pass_at_k(args.eval_samples, c, k) for c in correct])) for k in ks}
-
-
 def main():
     args = tyro.cli(Args)
     defaults = TINY if args.model == common.TINY else PAPER
@@ -221,14 +202,12 @@ def main():
 
         def collect_round(pending):
             problems, ids, skipped, submitted = pending
-            wanted, got = set(ids), {}
-            while len(got) < len(ids):
-                for c in sampler.poll(timeout=1.0):
-                    if c.request_id in wanted:
-                        got[c.request_id] = c
-            return problems, [got[i] for i in ids], skipped, time.perf_counter() - submitted
+            return problems, sampler.wait_for(ids), skipped, time.perf_counter() - submitted
 
-        eval_start = evaluate(sampler, task, tokenizer, args)
+        def evaluate():  # pass@k on the held-out split, sampling as in training (Table 4 protocol)
+            return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens, **sampling)
+
+        eval_start = evaluate()
         logger.log(step, eval_start)
         pending = submit_round()
         loop_start = time.perf_counter() - timing["wall"]
@@ -317,12 +296,12 @@ def main():
 
             last = round_index + 1 == args.num_rounds
             if args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
-                logger.log(step, evaluate(sampler, task, tokenizer, args))
+                logger.log(step, evaluate())
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
                                        round=round_index + 1, timing=timing)
 
-        eval_end = evaluate(sampler, task, tokenizer, args)
+        eval_end = evaluate()
         logger.log(step, eval_end)
         memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
     finally:

@@ -45,7 +45,7 @@ def run(k: int, args: Args, overlap: bool = False) -> dict:
     update = sum(r["time/update_seconds"] for r in rounds)
     wall = rounds[-1]["step"] / rounds[-1]["time/grad_steps_per_second"]  # the training loop, no start-up or eval
     return dict(k=k, wall=wall, sample=sample, update=update, steps=rounds[-1]["step"], S=sample / len(rounds),
-                U=update / len(rounds) / k, reward=np.mean([r["charts/reward"] for r in rounds[-5:]]), dir=run_dir)
+                U=update / len(rounds) / k, P=(wall - sample - update) / len(rounds), reward=np.mean([r["charts/reward"] for r in rounds[-5:]]), dir=run_dir)
 
 
 def main():
@@ -53,13 +53,17 @@ def main():
     results = [run(k, args) for k in args.ks]
     base = results[0]["steps"] / results[0]["wall"]
     print(f"\nRLOO K sweep, tiny model, {args.num_rounds} rounds, seed {args.seed}\n")
-    print("| K | wall (s) | sample (s) | update (s) | sample % | grad steps/s | vs K=1 | ideal K(S+U)/(S+KU) | measured/ideal |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| K | wall (s) | sample (s) | update (s) | sample % | grad steps/s | vs K=1 | ideal K(S+U)/(S+KU) | measured/ideal "
+          "| per-round rest P (s) | ideal with P | measured/ideal with P |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         rate = r["steps"] / r["wall"]
         ideal = r["k"] * (r["S"] + r["U"]) / (r["S"] + r["k"] * r["U"])
+        # P: what a round costs besides sampling and updates (weight push, queueing); K-reuse amortizes it too
+        ideal_p = r["k"] * (r["S"] + r["U"] + r["P"]) / (r["S"] + r["k"] * r["U"] + r["P"])
         print(f"| {r['k']} | {r['wall']:.1f} | {r['sample']:.1f} | {r['update']:.1f} | {100 * r['sample'] / r['wall']:.0f}% | "
-              f"{rate:.3f} | {rate / base:.2f}x | {ideal:.2f}x | {rate / base / ideal:.2f} |")
+              f"{rate:.3f} | {rate / base:.2f}x | {ideal:.2f}x | {rate / base / ideal:.2f} | {r['P']:.3f} | {ideal_p:.2f}x | "
+              f"{rate / base / ideal_p:.2f} |")
     if args.overlap_k:
         plain = next((r for r in results if r["k"] == args.overlap_k), None) or run(args.overlap_k, args)
         over = run(args.overlap_k, args, overlap=True)

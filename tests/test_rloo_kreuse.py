@@ -62,8 +62,8 @@ def test_rloo_loss_by_hand():
 def test_ess_and_pass_at_k():
     assert rloo.ess(torch.ones(8)) == pytest.approx(1.0)
     assert rloo.ess(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
-    assert rloo.pass_at_k(16, 0, 1) == 0 and rloo.pass_at_k(16, 16, 4) == 1
-    assert rloo.pass_at_k(4, 1, 1) == pytest.approx(0.25) and rloo.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert common.pass_at_k(16, 0, 1) == 0 and common.pass_at_k(16, 16, 4) == 1
+    assert common.pass_at_k(4, 1, 1) == pytest.approx(0.25) and common.pass_at_k(4, 1, 2) == pytest.approx(0.5)
 
 
 def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
