@@ -193,31 +193,27 @@ def main():
             chosen, rejected, keep = select_pairs(rewards)
             rows = torch.arange(len(rewards))
             pair_rows = rows[keep]
-            chosen_samples = [samples[r * args.num_completions + c] for r, c in zip(pair_rows.tolist(), chosen[keep].tolist())]
-            rejected_samples = [samples[r * args.num_completions + c] for r, c in zip(pair_rows.tolist(), rejected[keep].tolist())]
-            pairs = list(zip(chosen_samples, rejected_samples))
             lags = [step - s.version_min for s in samples]
-            ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in chosen_samples + rejected_samples],
-                                                             [s.token_ids for s in chosen_samples + rejected_samples], tokenizer.pad_token_id)
+            # row i of the padded batch is sample i; KL(pi_sampler || pi_init) is estimated on all of them
+            ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
+                                                             tokenizer.pad_token_id)
             ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
             with torch.no_grad():
                 ref_seq = common.token_logprobs(ref_policy, ids, attn, cmask, args.temperature).sum(1)
-                # KL(pi_sampler || pi_init) estimated on the sampler's own samples
-                all_ids, all_attn, all_mask = common.pad_prompt_completions([s.prompt_token_ids for s in samples],
-                                                                            [s.token_ids for s in samples], tokenizer.pad_token_id)
-                ref_all = common.token_logprobs(ref_policy, all_ids.to(device), all_attn.to(device), all_mask.to(device), args.temperature).sum(1)
-                kl = (torch.tensor([sum(s.logprobs) for s in samples], device=device) - ref_all).mean().item()
+            kl = (torch.tensor([sum(s.logprobs) for s in samples], device=device) - ref_seq).mean().item()
+            chosen_rows = pair_rows * args.num_completions + chosen[keep]
+            rejected_rows = pair_rows * args.num_completions + rejected[keep]
 
             # ---- N DPO steps, one per minibatch of pairs ----
             losses, accuracies, margins = [], [], []
-            num_pairs = len(pairs)
+            num_pairs = len(pair_rows)
             for mb in np.array_split(np.arange(num_pairs), args.num_minibatches):
-                if len(mb) == 0:
+                if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
-                rows_c = torch.as_tensor(mb, device=device)
-                rows_mb = torch.cat([rows_c, rows_c + num_pairs])
+                rows_mb = torch.cat([chosen_rows[mb], rejected_rows[mb]]).to(device)
                 logp = common.token_logprobs(policy, ids[rows_mb], attn[rows_mb], cmask[rows_mb], args.temperature).sum(1)
-                loss, logits = dpo_loss(logp[: len(mb)], logp[len(mb):], ref_seq[rows_c], ref_seq[rows_c + num_pairs], args.beta, args.loss_type)
+                ref_mb = ref_seq[rows_mb]
+                loss, logits = dpo_loss(logp[: len(mb)], logp[len(mb):], ref_mb[: len(mb)], ref_mb[len(mb):], args.beta, args.loss_type)
                 optimizer.zero_grad()
                 loss.mean().backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
