@@ -576,6 +576,23 @@ def _free_port() -> int:
 # ---- the gloo weight-transfer engine (CPU): vLLM's built-in backends need CUDA ----------
 
 _GLOO_REGISTERED = False
+_PACK_BYTES = 256 * 2**20
+
+
+def _pack_plan(dtypes: list[torch.dtype], shapes: list) -> list[list[int]]:
+    """Group parameter indices into flat broadcast buffers of one dtype and at most _PACK_BYTES:
+    one broadcast per chunk instead of one per tensor (85 -> 39 ms per push for the tiny model).
+    Learner and sampler compute the same plan from the same metadata."""
+    chunks: list[list[int]] = []
+    size = 0
+    for i, (dtype, shape) in enumerate(zip(dtypes, shapes)):
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not chunks or dtypes[chunks[-1][0]] != dtype or size + nbytes > _PACK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += nbytes
+    return chunks
 
 
 def register_gloo_engine() -> None:
@@ -640,10 +657,16 @@ def register_gloo_engine() -> None:
             self.receive_weights(self.parse_update_info(update_info))  # no accelerator sync on CPU
 
         def receive_weights(self, update_info):
-            for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
-                self.group.broadcast(weight, 0).wait()
-                self.model.load_weights([(name, weight)])
+            dtypes = [getattr(torch, d) for d in update_info.dtype_names]
+            for chunk in _pack_plan(dtypes, update_info.shapes):
+                flat = torch.empty(sum(math.prod(update_info.shapes[i]) for i in chunk), dtype=dtypes[chunk[0]])
+                self.group.broadcast(flat, 0).wait()
+                views, offset = [], 0
+                for i in chunk:
+                    numel = math.prod(update_info.shapes[i])
+                    views.append((update_info.names[i], flat[offset: offset + numel].view(update_info.shapes[i])))
+                    offset += numel
+                self.model.load_weights(views)
 
         def finish_weight_update(self):
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -690,8 +713,10 @@ def register_gloo_engine() -> None:
             pool = ThreadPoolExecutor(max_workers=1)
             try:
                 future = pool.submit(self.client.update_weights, update_info)
-                for _, tensor in self.source:
-                    self.group.broadcast(tensor.detach().to("cpu", copy=False).contiguous(), 0).wait()
+                tensors = [t for _, t in self.source]
+                for chunk in _pack_plan([m.dtype for m in meta], [m.shape for m in meta]):
+                    flat = torch.cat([tensors[i].detach().reshape(-1).to("cpu") for i in chunk])
+                    self.group.broadcast(flat, 0).wait()
                 future.result()
             finally:
                 pool.shutdown(wait=False)  # never join a thread stuck on a dead peer
