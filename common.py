@@ -744,34 +744,43 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
     if cuda_device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
-    # All sends go through one thread: a learner busy training does not read the pipe, and a
-    # full pipe must stall that thread, never the decode loop (it cost async DPO ~40% overlap).
-    import queue
-
-    outbox: queue.Queue = queue.Queue()
-
-    def sender():
-        while (item := outbox.get()) is not None:
-            try:
-                conn.send(item)
-            except Exception:
-                return
-
-    sending = threading.Thread(target=sender, name="sampler-send", daemon=True)
-    sending.start()
+    outbox = _Outbox(conn)
     try:
-        _serve(config, conn, parent_pid, outbox.put)
+        _serve(config, conn, parent_pid, outbox)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the learner is gone: nothing to report to
     except BaseException:
-        outbox.put(("fatal", None, traceback.format_exc()))
+        outbox.send(("fatal", None, traceback.format_exc()))
     finally:
-        outbox.put(None)
-        sending.join(timeout=5)
+        closing = threading.Thread(target=outbox.flush, kwargs={"block": True}, daemon=True)
+        closing.start()
+        closing.join(timeout=5)  # a learner that stopped reading must not keep us alive
         os._exit(0)  # skip vLLM's atexit handlers, which can block on a dead peer
 
 
-def _serve(config: SamplerConfig, conn, parent_pid: int, send) -> None:
+class _Outbox:
+    """Messages from the sampler to the learner. A learner busy training does not read the
+    pipe; once the pipe is full, a plain send would stall the decode loop (it cost async DPO
+    ~40% of its overlap). So messages are sent only while the pipe can take them and wait here
+    otherwise; the loop flushes them between decode steps."""
+
+    def __init__(self, conn):
+        self.conn, self.pending = conn, []
+
+    def send(self, message) -> None:
+        self.pending.append(message)
+        self.flush()
+
+    def flush(self, block: bool = False) -> None:
+        import select
+
+        while self.pending:
+            if not block and not select.select([], [self.conn], [], 0)[1]:
+                return
+            self.conn.send(self.pending.pop(0))
+
+
+def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> None:
     register_gloo_engine()
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.config import WeightTransferConfig
@@ -795,6 +804,7 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, send) -> None:
     else:
         engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
+    send = outbox.send
     send(("ready", None, None))
 
     paused = False
@@ -850,10 +860,15 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, send) -> None:
         if call_id is not None:
             send(("ack", call_id, result))
 
+    import select
+
     while True:
+        outbox.flush()
         busy = not paused and engine.has_unfinished_requests()
-        # drain every pending command before the next decode step; block briefly when idle
-        while conn.poll(0 if busy else 1.0):
+        if not busy:  # idle: wake up for a command, or as soon as the learner can take our results
+            select.select([conn], [conn] if outbox.pending else [], [], 1.0)
+        # drain every pending command before the next decode step
+        while conn.poll(0):
             try:
                 handle(conn.recv())
             except (EOFError, BrokenPipeError):

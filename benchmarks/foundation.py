@@ -15,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the direct side: vLLM's engine in this process, like our sampler's
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 import torch  # noqa: E402
 import tyro  # noqa: E402
@@ -30,8 +32,8 @@ class Args:
     """samples per prompt"""
     max_tokens: int = 48
     """completion length cap (ignore_eos: every completion has exactly this many tokens)"""
-    repeats: int = 3
-    """timed repeats per side (after one warm-up call); the median is reported"""
+    repeats: int = 7
+    """timed calls per side, alternating ours / direct (after one warm-up call each); medians reported"""
     push_repeats: int = 5
     """timed weight pushes per model"""
 
@@ -40,36 +42,28 @@ def sampling(args):
     return dict(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
 
 
-def time_ours(path, prompts, args):
-    times = []
+def time_throughput(path, prompts, args):
+    """Our sampler process vs vLLM's `LLM` in this process (the same engine settings), timed
+    alternately so that drift in the machine's speed hits both sides alike."""
+    from vllm import LLM, SamplingParams
+
+    ours, direct = [], []
     with common.start_sampler(path, placement="cpu") as sampler:
-        sampler.generate(prompts, n=args.n, **sampling(args))  # warm-up
+        llm = LLM(model=path, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
+                  kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256, enable_prefix_caching=False, seed=0)
+        params = SamplingParams(n=args.n, **sampling(args))
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        sampler.generate(prompts, n=args.n, **sampling(args))  # warm-up both
+        llm.generate(requests, params, use_tqdm=False)
         for _ in range(args.repeats):
             start = time.perf_counter()
             out = sampler.generate(prompts, n=args.n, **sampling(args))
-            times.append(time.perf_counter() - start)
-    return sum(len(c.token_ids) for c in out) / statistics.median(times)
-
-
-def time_direct(path, prompts, args):
-    """vLLM's own LLM in this process, the same engine settings as our sampler."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-              kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256, enable_prefix_caching=False, seed=0)
-    params = SamplingParams(n=args.n, **sampling(args))
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(requests, params, use_tqdm=False)
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        out = llm.generate(requests, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
-    del llm
-    return tokens / statistics.median(times)
+            ours.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - start))
+            start = time.perf_counter()
+            out = llm.generate(requests, params, use_tqdm=False)
+            direct.append(sum(len(c.token_ids) for o in out for c in o.outputs) / (time.perf_counter() - start))
+        del llm
+    return statistics.median(ours), statistics.median(direct), [o / d for o, d in zip(ours, direct)]
 
 
 def time_push(path, args):
@@ -104,20 +98,19 @@ def main():
     task = common.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]
 
-    ours = time_ours(tiny, prompts, args)
+    ours, direct, ratios = time_throughput(tiny, prompts, args)
     push_tiny = time_push(tiny, args)
     with tempfile.TemporaryDirectory() as tmp:
         push_big = time_push(random_50m(tmp), args)
-    direct = time_direct(tiny, prompts, args)  # last: it leaves vLLM state in this process
 
     rows = [
         ("sampler throughput, ours (tok/s)", f"{ours:.0f}"),
         ("sampler throughput, vLLM direct (tok/s)", f"{direct:.0f}"),
-        ("ours / direct", f"{ours / direct:.2f}x"),
+        ("ours / direct (median of per-pair ratios)", f"{statistics.median(ratios):.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)})"),
         (f"weight push, tiny ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
         (f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s"),
     ]
-    print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, median of {args.repeats}\n")
+    print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, alternating, median of {args.repeats}\n")
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
