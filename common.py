@@ -1072,8 +1072,10 @@ class Sampler:
         return self.wait_for(self.submit(prompts, n=n, **sampling), timeout)
 
     def abort(self, request_ids: list[str]) -> None:
+        """Drop these requests; whatever they generated is discarded."""
         with self._lock:
             self.conn.send(("abort", None, list(request_ids)))
+        self.pending.difference_update(request_ids)
 
     def pause(self) -> None:
         """Stop decoding; running sequences and their KV stay, new requests queue."""
