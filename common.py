@@ -807,7 +807,7 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
     send = outbox.send
     send(("ready", None, None))
 
-    paused = False
+    paused = updating = False
     streaming: dict[str, tuple] = {}  # request id -> (chunk size, tokens, logprobs, tokens sent)
     tags: dict[str, Any] = {}
 
@@ -817,7 +817,7 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
         return [(0 if v == "default" else int(v), start, end) for v, start, end in spans]
 
     def handle(message) -> None:
-        nonlocal paused
+        nonlocal paused, updating
         command, call_id, payload = message
         result = None
         if command == "add":
@@ -835,17 +835,21 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
             paused = True
         elif command == "resume":
             paused = False
-        elif command == "reset_running":  # re-prefill running sequences with the new weights
-            engine.reset_prefix_cache(reset_running_requests=True)
         elif command == "weights_init":
             engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": payload})
         elif command == "weights_start":
+            # no decode step until finish: between start and finish the model is half reloaded
+            updating = True
             engine.collective_rpc("start_weight_update")
         elif command == "weights_update":
             engine.collective_rpc("update_weights", kwargs={"update_info": payload})
         elif command == "weights_finish":
+            version, recompute_kv = payload
             engine.collective_rpc("finish_weight_update")
-            engine.set_weight_version(str(payload))
+            engine.set_weight_version(str(version))
+            if recompute_kv:  # preempt running sequences: they re-prefill with the new weights
+                engine.reset_prefix_cache(reset_running_requests=True)
+            updating = False
         elif command == "num_unfinished":
             result = engine.get_num_unfinished_requests()
         elif command == "ping":
@@ -864,7 +868,7 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
 
     while True:
         outbox.flush()
-        busy = not paused and engine.has_unfinished_requests()
+        busy = not paused and not updating and engine.has_unfinished_requests()
         if not busy:  # idle: wake up for a command, or as soon as the learner can take our results
             select.select([conn], [conn] if outbox.pending else [], [], 1.0)
         # drain every pending command before the next decode step
@@ -875,7 +879,7 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
                 raise
             except Exception:
                 send(("error", None, traceback.format_exc()))
-            busy = not paused and engine.has_unfinished_requests()
+            busy = not paused and not updating and engine.has_unfinished_requests()
         if os.getppid() != parent_pid:
             raise EOFError  # orphaned: the learner died without closing the pipe
         if not busy:
@@ -1102,9 +1106,11 @@ class Sampler:
         self._call("weights_update", update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("weights_finish", weight_version if weight_version is not None else self._next_version)
+        version = weight_version if weight_version is not None else self._next_version
+        self._call("weights_finish", (version, self._recompute_kv))
 
     _next_version = 0
+    _recompute_kv = False
 
     def init_weight_sync(self, model: torch.nn.Module) -> None:
         """Open the torch.distributed group between the learner (rank 0) and the vLLM worker
@@ -1134,10 +1140,17 @@ class Sampler:
         if self._weight_engine is None:
             raise RuntimeError("call init_weight_sync(model) before push_weights")
         start = time.perf_counter()
-        self._next_version = version
-        self._weight_engine.send_weights()
-        if recompute_kv:
-            self._call("reset_running")
+        self._next_version, self._recompute_kv = version, recompute_kv
+        try:
+            self._weight_engine.send_weights()
+        except SamplerError:
+            raise
+        except Exception as e:  # a broken group usually means the sampler died: say why if it told us
+            deadline = time.monotonic() + 5
+            while self.process is not None and self.process.is_alive() and time.monotonic() < deadline:
+                self._receive(0.5)
+            self._receive(0.5)
+            raise SamplerError(f"weight push failed: {e}") from e
         self.version = version
         return time.perf_counter() - start
 

@@ -28,7 +28,7 @@ def test_advantages_ess_and_truncated_is_loss_by_hand():
     adv = torch.tensor([1.0, -2.0])
     loss, pg, kl = prl.truncated_is_loss(logp, mu, logp.detach(), mask, adv, is_clip=5.0, kl_coef=0.0)
     expected = -(1 * 1 * -1.0 + 5 * 1 * -2.0 + 1 * -2 * -0.5 + torch.e ** -0.1 * -2 * -0.5 + 1 * -2 * -1.0) / 5
-    assert loss.item() == pytest.approx(expected.item(), rel=1e-6) and kl.item() == 0.0
+    assert loss.item() == pytest.approx(expected, rel=1e-6) and kl.item() == 0.0
     loss.backward()
     assert logp.grad[0, 1].item() == pytest.approx(-5 / 5)  # truncated weight times advantage, per token
     assert logp.grad[0, 2].item() == 0.0
@@ -62,7 +62,7 @@ def test_in_flight_weight_update(tiny_path, tokenizer, sampler, recompute_kv):
     started = set()
     deadline = time.monotonic() + 60
     while started != set(ids) and time.monotonic() < deadline:  # every sequence is under way
-        started |= {c.request_id for c in sampler.poll(timeout=0.5) if not c.finished}
+        started |= {c.request_id for c in sampler.poll(timeout=0.5) if not c.finished and c.request_id in ids}
     assert started == set(ids)
     _perturbed(model)
     sampler.push_weights(old_version + 1, recompute_kv=recompute_kv)
