@@ -63,6 +63,8 @@ class Args:
     """Adam learning rate [tiny 1e-4; otherwise 1e-6]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward, grouped by length (memory and padding only: one optimizer step per B)"""
     is_clip: float = 5.0
     """c: token importance weights pi/mu are truncated at c"""
     ess_threshold: float = 0.5
@@ -221,30 +223,45 @@ def main():
         def train_step(batch_problems, samples):
             """One optimizer step on B sequences, unless the batch's ESS is below the threshold."""
             nonlocal step
+            train_start = time.time()
             rewards = torch.tensor([task.reward(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)])
             advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
-            ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in samples], [c.token_ids for c in samples],
-                                                             tokenizer.pad_token_id)
-            ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
-            mask = cmask[:, 1:].float()
-            behaviour = common.sampler_logprob_tensor(samples, [len(c.prompt_token_ids) for c in samples], mask.shape[1]).to(device)
-            logp = common.token_logprobs(policy, ids, attn, cmask, args.temperature)
-            ess = effective_sample_size(token_weights(logp.detach(), behaviour, mask), mask)
+            # micro-batches of similar length: with long-tailed responses one padded batch would cost
+            # B x the longest response; gradients of the micro-batches add up to the batch's
+            order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].token_ids))
+            total_tokens = sum(len(c.token_ids) for c in samples)
+            losses, weights = [], []
+            for start in range(0, len(order), args.micro_batch_size):
+                rows = order[start: start + args.micro_batch_size]
+                micro = [samples[i] for i in rows]
+                ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in micro], [c.token_ids for c in micro],
+                                                                 tokenizer.pad_token_id)
+                ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
+                mask = cmask[:, 1:].float()
+                behaviour = common.sampler_logprob_tensor(micro, [len(c.prompt_token_ids) for c in micro], mask.shape[1]).to(device)
+                logp = common.token_logprobs(policy, ids, attn, cmask, args.temperature)
+                weights.append(token_weights(logp.detach(), behaviour, mask)[mask.bool()])
+                with torch.no_grad():
+                    ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, args.temperature) if ref_policy else logp.detach()
+                loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef)
+                share = mask.sum().item() / total_tokens
+                losses.append((loss * share, pg.item() * share, kl.item() * share))
+            weights = torch.cat(weights)
+            ess = effective_sample_size(weights, torch.ones_like(weights))
             lags = [lag for c in samples for lag in token_lags(c, step)]
             stats = dict(ess=ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
-                         tokens=int(mask.sum().item()))
+                         tokens=total_tokens)
             if ess < args.ess_threshold:
                 return stats | dict(skipped=True)
-            with torch.no_grad():
-                ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, args.temperature) if ref_policy else logp.detach()
-            loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages, args.is_clip, args.kl_coef)
+            loss, pg, kl = sum(l for l, _, _ in losses), sum(p for _, p, _ in losses), sum(k for _, _, k in losses)
             optimizer.zero_grad()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             optimizer.step()
             step += 1
             accuracy = float(np.mean([task.is_correct(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)]))
-            return stats | dict(skipped=False, loss=loss.item(), pg=pg.item(), kl=kl.item(), grad_norm=grad_norm.item(), accuracy=accuracy)
+            return stats | dict(skipped=False, loss=loss.item(), pg=pg, kl=kl, grad_norm=grad_norm.item(), accuracy=accuracy,
+                                train_seconds=time.time() - train_start)
 
         def log_step(stats, push_seconds, wait_seconds):
             totals["samples"] += args.train_batch_size
@@ -257,7 +274,7 @@ def main():
                 "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "charts/samples_per_second": totals["samples"] / totals["wall"], "charts/tokens_per_second": totals["tokens"] / totals["wall"],
                 "losses/loss": stats["loss"], "losses/pg": stats["pg"], "losses/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
-                "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds,
+                "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
             }
             logger.log(step, metrics, echo=False)
             if step % 10 == 0 or step == args.num_steps:
