@@ -792,7 +792,8 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
     # is not a parameter and a tied lm_head arrives as embed_tokens. Expected, so not shown.
     import logging
 
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: "Failed to load weights" not in record.getMessage())
     engine_kwargs: dict[str, Any] = dict(
         model=config.model, seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len,
         enforce_eager=True, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
