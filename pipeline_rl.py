@@ -190,7 +190,9 @@ def main():
                 sampling = dict(temperature=args.temperature, max_tokens=args.max_new_tokens)
                 if args.long_tail:
                     length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail))))
-                    sampling |= dict(min_tokens=length, max_tokens=length)
+                    # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled
+                    # distribution, so the sampler's logprobs would no longer be the policy's
+                    sampling |= dict(ignore_eos=True, max_tokens=length)
                 sampler.submit(prompts, n=args.group_size, tags=[key], **sampling)
 
         def top_up() -> None:

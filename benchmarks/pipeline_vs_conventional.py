@@ -4,7 +4,7 @@ workload (tiny model), in one run.
     .venv/bin/python benchmarks/pipeline_vs_conventional.py
 
 Workload: each prompt's responses are forced to a length L = min(64, 2 * (1 + Pareto(0.8)))
-tokens (vLLM min_tokens = max_tokens = L; pipeline_rl.py --long-tail 0.8 --long-tail-scale 2):
+tokens (vLLM ignore_eos with max_tokens = L; pipeline_rl.py --long-tail 0.8 --long-tail-scale 2):
 median 4 tokens, 1 in 10 above 35, about 1 in 16 at the 64-token cap, so a Conventional RL
 round waits for its longest sequences while the engine's batch drains. H = 128 in flight. Reports samples/s, the ratio, mean
 ESS, mean token lag, and the training reward each run had reached at the same wall-clock time."""
