@@ -1227,6 +1227,13 @@ class _Tee:
         return False
 
 
+def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
+    """runs/<exp_name>__<seed>__<unix time>; a resumed run keeps the directory it resumes from."""
+    if resume:
+        return Path(resume).name if Path(resume).is_dir() else Path(resume).parent.name
+    return f"{exp_name}__{seed}__{int(time.time())}"
+
+
 class RunLogger:
     """runs/<run_name>/: console.log (a copy of stdout), args.json, metrics.jsonl (every logged
     metric), TensorBoard event files, and wandb when `track`."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -118,9 +117,7 @@ def main():
     common.check_args(args.beta > 0 and args.learning_rate > 0, "--beta/--learning-rate", "must be > 0")
     args.prompts_per_round = args.num_prompts * args.num_minibatches
     args.max_prompt_tokens = 64 if args.model == common.TINY else 512
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    if args.resume:
-        run_name = Path(args.resume).name if Path(args.resume).is_dir() else Path(args.resume).parent.name
+    run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     common.set_seed(args.seed)
     common.limit_cpu_threads()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -140,9 +139,7 @@ def main():
     common.check_args(args.g >= 1 and args.num_steps >= 1, "--g/--num-steps", "must be >= 1")
     common.check_args(args.is_clip > 0 and 0 <= args.ess_threshold <= 1, "--is-clip/--ess-threshold", "need c > 0 and 0 <= threshold <= 1")
     args.max_prompt_tokens = 64 if tiny else 512
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    if args.resume:
-        run_name = Path(args.resume).name if Path(args.resume).is_dir() else Path(args.resume).parent.name
+    run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     common.set_seed(args.seed)
     common.limit_cpu_threads()

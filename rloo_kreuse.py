@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -157,9 +156,7 @@ def main():
                       "cannot be combined with --overlap: the learner no longer holds the sampling weights")
     args.batch_size = args.num_prompts * args.group_size  # episodes per round
     args.max_prompt_tokens = 64 if args.model == common.TINY else 256
-    run_name = f"{args.exp_name}__{args.seed}__{int(time.time())}"
-    if args.resume:
-        run_name = Path(args.resume).name if Path(args.resume).is_dir() else Path(args.resume).parent.name
+    run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     common.set_seed(args.seed)
     common.limit_cpu_threads()
