@@ -435,20 +435,28 @@ def resolve_model(name: str) -> str:
     return str(tiny_model_path()) if name == TINY else name
 
 
-def load_hf(cls, path: str, **kwargs):
-    """`cls.from_pretrained(path)` that fails with one clear line instead of a Hub traceback."""
+def load_hf(cls, path: str, flag: str = "--model", quiet: bool = False, **kwargs):
+    """`cls.from_pretrained(path)` that fails with one clear line naming `flag` instead of a Hub
+    traceback. `quiet`: no load report (e.g. a value head that is new by design)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
     try:
+        if quiet:
+            hf_logging.set_verbosity_error()
         return cls.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         offline = os.environ.get("HF_HUB_OFFLINE") == "1" or not Path(path).exists()
         hint = " Offline or without the Hub? Use --model tiny (the built-in model)." if offline else ""
-        raise SystemExit(f"error: --model: cannot load {path!r}: {str(e).splitlines()[0]}{hint}") from None
+        raise SystemExit(f"error: {flag}: cannot load {path!r}: {str(e).splitlines()[0]}{hint}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, flag: str = "--model"):
     from transformers import AutoTokenizer
 
-    tokenizer = load_hf(AutoTokenizer, path)
+    tokenizer = load_hf(AutoTokenizer, path, flag=flag)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -809,7 +817,7 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
     send(("ready", None, None))
 
     paused = updating = False
-    streaming: dict[str, tuple] = {}  # request id -> (chunk size, tokens, logprobs, tokens sent)
+    streaming: dict[str, tuple] = {}  # request id -> (chunk size, tokens, logprobs, tokens sent, text pieces)
     tags: dict[str, Any] = {}
 
     def version_spans(output, num_tokens: int) -> list[tuple[int, int, int]]:
@@ -829,9 +837,12 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
                 engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(**params, output_kind=kind))
                 tags[request_id] = tag
                 if stream_every:
-                    streaming[request_id] = (stream_every, [], [], 0)  # chunk size, tokens, logprobs, sent
+                    streaming[request_id] = (stream_every, [], [], 0, [])  # chunk size, tokens, logprobs, sent, text
         elif command == "abort":
             engine.abort_request(list(payload))
+        elif command == "stream_every":  # new chunk size for every streamed request, running ones too
+            for rid, (_, *state) in streaming.items():
+                streaming[rid] = (payload, *state)
         elif command == "pause":
             paused = True
         elif command == "resume":
@@ -891,20 +902,22 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
             c = output.outputs[0]
             token_ids = list(c.token_ids)
             logprobs = [pos[tok].logprob for tok, pos in zip(c.token_ids, c.logprobs)] if c.logprobs else []
-            if rid in streaming:  # DELTA: c holds only the new tokens
-                every, tokens, lps, sent = streaming[rid]
+            text = c.text
+            if rid in streaming:  # DELTA: c holds only the new tokens and text
+                every, tokens, lps, sent, pieces = streaming[rid]
                 tokens += token_ids
                 lps += logprobs
+                pieces.append(c.text)
                 if output.finished:
-                    token_ids, logprobs = tokens, lps
+                    token_ids, logprobs, text = tokens, lps, "".join(pieces)
                 elif len(tokens) - sent >= every:
                     results.append(Completion(rid, [], tokens[sent:], lps[sent:], None, [], "", tags[rid], finished=False,
                                               finished_at=time.time()))
-                    streaming[rid] = (every, tokens, lps, len(tokens))
+                    streaming[rid] = (every, tokens, lps, len(tokens), pieces)
             if output.finished:
                 streaming.pop(rid, None)
                 results.append(Completion(rid, list(output.prompt_token_ids), token_ids, logprobs, c.finish_reason,
-                                          version_spans(c, len(token_ids)), c.text, tags.pop(rid, None), finished_at=time.time()))
+                                          version_spans(c, len(token_ids)), text, tags.pop(rid, None), finished_at=time.time()))
         if results:
             send(("out", None, results))
 
@@ -1081,6 +1094,10 @@ class Sampler:
         with self._lock:
             self.conn.send(("abort", None, list(request_ids)))
         self.pending.difference_update(request_ids)
+
+    def set_stream_every(self, chunk_tokens: int) -> None:
+        """Change the chunk size of every streamed request, including those already running."""
+        self._call("stream_every", int(chunk_tokens))
 
     def pause(self) -> None:
         """Stop decoding; running sequences and their KV stay, new requests queue."""

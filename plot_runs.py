@@ -1,0 +1,193 @@
+"""Plot the metrics.jsonl curves of one or more runs: one subplot per metric, one line per run.
+
+    python plot_runs.py runs/dpo_bench_sync__1__* runs/dpo_bench_async__1__* --x wall
+    python plot_runs.py runs/ksweep_k1__* runs/ksweep_k4__* --x samples --metrics charts/reward eval/pass@1 --smooth 5
+
+Each run directory holds the metrics.jsonl that common.RunLogger writes: one JSON object per
+log call with "step", "wall" and the metrics of that call. Training rows and eval rows are
+separate rows, so a metric's curve uses only the rows that have a finite value for it.
+
+The x axis (--x):
+  wall     seconds since the run's logger started (the row's "wall"; it includes model loading and
+           the first evaluation). A resumed run appends to the same metrics.jsonl from a new process
+           whose wall restarts: wherever wall goes back, the rest is shifted to continue from the
+           last wall before it, so the time between the crash and the resume is left out.
+  step     the learner's optimizer step (the row's "step").
+  samples  cumulative training samples (completions) behind the row:
+           - rloo_kreuse.py, online_dpo_async.py: their cumulative "charts/episodes" counter
+             (rounds x prompts x completions per prompt), as logged;
+           - pipeline_rl.py: step * train_batch_size from args.json (every optimizer step trains on
+             train_batch_size sequences; steps skipped for low ESS neither advance the step nor count,
+             as in its charts/samples_per_second). charts/samples_per_second is not used: it divides
+             by the training loop's time, not by the logger's "wall";
+           - ppo_oppo.py: step / (num_ppo_epochs * num_minibatches) * batch_size from args.json (its
+             step is the policy version: num_ppo_epochs * num_minibatches optimizer steps per batch of
+             batch_size sequences); its charts/samples_per_second is loop-timed too;
+           - any script that logs a cumulative "charts/episodes" or "charts/samples" counter: the
+             counter, which always wins over the args.json rules; otherwise an error.
+           A row without the counter (an eval row) takes the last counter value before it, 0 before
+           the first training row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import tyro
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+COUNTERS = ("charts/episodes", "charts/samples")  # cumulative sample counters, first found wins
+X_LABELS = dict(wall="wall-clock seconds since run start", step="learner step", samples="training samples (cumulative)")
+
+
+@dataclass
+class Args:
+    run_dirs: tyro.conf.Positional[list[str]]
+    """run directories (runs/<exp_name>__<seed>__<time>), each with a metrics.jsonl"""
+    metrics: list[str] = field(default_factory=lambda: ["charts/reward"])
+    """metrics to plot, one subplot each, e.g. charts/reward charts/accuracy eval/pass@1"""
+    x: Literal["wall", "step", "samples"] = "wall"
+    """x axis: wall (seconds), step (learner step) or samples (cumulative training samples; rule in the module docstring)"""
+    labels: list[str] | None = None
+    """legend labels, one per run directory in the same order (None: the directory names)"""
+    smooth: int = 1
+    """moving-average window in logged points, trailing (1 = no smoothing; the raw curve stays drawn faintly behind)"""
+    out: str = "plot.png"
+    """path of the PNG to write"""
+
+
+def load_run(run_dir: str | Path) -> tuple[list[dict], dict]:
+    """The rows of run_dir/metrics.jsonl and its args.json ({} when absent). A partly written last
+    line (a run still logging) is ignored."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"error: {run_dir}: no metrics.jsonl (not a run directory?)")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i + 1 < len(lines):
+                raise SystemExit(f"error: {path}: line {i + 1} is not JSON") from None
+    args_path = Path(run_dir) / "args.json"
+    return rows, (json.loads(args_path.read_text()) if args_path.is_file() else {})
+
+
+def wall_axis(rows: list[dict]) -> list[float]:
+    """The rows' "wall", with each resumed segment (wall going back) shifted to follow the previous one."""
+    xs, offset, previous = [], 0.0, None
+    for row in rows:
+        wall = float(row["wall"])
+        if previous is not None and wall + offset < previous:
+            offset = previous - wall
+        previous = wall + offset
+        xs.append(previous)
+    return xs
+
+
+def samples_axis(rows: list[dict], args: dict, run_dir: str | Path = "run") -> list[float]:
+    """Cumulative training samples behind each row (the rule is in the module docstring)."""
+    counter = next((key for key in COUNTERS if any(key in row for row in rows)), None)
+    if counter is not None:
+        xs, last = [], 0.0
+        for row in rows:
+            last = float(row.get(counter, last))
+            xs.append(last)
+        return xs
+    if args.get("train_batch_size"):  # pipeline_rl.py
+        return [float(row["step"]) * args["train_batch_size"] for row in rows]
+    if args.get("num_ppo_epochs") and args.get("batch_size"):  # ppo_oppo.py
+        steps_per_batch = args["num_ppo_epochs"] * args.get("num_minibatches", 1)
+        return [float(row["step"]) / steps_per_batch * args["batch_size"] for row in rows]
+    raise SystemExit(f"error: {run_dir}: --x samples needs a {' or '.join(COUNTERS)} counter in metrics.jsonl, "
+                     f"or train_batch_size (pipeline_rl.py) or num_ppo_epochs and batch_size (ppo_oppo.py) in args.json")
+
+
+def x_axis(rows: list[dict], args: dict, x: str, run_dir: str | Path = "run") -> list[float]:
+    """The x value of every row, for x in wall / step / samples."""
+    if x == "wall":
+        return wall_axis(rows)
+    if x == "step":
+        return [float(row["step"]) for row in rows]
+    if x == "samples":
+        return samples_axis(rows, args, run_dir)
+    raise SystemExit(f"error: --x: must be wall, step or samples, got {x!r}")
+
+
+def series(rows: list[dict], xs: list[float], metric: str) -> tuple[list[float], list[float]]:
+    """(x, y) of the rows that have a finite number for metric; other rows are skipped."""
+    points = [(x, float(row[metric])) for x, row in zip(xs, rows)
+              if isinstance(row.get(metric), (int, float)) and math.isfinite(row[metric])]
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def moving_average(ys: list[float], window: int) -> list[float]:
+    """Trailing moving average; the first points average over what exists so far."""
+    sums = [0.0]
+    for y in ys:
+        sums.append(sums[-1] + y)
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(ys))]
+
+
+def plot(run_dirs, metrics, x="wall", out="plot.png", labels=None, smooth=1) -> Path:
+    """Draw each metric of each run against x into a PNG at out; returns its path."""
+    if not run_dirs:
+        raise SystemExit("error: no run directories given")
+    if labels is not None and len(labels) != len(run_dirs):
+        raise SystemExit(f"error: --labels: {len(labels)} labels for {len(run_dirs)} run directories")
+    if smooth < 1:
+        raise SystemExit(f"error: --smooth: must be >= 1, got {smooth}")
+    labels = labels or [Path(d).resolve().name for d in run_dirs]
+
+    # ---- read every run; then every (metric, run) series ----
+    runs = []
+    for run_dir in run_dirs:
+        rows, args = load_run(run_dir)
+        runs.append((rows, x_axis(rows, args, x, run_dir)))
+    data = {metric: [(label, *series(rows, xs, metric)) for label, (rows, xs) in zip(labels, runs)] for metric in metrics}
+    for metric, lines in data.items():
+        if not any(ys for _, _, ys in lines):
+            raise SystemExit(f"error: metric {metric!r} is in none of the runs ({', '.join(labels)})")
+
+    # ---- one subplot per metric, one line per run ----
+    ncols = min(len(metrics), 2)
+    nrows = math.ceil(len(metrics) / ncols)
+    fig = Figure(figsize=(6.4 * ncols, 4.2 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+    for ax, (metric, lines) in zip(axes, data.items()):
+        for label, xs, ys in lines:
+            if not ys:
+                continue
+            marker = "o" if len(ys) <= 30 else None  # eval metrics: a few points
+            line, = ax.plot(xs, moving_average(ys, smooth), label=label, marker=marker, markersize=3)
+            if smooth > 1:  # the raw values stay visible behind the average
+                ax.plot(xs, ys, color=line.get_color(), alpha=0.25, linewidth=1)
+        ax.set_title(metric)
+        ax.set_xlabel(X_LABELS[x])
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in axes[len(metrics):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{len(run_dirs)} run{'s' if len(run_dirs) > 1 else ''}, x = {x}" + (f", moving average over {smooth} points" if smooth > 1 else ""))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main():
+    args = tyro.cli(Args)
+    out = plot(args.run_dirs, args.metrics, args.x, args.out, labels=args.labels, smooth=args.smooth)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

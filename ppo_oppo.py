@@ -1,0 +1,589 @@
+"""PPO with OPPO's pipeline overlap (papers/oppo-pipeline-overlap-ppo.txt, Algorithm 1, Eq. 1-4).
+
+PPO: the actor (the vLLM sampler) generates; the critic (a value head on the policy architecture),
+the frozen reference and the reward (the task's verifier, or a reward model) score; GAE (Eq. 1)
+on per-token rewards with the KL penalty to the reference folded in; clipped surrogate (Eq. 2)
+and clipped value loss over PPO epochs x minibatches. As in TRL's PPOTrainer, which OPPO builds on.
+
+OPPO adds two overlaps, each with a switch for the paper's ablation (both off = plain PPO):
+- intra-step (--no-intra turns it off): the sampler streams every response in chunks of C tokens;
+  while it decodes the next chunk, the learner prefills the new chunk into every downstream model
+  (critic, reference, reward model) on top of that sequence's cached prefix (one KV cache per
+  sequence and model). When a sequence ends only its last chunk is left to score. Streaming
+  changes no number: chunked prefill equals one full forward (tested). Every --chunk-tune-every
+  iterations the --chunk-candidates are tried on successive iterations and the fastest is kept.
+- inter-step (--no-inter): over-commit B + Delta prompts; the first B sequences to finish form the
+  PPO batch; the others keep their partial generation (the sampler holds them, paused, during the
+  update) and continue with the new weights in the next iteration. Delta adapts to the reward
+  trend every W iterations (Algorithm 1 lines 22-27, Eq. 4; see --delta-rule).
+
+Terms: an *iteration* is one PPO iteration (the paper's "training step": generate, score, update);
+an optimizer *step* is one optimizer.step() (epochs x minibatches per iteration); the policy
+*version* counts optimizer steps, so a token's lag is in optimizer steps; a carried-over sequence's
+*age* is the number of iterations since its prompt was admitted.
+
+    python ppo_oppo.py --model tiny
+    python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import tyro
+from transformers import AutoModelForSequenceClassification, DynamicCache
+
+import common
+
+
+@dataclass
+class Args:
+    exp_name: str = "ppo_oppo"
+    """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
+    seed: int = 1
+    """seed of the experiment"""
+    track: bool = False
+    """log to Weights & Biases"""
+    model: str = "tiny"
+    """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id: the actor, and the init of critic and reference"""
+    task: str = "countdown"
+    """countdown (offline generator), countdown-hub or gsm8k"""
+    reward_model: str | None = None
+    """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
+    placement: str = "auto"
+    """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+
+    # PPO
+    num_iterations: int | None = None
+    """PPO iterations [tiny 60; otherwise 1000]"""
+    batch_size: int | None = None
+    """B: sequences per PPO iteration, one per prompt [tiny 64; otherwise 112, the paper's]"""
+    num_ppo_epochs: int | None = None
+    """passes over each batch [tiny 2; otherwise 4, TRL's]"""
+    num_minibatches: int = 1
+    """minibatches per epoch: optimizer steps per iteration = epochs x minibatches"""
+    micro_batch_size: int = 16
+    """sequences per forward/backward, grouped by length (memory and padding only)"""
+    learning_rate: float | None = None
+    """Adam learning rate for actor and critic [tiny 1e-4; otherwise 3e-6, TRL's]"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (actor and critic together)"""
+    clip_coef: float = 0.2
+    """epsilon of the clipped surrogate (Eq. 2)"""
+    vf_clip: float = 0.2
+    """value predictions are clipped to this distance from the rollout's values"""
+    vf_coef: float = 0.1
+    """weight of the value loss"""
+    gamma: float = 1.0
+    """GAE discount (Eq. 1)"""
+    lam: float = 0.95
+    """GAE lambda (Eq. 1)"""
+    kl_coef: float | None = None
+    """per-token KL penalty to the reference folded into the reward [tiny 0.01; otherwise 0.05, TRL's]"""
+    missing_eos_penalty: float = 1.0
+    """subtracted from the score of a response that ends without EOS (off under --long-tail, which forces lengths)"""
+    temperature: float | None = None
+    """sampling temperature [tiny 1.0; otherwise 0.7, TRL's]"""
+    max_new_tokens: int | None = None
+    """response length cap [tiny 32; otherwise 1024]"""
+
+    # OPPO
+    intra: bool = True
+    """intra-step overlap: stream C-token chunks into the downstream models' prefill (--no-intra: score after generation)"""
+    inter: bool = True
+    """inter-step overlap: over-commit Delta prompts and carry unfinished ones over (--no-inter: wait for all B)"""
+    chunk_size: int | None = None
+    """C: tokens per streamed chunk at the start [tiny 8; otherwise 256]"""
+    chunk_candidates: tuple[int, ...] | None = None
+    """chunk sizes tried every --chunk-tune-every iterations [tiny 4 8 16; otherwise 128 256 512, the paper's]"""
+    chunk_tune_every: int | None = None
+    """iterations between chunk-size trials (0: keep --chunk-size) [tiny 20; otherwise 50, the paper's]"""
+    delta: int = 8
+    """Delta: over-committed prompts at the start"""
+    delta_min: int = 0
+    """lower bound of Delta"""
+    delta_max: int = 16
+    """upper bound of Delta"""
+    delta_window: int | None = None
+    """W: Delta moves when 2W iteration rewards are in, comparing the last W with the W before [tiny 5; otherwise 10]"""
+    delta_rule: str = "eq4"
+    """eq4: Delta grows while the reward improves and shrinks otherwise (Eq. 4 and the paper's text);
+    alg1: Delta - sign(d) * change, as Algorithm 1 line 25 is printed (the opposite direction)"""
+    long_tail: float = 0.0
+    """benchmark workload: if > 0, each response is forced (ignore_eos) to a length drawn from a Pareto
+    distribution with this shape (smaller = heavier tail), scale --long-tail-scale, capped at --max-new-tokens"""
+    long_tail_scale: int = 8
+    """minimum forced length of the long-tailed workload"""
+
+    # evaluation, logging, checkpoints
+    eval_problems: int = 200
+    """held-out problems for the start/end evaluation"""
+    eval_samples: int = 4
+    """samples per held-out problem (accuracy = pass@1 over them)"""
+    save_every: int = 0
+    """checkpoint every N iterations (0: only at the end)"""
+    resume: str | None = None
+    """run directory (or checkpoint file) to continue from"""
+
+
+TINY = dict(num_iterations=60, batch_size=64, num_ppo_epochs=2, learning_rate=1e-4, kl_coef=0.01, temperature=1.0,
+            max_new_tokens=32, chunk_size=8, chunk_candidates=(4, 8, 16), chunk_tune_every=20, delta_window=5)
+PAPER = dict(num_iterations=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, kl_coef=0.05, temperature=0.7,
+             max_new_tokens=1024, chunk_size=256, chunk_candidates=(128, 256, 512), chunk_tune_every=50, delta_window=10)
+
+
+# --------------------------------------------------------------------------------------
+# PPO pieces
+# --------------------------------------------------------------------------------------
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
+    """Eq. 1 over right-padded [batch, T] response tensors (zeros after each response's end, so
+    the value after the last token is 0 and padding adds nothing)."""
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros(rewards.shape[0])
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    return advantages
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mean = (x * mask).sum() / mask.sum()
+    var = (((x - mean) * mask) ** 2).sum() / mask.sum()
+    return (x - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mask, clip_coef: float, vf_clip: float):
+    """Clipped surrogate (Eq. 2) and clipped value loss, token means over the mask."""
+    ratio = torch.exp(logp - old_logp)
+    pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef))
+    clipped_values = old_values + (values_pred - old_values).clamp(-vf_clip, vf_clip)
+    vf = 0.5 * torch.max((values_pred - returns) ** 2, (clipped_values - returns) ** 2)
+    n = mask.sum()
+    stats = dict(clipfrac=(((ratio - 1).abs() > clip_coef).float() * mask).sum() / n,
+                 approx_kl=(0.5 * (logp - old_logp) ** 2 * mask).sum() / n)
+    return (pg * mask).sum() / n, (vf * mask).sum() / n, stats
+
+
+def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, delta_max: int, rule: str) -> tuple[int, list[float]]:
+    """Algorithm 1 lines 22-27: once 2W iteration rewards are in, d = mean(last W) - mean(W before),
+    change = max(1, floor(Delta / 4)), clip to [Delta_min, Delta_max] and keep the last W rewards.
+    Direction: `eq4` grows Delta while the reward improves (d > 0) and shrinks it otherwise, as Eq. 4
+    and the text say ("as training converges Delta decays toward Delta_min"); `alg1` is line 25 as
+    printed, Delta - sign(d) * change, which moves the other way."""
+    if len(rewards) < 2 * window:
+        return delta, rewards
+    d = np.mean(rewards[-window:]) - np.mean(rewards[-2 * window:-window])
+    change = max(1, delta // 4)
+    direction = (1 if d > 0 else -1) if rule == "eq4" else -int(np.sign(d))
+    return int(np.clip(delta + direction * change, delta_min, delta_max)), rewards[-window:]
+
+
+def chunk_for_iteration(iteration: int, current: int, candidates: tuple[int, ...], tune_every: int,
+                        trial_seconds: dict[int, float]) -> int:
+    """Dynamic chunk size: the first len(candidates) iterations of every tune_every-long window try
+    one candidate each; the next iteration switches to the one whose rollout (generate + score) was
+    fastest, kept until the next window."""
+    if not tune_every or not candidates:
+        return current
+    phase = iteration % tune_every
+    if phase < len(candidates):
+        return candidates[phase]
+    if phase == len(candidates) and trial_seconds:
+        return min(trial_seconds, key=trial_seconds.get)
+    return current
+
+
+# --------------------------------------------------------------------------------------
+# Intra-step overlap: incremental prefill of the downstream models, a KV cache per sequence
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prefix:
+    """One downstream model's state for one sequence: the KV cache over its first `length` tokens
+    (prompt + response), what the model has produced for them, and the last hidden state."""
+
+    length: int = 0
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: [heads, length, head_dim]
+    per_token: list[torch.Tensor] = field(default_factory=list)  # critic: V per position; ref: log p(token | prefix)
+    last_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class Rollout:
+    """One sequence of the OPPO buffer."""
+
+    request_id: str
+    key: int  # index of its problem in the train split
+    problem: common.Problem
+    prompt: list[int]
+    admitted: int  # the iteration its prompt was submitted in
+    response: list[int] = field(default_factory=list)  # tokens streamed so far; all of them once finished
+    final: common.Completion | None = None
+    prefix: dict[str, Prefix] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.response
+
+
+def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
+    """Run a decoder (input ids -> hidden states) on each sequence's new tokens on top of its cached
+    prefix, in one batch: cached prefixes left-padded to a common length P, new tokens right-padded,
+    explicit position ids. Returns each sequence's hidden states for its new tokens and its KV cache
+    extended by them."""
+    device = next(body.parameters()).device
+    b, P, N = len(prefixes), max(p.length for p in prefixes), max(len(t) for t in new_tokens)
+    ids = torch.zeros((b, N), dtype=torch.long)
+    attention = torch.zeros((b, P + N), dtype=torch.long)
+    positions = torch.zeros((b, N), dtype=torch.long)
+    for i, (p, t) in enumerate(zip(prefixes, new_tokens)):
+        ids[i, :len(t)] = torch.tensor(t)
+        attention[i, P - p.length: P + len(t)] = 1
+        positions[i] = torch.arange(p.length, p.length + N)
+    cache = DynamicCache()
+    if P:
+        layers = []
+        for layer in range(len(next(p.kv for p in prefixes if p.kv))):
+            k0, v0 = next(p.kv for p in prefixes if p.kv)[layer]
+            keys = k0.new_zeros((b, k0.shape[0], P, k0.shape[2]))
+            values = v0.new_zeros((b, v0.shape[0], P, v0.shape[2]))
+            for i, p in enumerate(prefixes):
+                if p.length:
+                    keys[i, :, P - p.length:], values[i, :, P - p.length:] = p.kv[layer]
+            layers.append((keys, values))
+        cache = DynamicCache(layers)
+    out = body(input_ids=ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
+               past_key_values=cache, use_cache=True)
+    hidden, kv = [], []
+    for i, (p, t) in enumerate(zip(prefixes, new_tokens)):
+        rows = torch.cat([torch.arange(P - p.length, P), torch.arange(P, P + len(t))]).to(device)
+        kv.append([(layer.keys[i][:, rows], layer.values[i][:, rows]) for layer in out.past_key_values.layers])
+        hidden.append(out.last_hidden_state[i, :len(t)])
+    return hidden, kv
+
+
+@torch.no_grad()
+def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro_batch_size: int) -> None:
+    """Prefill every rollout's tokens that `model` has not seen yet, on top of their cached prefix,
+    and keep what the method needs: the critic's value at every position, the reference's logprob
+    of every token, the reward model's last hidden state (its score is read off the last token)."""
+    todo = sorted((r for r in rollouts if len(r.tokens) > r.prefix[name].length),
+                  key=lambda r: (len(r.tokens) - r.prefix[name].length, r.prefix[name].length))
+    for start in range(0, len(todo), micro_batch_size):
+        group = todo[start: start + micro_batch_size]
+        prefixes = [r.prefix[name] for r in group]
+        new_tokens = [r.tokens[p.length:] for r, p in zip(group, prefixes)]
+        hidden, kv = extend_prefix(model.base_model, prefixes, new_tokens)
+        for p, h, t, cache in zip(prefixes, hidden, new_tokens, kv):
+            if name == "critic":
+                p.per_token.append(model.score(h).squeeze(-1).float())
+            elif name == "ref":
+                # token j's logprob comes from the hidden state at j - 1: the previous chunk's last one
+                before = h if p.last_hidden is None else torch.cat([p.last_hidden[None], h])
+                logps = torch.log_softmax(model.lm_head(before[:-1]).float() / temperature, dim=-1)
+                targets = torch.tensor(t[1:] if p.last_hidden is None else t, device=logps.device)
+                chosen = logps.gather(-1, targets[:, None]).squeeze(-1)
+                p.per_token.append(torch.cat([chosen.new_zeros(1), chosen]) if p.last_hidden is None else chosen)
+            p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
+
+
+def scored(r: Rollout, name: str, model) -> torch.Tensor:
+    """What the downstream model `name` gives for the rollout's response: critic values V(s_t) for
+    every response token's state, reference logprobs of every response token, or the RM score."""
+    p = r.prefix[name]
+    if name == "rm":
+        return model.score(p.last_hidden).float().squeeze()
+    outputs = torch.cat(p.per_token)
+    plen, T = len(r.prompt), len(r.response)
+    return outputs[plen - 1: plen - 1 + T] if name == "critic" else outputs[plen: plen + T]
+
+
+def critic_values(critic, input_ids, attention_mask, completion_mask):
+    """V(s_t) for every completion token's state, laid out like common.token_logprobs' output."""
+    hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return critic.score(hidden[:, :-1]).squeeze(-1).float() * completion_mask[:, 1:]
+
+
+def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
+    """Place per-response rows at their prompt offsets in a [batch, width] tensor (zeros elsewhere)."""
+    out = torch.zeros((len(rows), width))
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        out[i, start: start + len(row)] = row
+    return out
+
+
+def main():
+    args = tyro.cli(Args)
+    tiny = args.model == common.TINY
+    for name, value in (TINY if tiny else PAPER).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    B = args.batch_size
+    common.check_args(B >= 1 and args.num_iterations >= 1 and args.num_ppo_epochs >= 1, "--batch-size/--num-iterations/--num-ppo-epochs",
+                      "must be >= 1")
+    common.check_args(1 <= args.num_minibatches <= B, "--num-minibatches", f"must be between 1 and --batch-size ({B})")
+    common.check_args(0 <= args.delta_min <= args.delta <= args.delta_max, "--delta", "needs 0 <= --delta-min <= --delta <= --delta-max")
+    common.check_args(args.delta_rule in ("eq4", "alg1"), "--delta-rule", "must be eq4 or alg1")
+    common.check_args(args.chunk_size >= 1 and all(c >= 1 for c in args.chunk_candidates), "--chunk-size/--chunk-candidates", "must be >= 1")
+    common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")
+    common.check_args(args.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)")
+    if args.chunk_tune_every:
+        common.check_args(args.chunk_tune_every > len(args.chunk_candidates), "--chunk-tune-every",
+                          f"must exceed the number of candidates ({len(args.chunk_candidates)})")
+    delta = args.delta if args.inter else 0
+    max_delta = args.delta_max if args.inter else 0
+    eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
+    args.max_prompt_tokens = 64 if tiny else 512
+    run_name = common.run_name(args.exp_name, args.seed, args.resume)
+
+    common.set_seed(args.seed)
+    common.limit_cpu_threads()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_path = common.resolve_model(args.model)
+    tokenizer = common.load_tokenizer(model_path)
+    policy = common.load_policy(model_path, device)
+    # the critic is the policy's architecture with a value head (a fresh 1-output score layer)
+    critic = common.load_hf(AutoModelForSequenceClassification, model_path, quiet=True, num_labels=1).to(device)
+    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    downstream = dict(critic=critic, ref=ref_policy)
+    if args.reward_model:
+        reward_model = common.load_hf(AutoModelForSequenceClassification, args.reward_model, flag="--reward-model", num_labels=1).to(device)
+        common.check_args(common.load_tokenizer(args.reward_model, "--reward-model").get_vocab() == tokenizer.get_vocab(), "--reward-model",
+                          "must share the policy's tokenizer: it prefills the actor's token ids as they stream")
+        downstream["rm"] = reward_model.eval().requires_grad_(False)
+    learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
+    optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7)
+    task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
+    logger = common.RunLogger(run_name, args, track=args.track)
+    print(f"run directory: {logger.dir}")
+    rng = np.random.default_rng(args.seed)
+
+    iteration, version, data_position, carried_keys = 0, 0, 0, []
+    chunk, trial_seconds, reward_history = args.chunk_size, {}, []
+    totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0)
+    if args.resume:
+        state = common.load_checkpoint(args.resume, learner, optimizer)
+        iteration, version, data_position, totals = state["iteration"], state["step"], state["data_position"], state["totals"]
+        delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
+        print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
+
+    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
+                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta)
+    try:
+        sampler.init_weight_sync(policy)
+        if version:
+            sampler.push_weights(version)
+        buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
+        finished: list[Rollout] = []  # finished and not yet trained on, in finishing order
+
+        def admit(key: int) -> bool:
+            problem = task.problem("train", key)
+            _, prompts, skipped = common.encode_prompts(tokenizer, [problem], args.max_prompt_tokens)
+            if skipped:  # longer than the context: counted in the log, not sent
+                totals["skipped_prompts"] += 1
+                return False
+            sampling = dict(temperature=args.temperature, max_tokens=args.max_new_tokens)
+            if args.long_tail:
+                length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail))))
+                sampling |= dict(ignore_eos=True, max_tokens=length)  # ignore_eos: min_tokens would distort the logprobs
+            [rid] = sampler.submit(prompts, tags=[key], stream_every=chunk if args.intra else 0, **sampling)
+            buffer[rid] = Rollout(rid, key, problem, prompts[0], iteration, prefix={name: Prefix() for name in downstream})
+            return True
+
+        def receive(timeout: float) -> None:
+            for c in sampler.poll(timeout=timeout):
+                r = buffer[c.request_id]
+                if c.finished:
+                    assert c.token_ids[:len(r.response)] == r.response, "streamed chunks disagree with the final response"
+                    r.response, r.final = c.token_ids, c
+                    finished.append(r)
+                else:
+                    r.response = r.response + c.token_ids
+
+        def score(rollouts: list[Rollout]) -> None:
+            for name, model in downstream.items():
+                prefill(name, model, rollouts, args.temperature, 4 * args.micro_batch_size)
+
+        eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                     temperature=args.temperature, max_tokens=args.max_new_tokens)
+        logger.log(version, eval_start)
+        for key in carried_keys:  # a resumed run continues the prompts that were in flight
+            admit(key)
+        loop_start = time.time() - totals["wall"]
+        while iteration < args.num_iterations:
+            iteration_start = time.time()
+            if args.intra:
+                chunk_before, chunk = chunk, chunk_for_iteration(iteration, chunk, args.chunk_candidates, args.chunk_tune_every, trial_seconds)
+                if chunk != chunk_before:
+                    sampler.set_stream_every(chunk)
+                if args.chunk_tune_every and iteration % args.chunk_tune_every == 0:
+                    trial_seconds = {}
+            # ---- Stage 1: fill the buffer to B + Delta prompts ----
+            while len(buffer) < B + delta:
+                data_position += 1
+                admit(data_position - 1)
+            # the critic changed in the last update: carried sequences re-prefill it (reference and
+            # reward model are frozen, their caches stay valid)
+            for r in buffer.values():
+                r.prefix["critic"] = Prefix()
+            # ---- Stage 2: generate until B sequences have finished; intra: score chunks meanwhile ----
+            hidden_score = 0.0
+            while len(finished) < B:
+                receive(timeout=0.0 if args.intra else 0.05)
+                if args.intra:
+                    score_start = time.time()
+                    score(list(buffer.values()))
+                    hidden_score += time.time() - score_start
+                    if len(finished) < B:
+                        receive(timeout=0.01)
+            generate_seconds = time.time() - iteration_start
+            unfinished = len(buffer) - len(finished)
+            if unfinished:
+                sampler.pause()  # the carried sequences wait, KV cache kept, until the new weights are in
+            batch, finished = finished[:B], finished[B:]
+            for r in batch:
+                del buffer[r.request_id]
+            # ---- Stage 3: score what is left (intra: the last chunks; otherwise all), then PPO ----
+            score_start = time.time()
+            score(batch)
+            exposed_score = time.time() - score_start
+            train_start = time.time()
+            scores = torch.tensor([scored(r, "rm", downstream["rm"]).item() if "rm" in downstream else task.reward(r.final.text, r.problem)
+                                   for r in batch])
+            no_eos = torch.tensor([r.final.finish_reason != "stop" for r in batch], dtype=torch.float32)
+            scores = scores - eos_penalty * no_eos
+            lengths = [len(r.response) for r in batch]
+            T = max(lengths)
+            resp_mask = torch.zeros((B, T))
+            old_logp, ref_logp, values = (torch.zeros((B, T)) for _ in range(3))
+            for i, r in enumerate(batch):
+                n = lengths[i]
+                resp_mask[i, :n] = 1
+                old_logp[i, :n] = torch.tensor(r.final.logprobs)  # the sampler's: the policy that sampled each token
+                ref_logp[i, :n] = scored(r, "ref", ref_policy).cpu()
+                values[i, :n] = scored(r, "critic", critic).cpu()
+            kl = (old_logp - ref_logp) * resp_mask
+            rewards = -args.kl_coef * kl
+            rewards[torch.arange(B), torch.tensor(lengths) - 1] += scores
+            advantages = gae(rewards, values, args.gamma, args.lam)
+            returns = advantages + values
+            advantages = whiten(advantages, resp_mask)
+            token_versions = [[v for v, s, e in r.final.versions for _ in range(e - s)] for r in batch]
+
+            policy.train()
+            stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy", "logprob_diff")}
+            total_tokens = sum(lengths)
+            for epoch in range(args.num_ppo_epochs):
+                for minibatch in np.array_split(np.random.permutation(B), args.num_minibatches):
+                    optimizer.zero_grad()
+                    minibatch_tokens = sum(lengths[i] for i in minibatch)
+                    # micro-batches of similar length: long-tailed responses would pad everything to the longest
+                    order = sorted(minibatch, key=lambda i: len(batch[i].tokens))
+                    for start in range(0, len(order), args.micro_batch_size):
+                        rows = order[start: start + args.micro_batch_size]
+                        micro = [batch[i] for i in rows]
+                        ids, attn, cmask = common.pad_prompt_completions([r.prompt for r in micro], [r.response for r in micro],
+                                                                         tokenizer.pad_token_id)
+                        ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
+                        starts, width = [len(r.prompt) - 1 for r in micro], ids.shape[1] - 1
+                        put = lambda x: layout([x[i, :lengths[i]] for i in rows], starts, width).to(device)  # noqa: E731
+                        mask = cmask[:, 1:].float()
+                        logp, entropy = common.token_logprobs(policy, ids, attn, cmask, args.temperature, with_entropy=True)
+                        values_pred = critic_values(critic, ids, attn, cmask)
+                        pg, vf, extra = ppo_losses(logp, put(old_logp), put(advantages), values_pred, put(values), put(returns), mask,
+                                                   args.clip_coef, args.vf_clip)
+                        share = mask.sum() / minibatch_tokens
+                        ((pg + args.vf_coef * vf) * share).backward()
+                        for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
+                                     ("entropy", (entropy.sum() / mask.sum()))):
+                            stats[k].append(v.item() * mask.sum().item() / total_tokens)
+                        if epoch == 0 and start == 0 and len(stats["logprob_diff"]) == 0:
+                            # fp mismatch between sampler and learner on tokens of the current version
+                            fresh = layout([torch.tensor([float(v == version) for v in token_versions[i]]) for i in rows], starts, width)
+                            fresh = fresh.to(device) * mask
+                            if fresh.sum():
+                                stats["logprob_diff"].append(((logp.detach() - put(old_logp)).abs() * fresh).sum().item() / fresh.sum().item())
+                    grad_norm = torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    version += 1
+            train_seconds = time.time() - train_start
+            push_seconds = sampler.push_weights(version, recompute_kv=True)  # carried sequences continue exactly under the new policy
+            if unfinished:
+                sampler.resume()
+            iteration += 1
+
+            # ---- controllers: Delta (Algorithm 1 lines 22-27) and the chunk size ----
+            reward_history.append(scores.mean().item())
+            if args.inter:
+                delta, reward_history = next_delta(delta, reward_history, args.delta_window, args.delta_min, args.delta_max, args.delta_rule)
+            if args.intra and args.chunk_tune_every and (iteration - 1) % args.chunk_tune_every < len(args.chunk_candidates):
+                trial_seconds[chunk] = generate_seconds + exposed_score
+
+            iteration_seconds = time.time() - iteration_start
+            totals["samples"] += B
+            totals["tokens"] += total_tokens
+            totals["wall"] = time.time() - loop_start
+            ages = [iteration - 1 - r.admitted for r in batch]
+            lags = [version - v for versions in token_versions for v in versions]
+            valid = resp_mask.bool()
+            explained_variance = 1 - torch.var(returns[valid] - values[valid]) / torch.var(returns[valid])
+            accuracy = float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch]))
+            metrics = {
+                "charts/reward": scores.mean().item(), "charts/accuracy": accuracy, "charts/kl": (kl.sum(1)).mean().item(),
+                "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
+                "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0,
+                "charts/carried_over": len(buffer), "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)),
+                "charts/carried_in_batch": sum(a > 0 for a in ages), "charts/lag_mean": float(np.mean(lags)),
+                "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
+                "charts/logprob_diff": float(np.mean(stats["logprob_diff"])) if stats["logprob_diff"] else float("nan"),
+                "charts/episodes": totals["samples"], "charts/samples_per_second": totals["samples"] / totals["wall"], "charts/tokens_per_second": totals["tokens"] / totals["wall"],
+                "charts/skipped_long_prompts": totals["skipped_prompts"],
+                "losses/policy": sum(stats["pg"]) / args.num_ppo_epochs, "losses/value": sum(stats["vf"]) / args.num_ppo_epochs,
+                "losses/clipfrac": sum(stats["clipfrac"]) / args.num_ppo_epochs, "losses/approx_kl": sum(stats["approx_kl"]) / args.num_ppo_epochs,
+                "losses/entropy": sum(stats["entropy"]) / args.num_ppo_epochs, "losses/grad_norm": grad_norm.item(),
+                "time/iteration_seconds": iteration_seconds, "time/generate_seconds": generate_seconds,
+                "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
+                "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
+            }
+            logger.log(version, metrics, echo=False)
+            if iteration % 10 == 0 or iteration == args.num_iterations or iteration == 1:
+                print(f"iteration {iteration}/{args.num_iterations}: reward {metrics['charts/reward']:.3f} acc {accuracy:.3f} "
+                      f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
+                      f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
+                      f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
+            if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):
+                common.save_checkpoint(logger.dir / "checkpoint.pt", learner, optimizer, version, data_position, iteration=iteration,
+                                       totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
+                                       carried_keys=[r.key for r in buffer.values()])
+        sampler.abort(list(sampler.pending))
+        eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                   temperature=args.temperature, max_tokens=args.max_new_tokens)
+        logger.log(version, eval_end)
+        memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
+    finally:
+        sampler.close()
+
+    label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
+    rows = [r for r in common.read_metrics(logger.dir) if "time/iteration_seconds" in r]
+    mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
+    print(f"\n{label}: {args.num_iterations} iterations of {B} sequences, {args.num_ppo_epochs} epochs x {args.num_minibatches} minibatches")
+    print("| method | wall (s) | iteration (s) | generate | score exposed | score hidden | train | push | reward (last 10) | accuracy start -> end |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {label} | {totals['wall']:.1f} | {mean('time/iteration_seconds'):.3f} | {mean('time/generate_seconds'):.3f} | "
+          f"{mean('time/score_exposed_seconds'):.3f} | {mean('time/score_hidden_seconds'):.3f} | {mean('time/train_seconds'):.3f} | "
+          f"{mean('time/push_seconds'):.3f} | {np.mean([r['charts/reward'] for r in rows[-10:]]):.3f} | "
+          f"{eval_start['eval/pass@1']:.3f} -> {eval_end['eval/pass@1']:.3f} |")
+    print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
+    logger.close()
+
+
+if __name__ == "__main__":
+    main()
