@@ -435,6 +435,16 @@ def resolve_model(name: str) -> str:
     return str(tiny_model_path()) if name == TINY else name
 
 
+def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
+    """Prompt budget + response cap must fit the model's context, or vLLM refuses to start."""
+    from transformers import AutoConfig
+
+    context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
+    if context and max_prompt_tokens + max_new_tokens > context:
+        raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt tokens exceed "
+                         f"the model's context of {context} tokens; use --max-new-tokens {context - max_prompt_tokens} or less")
+
+
 def load_hf(cls, path: str, flag: str = "--model", quiet: bool = False, **kwargs):
     """`cls.from_pretrained(path)` that fails with one clear line naming `flag` instead of a Hub
     traceback. `quiet`: no load report (e.g. a value head that is new by design)."""
@@ -1028,10 +1038,11 @@ class Sampler:
 
     # -- generation --
     def submit(self, prompts: list[list[int]], n: int = 1, tags: list[Any] | None = None, stream_every: int = 0,
-               **sampling) -> list[str]:
+               per_prompt: list[dict] | None = None, **sampling) -> list[str]:
         """Queue n samples of each prompt (token ids) without waiting. `sampling` are vLLM
-        SamplingParams fields (temperature, top_p, max_tokens, ...). With stream_every=C the
-        sampler also returns unfinished chunks of at least C new tokens. Returns request ids."""
+        SamplingParams fields (temperature, top_p, max_tokens, ...), `per_prompt` optional
+        overrides of them for each prompt. With stream_every=C the sampler also returns
+        unfinished chunks of at least C new tokens. Returns request ids."""
         sampling = {"logprobs": 0, **sampling}
         requests, ids = [], []
         for i, prompt in enumerate(prompts):
@@ -1040,7 +1051,7 @@ class Sampler:
                 tag = tags[i] if tags is not None else (i, j)
                 if tags is not None and n > 1:
                     tag = (tags[i], j)
-                params = dict(sampling)
+                params = dict(sampling, **(per_prompt[i] if per_prompt else {}))
                 if "seed" in params and params["seed"] is not None:
                     params["seed"] = params["seed"] + int(rid)  # distinct but reproducible per sample
                 requests.append((rid, list(prompt), params, stream_every, tag))

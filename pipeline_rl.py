@@ -145,6 +145,7 @@ def main():
     common.limit_cpu_threads()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_path = common.resolve_model(args.model)
+    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None

@@ -96,9 +96,9 @@ class Args:
     inter: bool = True
     """inter-step overlap: over-commit Delta prompts and carry unfinished ones over (--no-inter: wait for all B)"""
     chunk_size: int | None = None
-    """C: tokens per streamed chunk at the start [tiny 8; otherwise 256]"""
+    """C: tokens per streamed chunk at the start [max-new-tokens / 4]"""
     chunk_candidates: tuple[int, ...] | None = None
-    """chunk sizes tried every --chunk-tune-every iterations [tiny 4 8 16; otherwise 128 256 512, the paper's]"""
+    """chunk sizes tried every --chunk-tune-every iterations [max-new-tokens / 8, / 4, / 2: 128 256 512 at 1024, the paper's]"""
     chunk_tune_every: int | None = None
     """iterations between chunk-size trials (0: keep --chunk-size) [tiny 20; otherwise 50, the paper's]"""
     delta: int = 8
@@ -130,9 +130,9 @@ class Args:
 
 
 TINY = dict(num_iterations=60, batch_size=64, num_ppo_epochs=2, learning_rate=1e-4, kl_coef=0.01, temperature=1.0,
-            max_new_tokens=32, chunk_size=8, chunk_candidates=(4, 8, 16), chunk_tune_every=20, delta_window=5)
+            max_new_tokens=32, chunk_tune_every=20, delta_window=5)
 PAPER = dict(num_iterations=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, kl_coef=0.05, temperature=0.7,
-             max_new_tokens=1024, chunk_size=256, chunk_candidates=(128, 256, 512), chunk_tune_every=50, delta_window=10)
+             max_new_tokens=1024, chunk_tune_every=50, delta_window=10)
 
 
 # --------------------------------------------------------------------------------------
@@ -326,6 +326,8 @@ def main():
     for name, value in (TINY if tiny else PAPER).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.chunk_size = args.chunk_size or max(1, args.max_new_tokens // 4)
+    args.chunk_candidates = args.chunk_candidates or tuple(max(1, args.max_new_tokens // d) for d in (8, 4, 2))
     B = args.batch_size
     common.check_args(B >= 1 and args.num_iterations >= 1 and args.num_ppo_epochs >= 1, "--batch-size/--num-iterations/--num-ppo-epochs",
                       "must be >= 1")
@@ -341,13 +343,14 @@ def main():
     delta = args.delta if args.inter else 0
     max_delta = args.delta_max if args.inter else 0
     eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
-    args.max_prompt_tokens = 64 if tiny else 512
+    args.max_prompt_tokens = 32 if tiny else 512  # the tiny model's context is 128: room for 96-token responses
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     common.set_seed(args.seed)
     common.limit_cpu_threads()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model_path = common.resolve_model(args.model)
+    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     policy = common.load_policy(model_path, device)
     # the critic is the policy's architecture with a value head (a fresh 1-output score layer)
@@ -384,19 +387,25 @@ def main():
         buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
         finished: list[Rollout] = []  # finished and not yet trained on, in finishing order
 
-        def admit(key: int) -> bool:
-            problem = task.problem("train", key)
-            _, prompts, skipped = common.encode_prompts(tokenizer, [problem], args.max_prompt_tokens)
-            if skipped:  # longer than the context: counted in the log, not sent
-                totals["skipped_prompts"] += 1
-                return False
-            sampling = dict(temperature=args.temperature, max_tokens=args.max_new_tokens)
-            if args.long_tail:
-                length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail))))
-                sampling |= dict(ignore_eos=True, max_tokens=length)  # ignore_eos: min_tokens would distort the logprobs
-            [rid] = sampler.submit(prompts, tags=[key], stream_every=chunk if args.intra else 0, **sampling)
-            buffer[rid] = Rollout(rid, key, problem, prompts[0], iteration, prefix={name: Prefix() for name in downstream})
-            return True
+        def admit(keys: list[int]) -> int:
+            """Submit these problems' prompts, one sample each, streamed in chunks when intra is on;
+            prompts longer than the context are counted in the log, not sent. Returns how many went."""
+            candidates = [task.problem("train", k) for k in keys]
+            problems, prompts, skipped = common.encode_prompts(tokenizer, candidates, args.max_prompt_tokens)
+            totals["skipped_prompts"] += skipped
+            kept = {id(p) for p in problems}
+            keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
+            per_prompt = None
+            if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
+                lengths = np.minimum(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(prompts)))).astype(int)
+                per_prompt = [dict(ignore_eos=True, max_tokens=int(n)) for n in lengths]
+            if not prompts:
+                return 0
+            ids = sampler.submit(prompts, tags=keys, stream_every=chunk if args.intra else 0,
+                                 per_prompt=per_prompt, temperature=args.temperature, max_tokens=args.max_new_tokens)
+            for rid, key, problem, prompt in zip(ids, keys, problems, prompts):
+                buffer[rid] = Rollout(rid, key, problem, prompt, iteration, prefix={name: Prefix() for name in downstream})
+            return len(ids)
 
         def receive(timeout: float) -> None:
             for c in sampler.poll(timeout=timeout):
@@ -410,13 +419,12 @@ def main():
 
         def score(rollouts: list[Rollout]) -> None:
             for name, model in downstream.items():
-                prefill(name, model, rollouts, args.temperature, 4 * args.micro_batch_size)
+                prefill(name, model, rollouts, args.temperature, args.micro_batch_size)
 
         eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                      temperature=args.temperature, max_tokens=args.max_new_tokens)
         logger.log(version, eval_start)
-        for key in carried_keys:  # a resumed run continues the prompts that were in flight
-            admit(key)
+        admit(carried_keys)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
         while iteration < args.num_iterations:
             iteration_start = time.time()
@@ -428,8 +436,11 @@ def main():
                     trial_seconds = {}
             # ---- Stage 1: fill the buffer to B + Delta prompts ----
             while len(buffer) < B + delta:
-                data_position += 1
-                admit(data_position - 1)
+                if totals["skipped_prompts"] > 1000 and not totals["samples"]:
+                    raise SystemExit(f"error: every prompt so far is longer than {args.max_prompt_tokens} tokens")
+                wanted = B + delta - len(buffer)
+                admit(list(range(data_position, data_position + wanted)))
+                data_position += wanted
             # the critic changed in the last update: carried sequences re-prefill it (reference and
             # reward model are frozen, their caches stay valid)
             for r in buffer.values():
@@ -477,6 +488,7 @@ def main():
             returns = advantages + values
             advantages = whiten(advantages, resp_mask)
             token_versions = [[v for v, s, e in r.final.versions for _ in range(e - s)] for r in batch]
+            lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
 
             policy.train()
             stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy", "logprob_diff")}
@@ -532,7 +544,6 @@ def main():
             totals["tokens"] += total_tokens
             totals["wall"] = time.time() - loop_start
             ages = [iteration - 1 - r.admitted for r in batch]
-            lags = [version - v for versions in token_versions for v in versions]
             valid = resp_mask.bool()
             explained_variance = 1 - torch.var(returns[valid] - values[valid]) / torch.var(returns[valid])
             accuracy = float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch]))
@@ -541,10 +552,13 @@ def main():
                 "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
                 "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0,
                 "charts/carried_over": len(buffer), "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)),
-                "charts/carried_in_batch": sum(a > 0 for a in ages), "charts/lag_mean": float(np.mean(lags)),
-                "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
+                "charts/carried_in_batch": sum(a > 0 for a in ages),
+                # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
+                "charts/resumed_in_batch": sum(len({v for v, _, _ in r.final.versions}) > 1 for r in batch),
+                "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
                 "charts/logprob_diff": float(np.mean(stats["logprob_diff"])) if stats["logprob_diff"] else float("nan"),
-                "charts/episodes": totals["samples"], "charts/samples_per_second": totals["samples"] / totals["wall"], "charts/tokens_per_second": totals["tokens"] / totals["wall"],
+                "charts/episodes": totals["samples"], "charts/samples_per_second": totals["samples"] / totals["wall"],
+                "charts/tokens_per_second": totals["tokens"] / totals["wall"],
                 "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "losses/policy": sum(stats["pg"]) / args.num_ppo_epochs, "losses/value": sum(stats["vf"]) / args.num_ppo_epochs,
                 "losses/clipfrac": sum(stats["clipfrac"]) / args.num_ppo_epochs, "losses/approx_kl": sum(stats["approx_kl"]) / args.num_ppo_epochs,

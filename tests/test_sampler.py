@@ -81,10 +81,14 @@ def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
 
 def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
     _, prompts = _prompts(tokenizer, 4)
-    ids = sampler.submit(prompts, n=1, stream_every=3, temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    ids = sampler.submit(prompts, n=1, stream_every=3, temperature=1.0, max_tokens=48, ignore_eos=True, seed=5)
     chunks, finals = {i: [] for i in ids}, {}
     deadline = time.monotonic() + 60
+    resized = False
     while len(finals) < len(ids) and time.monotonic() < deadline:
+        if not resized and sum(len(c) for c in chunks.values()) >= 4:
+            sampler.set_stream_every(10)  # running requests switch to 10-token chunks
+            resized = True
         for c in sampler.poll(timeout=1.0):
             if c.request_id not in chunks:
                 continue  # left over from an earlier test on this session's sampler
@@ -97,7 +101,10 @@ def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
         streamed = [t for c in chunks[rid] for t in c.token_ids]
         assert len(chunks[rid]) >= 2 and all(len(c.token_ids) >= 3 for c in chunks[rid])
         assert streamed == finals[rid].token_ids[: len(streamed)]
-        assert len(finals[rid].token_ids) == 24
+        assert len(finals[rid].token_ids) == 48
+        # the final text is the whole response's, not the last delta's
+        assert finals[rid].text == tokenizer.decode(finals[rid].token_ids, skip_special_tokens=True)
+        assert any(len(c.token_ids) >= 10 for c in chunks[rid][1:])  # after the resize
 
 
 def test_pause_keeps_sequences_and_resume_continues(tokenizer, sampler):

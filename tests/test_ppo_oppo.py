@@ -1,0 +1,212 @@
+"""PPO with OPPO: chunked prefill = full forward for critic, reference and a reward model; GAE and
+the PPO losses by hand; the Delta controller and chunk tuner on scripted inputs; carried-over
+sequences resuming on the real sampler; every ablation from the command line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+import common
+import ppo_oppo as po
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_reward_model(tiny_path, tmp_path_factory):
+    """A sequence-classification model on the tiny architecture with a random score head, saved
+    with the policy's tokenizer: a reward model the script can load."""
+    torch.manual_seed(3)
+    model = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    path = tmp_path_factory.mktemp("tiny_rm")
+    model.save_pretrained(path)
+    common.load_tokenizer(tiny_path).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_chunked_prefill_equals_full_forward(tiny_path, tokenizer, tiny_reward_model, chunk):
+    """Responses arrive in chunks of `chunk` tokens (plus a per-sequence offset, so chunk borders
+    fall at different places mid-sequence); each chunk is prefilled on top of the cached prefix,
+    batched with other sequences. Values, reference logprobs and RM scores must equal one full
+    forward of the whole padded batch."""
+    torch.manual_seed(0)
+    critic = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).eval()
+    ref = common.load_policy(tiny_path, "cpu").eval()
+    rm = common.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).eval()
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    models = dict(critic=critic, ref=ref, rm=rm)
+    prompts = [tokenizer(p)["input_ids"] for p in ("1 2 3->6:", "4 5 9->20:", "7 8 9->56:")]
+    responses = [torch.randint(3, len(tokenizer), (n,)).tolist() for n in (13, 5, 21)]
+    rollouts = [po.Rollout(str(i), i, None, p, 0, prefix={name: po.Prefix() for name in models}) for i, p in enumerate(prompts)]
+    for name, model in models.items():  # the prompts, before any response token
+        po.prefill(name, model, rollouts, 0.7, micro_batch_size=2)
+    done = [0, 0, 0]
+    while any(d < len(r) for d, r in zip(done, responses)):
+        for i, r in enumerate(rollouts):
+            done[i] = min(len(responses[i]), done[i] + chunk + i)
+            r.response = responses[i][:done[i]]
+        for name, model in models.items():
+            po.prefill(name, model, rollouts, 0.7, micro_batch_size=2)
+
+    ids, attn, cmask = common.pad_prompt_completions(prompts, responses, tokenizer.pad_token_id)
+    with torch.no_grad():
+        full_logp = common.token_logprobs(ref, ids, attn, cmask, 0.7)
+        full_values = po.critic_values(critic, ids, attn, cmask)
+        full_scores = rm(input_ids=ids, attention_mask=attn).logits[:, 0]
+    for i, r in enumerate(rollouts):
+        start, T = len(prompts[i]) - 1, len(responses[i])
+        assert r.prefix["ref"].length == len(prompts[i]) + T
+        torch.testing.assert_close(po.scored(r, "ref", ref), full_logp[i, start:start + T], atol=1e-4, rtol=0)
+        torch.testing.assert_close(po.scored(r, "critic", critic), full_values[i, start:start + T], atol=1e-4, rtol=0)
+        torch.testing.assert_close(po.scored(r, "rm", rm), full_scores[i], atol=1e-4, rtol=0)
+    assert full_scores.std() > 1e-3  # the random head gives the sequences different scores
+
+
+def test_gae_by_hand():
+    # sequence 0: 3 tokens; sequence 1: 1 token then padding (zeros)
+    rewards = torch.tensor([[0.0, -0.1, 1.0], [0.5, 0.0, 0.0]])
+    values = torch.tensor([[0.2, 0.4, 0.6], [0.3, 0.0, 0.0]])
+    gamma, lam = 0.9, 0.8
+    d2 = 1.0 - 0.6
+    d1 = -0.1 + gamma * 0.6 - 0.4
+    d0 = 0.0 + gamma * 0.4 - 0.2
+    a2, a1 = d2, d1 + gamma * lam * d2
+    a0 = d0 + gamma * lam * a1
+    expected = torch.tensor([[a0, a1, a2], [0.5 - 0.3, 0.0, 0.0]])
+    torch.testing.assert_close(po.gae(rewards, values, gamma, lam), expected)
+
+
+def test_ppo_losses_by_hand():
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -1.0]])  # ratios e^0.5 (clipped at 1.2) and 1
+    adv = torch.tensor([[1.0, -2.0]])
+    v_pred = torch.tensor([[0.5, 0.0]])
+    v_old = torch.tensor([[0.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.0]])
+    mask = torch.ones(1, 2)
+    pg, vf, stats = po.ppo_losses(logp, old, adv, v_pred, v_old, returns, mask, clip_coef=0.2, vf_clip=0.2)
+    ratio0 = torch.e ** 0.5
+    assert pg.item() == pytest.approx((max(-ratio0, -1.2) + 2.0) / 2)
+    # value 0.5 clipped to 0.2: max((0.5-1)^2, (0.2-1)^2) = 0.64; second token: 1
+    assert vf.item() == pytest.approx(0.5 * (0.64 + 1.0) / 2)
+    assert stats["clipfrac"].item() == pytest.approx(0.5)
+    pg.backward()
+    assert logp.grad[0, 0].item() == 0.0  # clipped: no gradient through the first token
+
+
+def test_delta_controller_follows_algorithm1():
+    # nothing moves before 2W rewards
+    assert po.next_delta(8, [0.1, 0.2, 0.3], window=2, delta_min=0, delta_max=16, rule="eq4") == (8, [0.1, 0.2, 0.3])
+    rising, falling, flat = [0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2]
+    # change = max(1, floor(Delta / 4)); history keeps the last W
+    assert po.next_delta(8, rising, 2, 0, 16, "eq4") == (10, [0.3, 0.4])
+    assert po.next_delta(8, falling, 2, 0, 16, "eq4") == (6, [0.2, 0.1])
+    assert po.next_delta(3, rising, 2, 0, 16, "eq4")[0] == 4  # floor(3/4) = 0 -> change 1
+    assert po.next_delta(8, flat, 2, 0, 16, "eq4")[0] == 6  # Eq. 4: s <= 0 shrinks
+    # Algorithm 1 line 25 as printed: Delta - sign(d) * change
+    assert po.next_delta(8, rising, 2, 0, 16, "alg1")[0] == 6
+    assert po.next_delta(8, falling, 2, 0, 16, "alg1")[0] == 10
+    assert po.next_delta(8, flat, 2, 0, 16, "alg1")[0] == 8  # sign(0) = 0
+    # clipped to [Delta_min, Delta_max]
+    assert po.next_delta(15, rising, 2, 0, 16, "eq4")[0] == 16
+    assert po.next_delta(1, falling, 2, 1, 16, "eq4")[0] == 1
+
+    # a scripted training run: the reward climbs for 12 iterations, then plateaus and falls
+    series = [0.1 + 0.05 * i for i in range(12)] + [0.7] * 4 + [0.7 - 0.05 * i for i in range(8)]
+    delta, history, trace = 8, [], []
+    for r in series:
+        history.append(r)
+        delta, history = po.next_delta(delta, history, 2, 0, 16, "eq4")
+        trace.append(delta)
+    assert max(trace[:12]) == 16 and trace[-1] < trace[11]  # grows while learning, decays afterwards
+
+
+def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
+    candidates, every, chunk, trials, used = (4, 8, 16), 6, 8, {}, []
+    fake_seconds = {4: 0.9, 8: 0.5, 16: 0.7}
+    for iteration in range(14):
+        chunk = po.chunk_for_iteration(iteration, chunk, candidates, every, trials)
+        if iteration % every == 0:
+            trials = {}
+        used.append(chunk)
+        if iteration % every < len(candidates):
+            trials[chunk] = fake_seconds[chunk]
+    assert used == [4, 8, 16, 8, 8, 8, 4, 8, 16, 8, 8, 8, 4, 8]
+    assert po.chunk_for_iteration(5, 32, candidates, 0, {}) == 32  # tuning off
+
+
+def _run(tmp_path, *flags, expect_ok=True):
+    cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", "tiny", "--num-iterations", "4", "--batch-size", "8",
+           "--eval-problems", "8", "--eval-samples", "2", "--micro-batch-size", "8", *flags]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    if expect_ok:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out
+
+
+def _metrics(tmp_path, exp_name):
+    [run] = (tmp_path / "runs").glob(f"{exp_name}__*")
+    return run, [r for r in common.read_metrics(run) if "time/iteration_seconds" in r]
+
+
+def test_oppo_carries_sequences_over_and_resumes_them(tmp_path):
+    """Long-tailed forced lengths and Delta = 8 on B = 8: the longest sequences are not done when
+    B have finished, wait paused through the update, continue with the new weights and land in a
+    later batch with tokens of two policy versions (their partial generation was kept)."""
+    _run(tmp_path, "--exp-name", "oppo", "--long-tail", "0.5", "--long-tail-scale", "2", "--max-new-tokens", "64",
+         "--delta", "8", "--delta-min", "8", "--num-iterations", "6", "--chunk-tune-every", "0")
+    _, rows = _metrics(tmp_path, "oppo")
+    assert len(rows) == 6
+    assert sum(r["charts/carried_in_batch"] for r in rows) > 0
+    assert sum(r["charts/resumed_in_batch"] for r in rows) > 0
+    assert max(r["charts/batch_age_max"] for r in rows) >= 1 and max(r["charts/lag_max"] for r in rows) >= 1
+    assert all(r["charts/delta"] == 8 for r in rows)
+    assert all(r["time/score_hidden_seconds"] > 0 for r in rows)  # chunks were scored during generation
+    # sequences of the current version: the sampler's logprobs are the learner's (fp32)
+    assert max(r["charts/logprob_diff"] for r in rows) < 1e-3
+
+
+def test_plain_ppo_has_no_carry_over_nor_hidden_scoring(tmp_path):
+    out = _run(tmp_path, "--exp-name", "plain", "--no-intra", "--no-inter")
+    _, rows = _metrics(tmp_path, "plain")
+    assert all(r["charts/carried_in_batch"] == 0 and r["charts/lag_max"] == 0 for r in rows)
+    assert all(r["time/score_hidden_seconds"] == 0 for r in rows)
+    assert "| plain PPO |" in out.stdout
+
+
+@pytest.mark.parametrize("flag", ["--no-intra", "--no-inter"])
+def test_each_ablation_runs(tmp_path, flag):
+    out = _run(tmp_path, "--exp-name", "ablation", flag)
+    label = "inter only" if flag == "--no-intra" else "intra only"
+    assert f"| {label} |" in out.stdout
+    _, rows = _metrics(tmp_path, "ablation")
+    assert len(rows) == 4
+    hidden = [r["time/score_hidden_seconds"] for r in rows]
+    assert (min(hidden) > 0) if flag == "--no-inter" else (max(hidden) == 0)
+
+
+def test_reward_model_run_and_resume(tmp_path, tiny_reward_model):
+    _run(tmp_path, "--exp-name", "rm", "--reward-model", tiny_reward_model, "--num-iterations", "2", "--save-every", "1")
+    run, rows = _metrics(tmp_path, "rm")
+    assert len(rows) == 2
+    _run(tmp_path, "--reward-model", tiny_reward_model, "--num-iterations", "3", "--resume", str(run))
+    rows = [r for r in common.read_metrics(run) if "time/iteration_seconds" in r]
+    assert len(rows) == 3 and rows[-1]["step"] == 3 * 2  # iteration 3 of 2 epochs x 1 minibatch
+    state = torch.load(run / "checkpoint.pt", weights_only=False)
+    assert state["iteration"] == 3 and "critic.score.weight" in state["model"]
+
+
+def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path):
+    out = _run(tmp_path, "--delta", "20", "--delta-max", "16", expect_ok=False)
+    assert out.returncode != 0 and "--delta" in out.stderr.strip().splitlines()[-1]
+    out = _run(tmp_path, "--reward-model", str(tmp_path / "missing"), expect_ok=False)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --reward-model")
+    out = _run(tmp_path, "--max-new-tokens", "500", expect_ok=False)
+    assert out.returncode != 0 and "context" in out.stderr.strip().splitlines()[-1]
