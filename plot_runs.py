@@ -166,8 +166,9 @@ def plot(run_dirs, metrics, x="wall", out="plot.png", labels=None, smooth=1) -> 
             if not ys:
                 continue
             marker = "o" if len(ys) <= 30 else None  # eval metrics: a few points
-            line, = ax.plot(xs, moving_average(ys, smooth), label=label, marker=marker, markersize=3)
-            if smooth > 1:  # the raw values stay visible behind the average
+            window = smooth if len(ys) >= 3 * smooth else 1  # averaging a handful of points would only blur them
+            line, = ax.plot(xs, moving_average(ys, window), label=label, marker=marker, markersize=3)
+            if window > 1:  # the raw values stay visible behind the average
                 ax.plot(xs, ys, color=line.get_color(), alpha=0.25, linewidth=1)
         ax.set_title(metric)
         ax.set_xlabel(X_LABELS[x])
