@@ -176,13 +176,12 @@ def main():
         wait_start = time.time()
         batch = pending | dict(samples=sampler.wait_for(pending["ids"]))
         learner_wait = time.time() - wait_start
+        if not args.sync and start_round + 1 < args.num_rounds:
+            pending = submit_round()  # GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
         loop_start = time.time() - totals["wall"]
         for round_index in range(start_round, args.num_rounds):
             last = round_index + 1 == args.num_rounds
             round_start = time.time()
-            sampler_idle = round_start - max(s.finished_at for s in batch["samples"])
-            if not args.sync and not last:
-                pending = submit_round()  # GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
 
             # ---- pairs: best and worst of the K completions of each prompt ----
             train_start = time.time()
@@ -222,17 +221,27 @@ def main():
                 margins.append(logits.mean().item())
             train_seconds = time.time() - train_start
 
-            # ---- next round's data; then the new weights go to the sampler ----
+            # ---- the new weights go to the sampler; then the next round's data ----
             wait_start = time.time()
             if args.sync and not last:
                 push_seconds = sampler.push_weights(step)
                 pending = submit_round()
+                following = None
+            elif not last:
+                # applied as soon as the round in flight has finished (no batch mixes versions); the
+                # round after it is queued at once and generates while we receive this one's results
+                push_seconds = sampler.push_weights(step, when_idle=True)
+                following = submit_round() if round_index + 2 < args.num_rounds else None
             if not last:
                 next_samples = sampler.wait_for(pending["ids"])
+                round_end = max(s.finished_at for s in next_samples)
+                # the sampler's idle time between two rounds (sync: the whole train step)
+                if args.sync:
+                    sampler_idle = pending["submitted"] - max(s.finished_at for s in batch["samples"])
+                else:
+                    sampler_idle = (following["submitted"] if following else time.time()) - round_end
             learner_wait = time.time() - wait_start
-            if not args.sync and not last:
-                push_seconds = sampler.push_weights(step)  # after the round finished: no mixed versions
-            generate_seconds = (max(s.finished_at for s in next_samples) - pending["submitted"]) if not last else float("nan")
+            generate_seconds = (round_end - pending["submitted"]) if not last else float("nan")
             totals["wall"] = time.time() - loop_start
             totals["episodes"] += len(samples)
             totals["train"] += train_seconds
@@ -253,7 +262,8 @@ def main():
                 "losses/logits_margin": float(np.mean(margins)) if margins else float("nan"),
                 "time/train_seconds": train_seconds, "time/generate_seconds": generate_seconds,
                 "time/step_seconds": time.time() - round_start, "time/learner_wait_seconds": learner_wait,
-                "time/sampler_wait_seconds": sampler_idle, "time/push_seconds": push_seconds if not last else float("nan"),
+                "time/sampler_wait_seconds": sampler_idle if not last else float("nan"),
+                "time/push_seconds": push_seconds if not last else float("nan"),
             }
             logger.log(step, metrics, echo=False)
             print(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
@@ -262,6 +272,7 @@ def main():
                   f"gen {generate_seconds:.2f}s train {train_seconds:.2f}s step {metrics['time/step_seconds']:.2f}s")
             if not last:
                 batch = pending | dict(samples=next_samples)
+                pending = following if not args.sync else pending
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
                                        round=round_index + 1, totals=totals)

@@ -107,6 +107,24 @@ def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
         assert any(len(c.token_ids) >= 10 for c in chunks[rid][1:])  # after the resize
 
 
+def test_push_when_idle_waits_for_the_running_requests(tiny_path, tokenizer, sampler):
+    """Async online DPO's push: issued while a round is generating, applied only after its last
+    request has finished, so the round is all old version and the next one all new."""
+    model = common.load_policy(tiny_path, "cpu")
+    sampler.init_weight_sync(model)
+    old = sampler.version
+    _, prompts = _prompts(tokenizer, 8)
+    running = sampler.submit(prompts, n=2, temperature=1.0, max_tokens=80, ignore_eos=True)
+    sampler.poll(timeout=0.2)  # let it start decoding
+    sampler.push_weights(old + 1, when_idle=True)
+    pushed_at = time.time()
+    after = sampler.submit(prompts[:2], n=1, temperature=1.0, max_tokens=8)
+    first, second = sampler.wait_for(running), sampler.wait_for(after)
+    assert all(c.versions == [(old, 0, 80)] for c in first)
+    assert max(c.finished_at for c in first) <= pushed_at
+    assert all(c.version_min == c.version_max == old + 1 for c in second)
+
+
 def test_pause_keeps_sequences_and_resume_continues(tokenizer, sampler):
     _, prompts = _prompts(tokenizer, 8)
     sampler.pause()

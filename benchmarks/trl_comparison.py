@@ -1,0 +1,622 @@
+"""Side by side with TRL (issue 7): TRL's RLOOTrainer against `rloo_kreuse.py --k 1`, and TRL's
+online DPO trainer against `online_dpo_async.py` (asynchronous, its default), on the same work,
+in one run. Then the same speed measurement on a ~50M-parameter random model.
+
+    .venv/bin/pip install -e '.[trl]'                          # trl==1.16.0 (pinned)
+    .venv/bin/python benchmarks/trl_comparison.py              # ~10 min on 2 cores
+    .venv/bin/python benchmarks/trl_comparison.py --quick      # smoke run, a few steps each
+
+Same work on both sides: the same model directory, the same training prompts (problems 0..N*P-1
+of the offline Countdown generator, in order), P prompts x G completions per optimizer step, the
+same number of steps, max completion length, temperature (top-p 1, no top-k), learning rate
+(constant, Adam(W) without weight decay, eps 1e-7), gradient clipping, fp32 on the CPU, and the
+same reward: `task.reward` (our Countdown verifier) handed to TRL as a reward function.
+
+Ours runs as a subprocess of the real script with its real CLI flags. The only addition is a
+thin wrapper (`run_instrumented`) that times `common.token_logprobs`, `Tensor.backward` and
+`Adam.step` and counts the completion tokens of every training round; it changes no number.
+TRL runs in a subprocess too (`run_trl_worker`), with timers on the trainer's own methods. TRL's
+model is saved to a directory after training and evaluated exactly as our scripts evaluate:
+`common.evaluate` on a vLLM sampler started on that directory (same seed, same held-out
+problems, same samples per problem and sampling parameters).
+
+Wall per step: the steady-state optimizer step, i.e. the mean over steps 2..N of the time between
+consecutive optimizer steps (TRL: `on_step_end` callbacks; ours: the per-round wall time the
+script logs). Our async DPO also leaves out its last round, which has no next round to generate
+(as benchmarks/dpo_sync_vs_async.py does). Completion tokens/s: completion tokens generated for
+training per step (EOS included, padding not) / wall per step.
+
+What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
+- RLOO KL: ours adds beta_kl * KL(pi || pi_ref) (k3 estimator, summed per response) to the
+  loss, with its gradient; TRL subtracts beta * (log pi_old - log pi_ref) summed per response
+  (k1) from the reward, before the leave-one-out baseline. Same beta (0.01), different estimator
+  and place.
+- RLOO entropy bonus: ours 0.01 (the tiny default); TRL has none. `--ours-rloo-extra
+  '--beta-ent 0'` removes ours.
+- RLOO policy gradient: ours -w A log pi(y) with w = exp(log pi - log pi_sampler) detached
+  (sequence level, ~1 at K = 1); TRL -min(r A, clip(r) A) with r = exp(log pi - log pi_old) and
+  log pi_old recomputed by the learner (exactly 1 at num_iterations = 1). Same gradient at K = 1.
+  TRL pays one extra no-grad forward per step for log pi_old; ours takes the sampler's logprobs.
+- Online DPO: TRL always samples 2 completions per prompt (hard-coded), so ours runs with
+  `--num-completions 2` (its tiny default is 4). Ties: TRL keeps tied pairs (chosen = the first
+  completion when rewards are equal) and trains on every prompt; ours drops prompts whose
+  completions tie, so it trains on fewer pairs per step.
+- Online DPO timing: ours is asynchronous (generates step t+1 while training on step t, one step
+  off-policy); TRL is synchronous and on-policy. That is the comparison asked for.
+- Generation: TRL generates with `model.generate` of the training model in the training process
+  (use_vllm=False: a padded batch that runs until its longest completion ends; no weight sync);
+  ours uses the vLLM sampler process and pushes the weights to it after every step.
+- Threads: our learner and sampler are separate processes with one thread each; TRL is one
+  process with `--trl-threads` threads (1: two threads were much slower on this 2-core machine).
+- TRL's defaults that would slow it down are turned off: gradient checkpointing (TRL default on;
+  for online DPO it also disables the KV cache during generation) and bf16 autocast (default on).
+  Its optimizer stays TRL's default (fused AdamW, weight decay 0, which is Adam).
+- RNG: both sides use seed 1, but vLLM's and torch's sampling streams differ, so the completions
+  (and so the runs) are different draws of the same process.
+
+Accuracy is measured once per side (one seed); on 200 held-out problems it moves by about
++-0.02 between repeated runs. At 50M the model is a random init: its accuracy means nothing and
+is not reported; only speed is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import torch
+import tyro
+from safetensors import safe_open
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+TRL_VERSION = "1.16.0"
+MAX_PROMPT_TOKENS = 64  # what our scripts use with --model tiny (and so with the 50M model run as `tiny`)
+M50_CACHE = common.CACHE_DIR / "bench-50m"  # FASTRL_CACHE for the 50M runs of ours (see build_50m)
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    """seed of every run (ours and TRL)"""
+    rloo_steps: int = 40
+    """RLOO optimizer steps (= sampling rounds at K = 1) on the tiny model"""
+    rloo_prompts: int = 32
+    """RLOO prompts per step"""
+    rloo_completions: int = 8
+    """RLOO completions per prompt (group size)"""
+    rloo_temperature: float = 0.8
+    """RLOO sampling temperature (ours' default)"""
+    dpo_steps: int = 40
+    """online DPO optimizer steps on the tiny model"""
+    dpo_prompts: int = 32
+    """online DPO prompts per step"""
+    dpo_completions: int = 2
+    """online DPO completions per prompt: TRL always samples 2, so ours gets --num-completions 2"""
+    dpo_temperature: float = 1.0
+    """online DPO sampling temperature (ours' tiny default)"""
+    learning_rate: float = 1e-4
+    """learning rate of both methods (ours' tiny default), constant"""
+    max_new_tokens: int = 32
+    """max completion length (ours' tiny default)"""
+    eval_problems: int = 200
+    """held-out problems for the accuracy (ours' tiny default)"""
+    m50_steps: int = 5
+    """optimizer steps per side on the ~50M model (speed only)"""
+    m50_rloo_prompts: int = 8
+    """RLOO prompts per step on the ~50M model"""
+    m50_rloo_completions: int = 4
+    """RLOO completions per prompt on the ~50M model"""
+    m50_dpo_prompts: int = 16
+    """online DPO prompts per step on the ~50M model (x 2 completions)"""
+    skip_50m: bool = False
+    """leave out the ~50M model measurement"""
+    trl_threads: int = 1
+    """torch threads of the TRL process"""
+    ours_rloo_extra: str = ""
+    """extra flags for rloo_kreuse.py, e.g. '--beta-ent 0'"""
+    ours_dpo_extra: str = ""
+    """extra flags for online_dpo_async.py"""
+    quick: bool = False
+    """smoke run: 3 steps per side on the tiny model, 2 on the 50M, 20 eval problems"""
+
+
+@dataclass
+class Workload:
+    """One training run, described the same way for both sides."""
+
+    method: str  # "rloo" or "dpo"
+    model_dir: str
+    steps: int
+    prompts: int
+    completions: int
+    temperature: float
+    learning_rate: float
+    max_new_tokens: int
+    seed: int
+    eval_problems: int  # 0: no evaluation (the 50M model)
+    eval_samples: int  # per held-out problem: 16 for RLOO (pass@1 of the Table 4 protocol), 4 for DPO
+
+
+# --------------------------------------------------------------------------------------
+# The reward, as TRL wants it
+# --------------------------------------------------------------------------------------
+
+
+class TaskReward:
+    """Our task's reward as a TRL reward function: TRL calls it with the prompts, the decoded
+    completions and every extra dataset column (here `numbers` and `target`) as lists."""
+
+    __name__ = "countdown"  # TRL names the reward's metrics after it
+
+    def __init__(self, task):
+        self.task = task
+
+    def __call__(self, prompts, completions, numbers, target, **kwargs):
+        return [self.task.reward(c, common.Problem(prompt=p, numbers=list(n), target=int(t)))
+                for p, c, n, t in zip(prompts, completions, numbers, target)]
+
+
+def train_dataset(task, num_problems: int):
+    """The first `num_problems` training problems, in order: the prompts ours takes."""
+    from datasets import Dataset
+
+    problems = [task.problem("train", i) for i in range(num_problems)]
+    return Dataset.from_dict({"prompt": [p.prompt for p in problems], "numbers": [p.numbers for p in problems],
+                              "target": [p.target for p in problems]})
+
+
+# --------------------------------------------------------------------------------------
+# TRL side (runs in its own process: run_trl_worker)
+# --------------------------------------------------------------------------------------
+
+
+def trl_config_kwargs(w: Workload, output_dir: str) -> dict:
+    """Every TRL setting we change from TRL 1.16's defaults; everything else is the default."""
+    shared = dict(
+        output_dir=output_dir, max_steps=w.steps, learning_rate=w.learning_rate, lr_scheduler_type="constant",
+        weight_decay=0.0, adam_epsilon=1e-7, temperature=w.temperature, top_p=1.0, top_k=0, seed=w.seed,
+        use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        report_to="none", save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True,
+    )
+    if w.method == "rloo":
+        batch = w.prompts * w.completions
+        micro = min(64, batch)  # ours computes the loss in minibatches of 64 sequences (rloo_kreuse --minibatch-size)
+        assert batch % micro == 0, f"{batch} completions per step must split into minibatches of {micro}"
+        return shared | dict(
+            num_generations=w.completions, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+            max_completion_length=w.max_new_tokens, beta=0.01, num_iterations=1, max_grad_norm=0.5,
+            shuffle_dataset=False,
+        )
+    assert w.completions == 2, "TRL's online DPO samples exactly 2 completions per prompt"
+    return shared | dict(
+        per_device_train_batch_size=w.prompts, gradient_accumulation_steps=1, max_new_tokens=w.max_new_tokens,
+        beta=0.1, loss_type="sigmoid", missing_eos_penalty=1.0, max_grad_norm=1.0,
+    )
+
+
+def make_step_profiler():
+    from transformers import TrainerCallback
+
+    class StepProfiler(TrainerCallback):
+        """Times every optimizer step (on_step_end to on_step_end) and the phases inside it, by
+        wrapping the trainer's own methods; counts the completion tokens generated per step."""
+
+        def __init__(self):
+            self.start, self.step_ends, self.tokens = 0.0, [], []
+            self.seconds = defaultdict(float)
+
+        def wrap(self, obj, name, phase, count_tokens=None):
+            original = getattr(obj, name)
+
+            def timed(*args, **kwargs):
+                key = phase() if callable(phase) else phase
+                start = time.perf_counter()
+                out = original(*args, **kwargs)
+                self.seconds[key] += time.perf_counter() - start
+                if count_tokens is not None:
+                    self.tokens.append(count_tokens(out))
+                return out
+
+            setattr(obj, name, timed)
+
+        def on_train_begin(self, *args, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_pre_optimizer_step(self, *args, **kwargs):
+            self._optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, *args, **kwargs):
+            self.seconds["optimizer"] += time.perf_counter() - self._optimizer_start
+
+        def on_step_end(self, *args, **kwargs):
+            self.step_ends.append(time.perf_counter())
+
+    return StepProfiler()
+
+
+def forward_phase():
+    return "policy forward (grad)" if torch.is_grad_enabled() else "logprob forwards (no grad)"
+
+
+def run_trl_worker(spec_path: str) -> None:
+    """Entry point of the TRL subprocess: train one Workload with TRL, write timings (and the
+    trained model, for the evaluation) next to the spec."""
+    spec = json.loads(Path(spec_path).read_text())
+    w, out = Workload(**spec["workload"]), Path(spec_path).parent
+    torch.set_num_threads(spec["threads"])
+    task = common.make_task("countdown", w.seed, tiny_prompts=True)
+    tokenizer = common.load_tokenizer(w.model_dir)
+    model = common.load_policy(w.model_dir, "cpu")
+    dataset = train_dataset(task, w.steps * w.prompts)
+    kwargs = trl_config_kwargs(w, str(out / "trl_output"))
+    profiler = make_step_profiler()
+    if w.method == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+
+        trainer = RLOOTrainer(model=model, reward_funcs=TaskReward(task), args=RLOOConfig(**kwargs), train_dataset=dataset,
+                              processing_class=tokenizer, callbacks=[profiler])
+        profiler.wrap(trainer, "_generate_single_turn", "generation", count_tokens=lambda ids: sum(len(c) for c in ids))
+        profiler.wrap(trainer, "_get_per_token_logps_and_entropies", forward_phase)
+        profiler.wrap(trainer, "_calculate_rewards", "reward")
+    else:
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        trainer = OnlineDPOTrainer(model=model, reward_funcs=TaskReward(task), args=OnlineDPOConfig(**kwargs),
+                                   train_dataset=dataset, processing_class=tokenizer, callbacks=[profiler])
+        profiler.wrap(trainer, "_generate", "generation", count_tokens=lambda out: int(out[3].sum()))
+        profiler.wrap(trainer, "_forward", forward_phase)
+        profiler.wrap(trainer, "_calculate_rewards_from_functions", "reward")
+    profiler.wrap(trainer.accelerator, "backward", "backward")
+    config = trainer.args
+    resolved = dict(optim=str(config.optim), per_device_train_batch_size=config.per_device_train_batch_size,
+                    gradient_accumulation_steps=config.gradient_accumulation_steps)
+    if w.method == "rloo":
+        resolved |= dict(generation_batch_size=config.generation_batch_size, steps_per_generation=config.steps_per_generation,
+                         epsilon=config.epsilon, normalize_advantages=config.normalize_advantages)
+    trainer.train()
+    if spec["save"]:  # weights + config only; tokenizer and generation config as in the source model
+        save_dir = out / "model"
+        trainer.model.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+        shutil.copy(Path(w.model_dir) / "generation_config.json", save_dir / "generation_config.json")
+    (out / "result.json").write_text(json.dumps(dict(
+        start=profiler.start, step_ends=profiler.step_ends, tokens=profiler.tokens, seconds=profiler.seconds,
+        config={k: v for k, v in kwargs.items() if k != "output_dir"}, resolved=resolved,
+        trl_version=metadata.version("trl"))))
+
+
+def run_trl(w: Workload, args: Args, save: bool, workdir: Path) -> dict:
+    out = Path(tempfile.mkdtemp(prefix=f"trl_{w.method}_", dir=workdir))
+    (out / "spec.json").write_text(json.dumps(dict(workload=dataclasses.asdict(w), threads=args.trl_threads, save=save)))
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]; "
+            f"from trl_comparison import run_trl_worker; run_trl_worker({str(out / 'spec.json')!r})")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"TRL {w.method} failed:\n{done.stderr[-3000:]}")
+    r = json.loads((out / "result.json").read_text())
+    ends = np.array(r["step_ends"])
+    steps = np.diff(np.concatenate([[r["start"]], ends]))
+    result = dict(side="TRL", steps=len(ends), step=float(np.mean(steps[1:] if len(steps) > 1 else steps)),
+                  loop=float(ends[-1] - r["start"]), tokens=float(np.mean(r["tokens"])), config=r["config"],
+                  resolved=r["resolved"], version=r["trl_version"])
+    phases = {k: v / len(ends) for k, v in r["seconds"].items()}
+    result["phases"] = phases | {"other": result["loop"] / len(ends) - sum(phases.values())}
+    if save:
+        result["model_dir"] = str(out / "model")
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# Our side: the real script in a subprocess, with timers around it
+# --------------------------------------------------------------------------------------
+
+
+def run_instrumented() -> None:
+    """Entry point of the subprocess that runs one of our scripts (sys.argv[1:]: the script and
+    its flags) unchanged, with timers on common.token_logprobs (with/without grad),
+    Tensor.backward and Adam.step, and the completion tokens of each training round (evaluation
+    excluded). Writes them to $FASTRL_BENCH_PROFILE when the script ends."""
+    import runpy
+
+    seconds, tokens, waits, pushes, in_eval = defaultdict(float), [], [], [], [False]
+
+    def timed(fn, phase):
+        def wrapper(*args, **kwargs):
+            key = phase() if callable(phase) else phase
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[key] += time.perf_counter() - start
+        return wrapper
+
+    evaluate, wait_for = common.evaluate, common.Sampler.wait_for
+
+    def evaluate_untracked(*args, **kwargs):
+        in_eval[0] = True
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            in_eval[0] = False
+
+    def wait_for_counted(self, request_ids, *args, **kwargs):
+        start = time.perf_counter()
+        out = wait_for(self, request_ids, *args, **kwargs)
+        if not in_eval[0]:
+            waits.append(time.perf_counter() - start)
+            tokens.append(sum(len(c.token_ids) for c in out))
+        return out
+
+    def reward_phase():
+        return "evaluation reward" if in_eval[0] else "reward"
+
+    common.evaluate, common.Sampler.wait_for = evaluate_untracked, wait_for_counted
+    common.CountdownTask.reward = timed(common.CountdownTask.reward, reward_phase)
+    # learner-side time spent on the sampler: waiting for completions (wait_for_counted), pushing
+    # weights; the start of a push may wait for the round in flight to finish: counted as waiting
+    push_weights, start_weight_update = common.Sampler.push_weights, common.Sampler.start_weight_update
+
+    def push_timed(*args, **kwargs):
+        pushes.append([0.0, 0.0])
+        start = time.perf_counter()
+        try:
+            return push_weights(*args, **kwargs)
+        finally:
+            pushes[-1][0] = time.perf_counter() - start
+
+    def start_timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return start_weight_update(*args, **kwargs)
+        finally:
+            pushes[-1][1] = time.perf_counter() - start
+
+    common.Sampler.push_weights, common.Sampler.start_weight_update = push_timed, start_timed
+    common.token_logprobs = timed(common.token_logprobs, forward_phase)
+    torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
+    torch.optim.Adam.step = timed(torch.optim.Adam.step, "optimizer")
+    script, sys.argv = sys.argv[1], sys.argv[1:]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        Path(os.environ["FASTRL_BENCH_PROFILE"]).write_text(json.dumps(dict(seconds=seconds, tokens=tokens, waits=waits, pushes=pushes)))
+
+
+def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = None) -> dict:
+    script = "rloo_kreuse.py" if w.method == "rloo" else "online_dpo_async.py"
+    profile = Path(tempfile.mkdtemp(prefix=f"ours_{w.method}_", dir=workdir)) / "profile.json"
+    code = (f"import sys; sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]; "
+            "from trl_comparison import run_instrumented; run_instrumented()")
+    command = [sys.executable, "-c", code, str(ROOT / script), *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {}), "FASTRL_BENCH_PROFILE": str(profile)})
+    if done.returncode != 0:
+        raise SystemExit(f"{script} failed:\n{done.stderr[-3000:]}")
+    run_dir = ROOT / done.stdout.split("run directory: ")[1].split()[0]
+    rows = common.read_metrics(run_dir)
+    prof = json.loads(profile.read_text())
+    tokens = float(np.mean(prof["tokens"]))  # every generated training round (the last round's data included)
+    n, seconds = w.steps, prof["seconds"]
+    if w.method == "rloo":
+        rounds = [r for r in rows if "time/grad_steps_per_second" in r]
+        walls = np.array([r["step"] / r["time/grad_steps_per_second"] for r in rounds])  # loop wall after each round
+        steps, loop = np.diff(np.concatenate([[0.0], walls])), walls[-1]
+        step = float(np.mean(steps[1:] if n > 1 else steps))
+        accuracy = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
+    else:
+        rounds = [r for r in rows if "time/step_seconds" in r]
+        loop = rounds[-1]["charts/episodes"] / rounds[-1]["charts/episodes_per_second"]
+        steady = rounds[1:-1] if n > 2 else rounds[:-1] or rounds  # round N has no next round to generate
+        step = float(np.mean([r["time/step_seconds"] for r in steady]))
+        accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    # online_dpo_async.py waits for its first round before its loop's clock starts, and pushes its
+    # final weights after the loop (N - 1 pushes in it); rloo_kreuse.py pushes after each of its N rounds
+    waits = prof["waits"][1:] if w.method == "dpo" else prof["waits"]
+    pushes = np.array(prof["pushes"][: n - 1 if w.method == "dpo" else n]).reshape(-1, 2)
+    phases = {"generation": (sum(waits) + pushes[:, 1].sum()) / n, "weight push": (pushes[:, 0] - pushes[:, 1]).sum() / n}
+    learner = ("logprob forwards (no grad)", "policy forward (grad)", "backward", "optimizer", "reward")
+    phases |= {k: seconds.get(k, 0.0) / n for k in learner}
+    phases["other"] = loop / n - sum(phases.values())
+    result = dict(side="ours", steps=n, step=step, loop=float(loop), tokens=tokens, phases=phases, run_dir=str(run_dir),
+                  command=f".venv/bin/python {script} " + " ".join(flags))
+    if w.method == "dpo":
+        result["overlapped_generation"] = float(np.nanmean([r["time/generate_seconds"] for r in rounds[:-1]])) if n > 1 else float("nan")
+        result["pairs"] = float(np.mean([r["charts/pairs"] for r in rounds]))
+    if accuracy:
+        result["accuracy"] = (accuracy[0], accuracy[-1])
+    return result
+
+
+def ours_flags(w: Workload, args: Args) -> list[str]:
+    eval_flags = ["--eval-problems", str(max(w.eval_problems, 4)), "--eval-samples", str(w.eval_samples)]
+    shared = ["--model", "tiny", "--seed", str(w.seed), "--num-rounds", str(w.steps), "--num-prompts", str(w.prompts),
+              "--learning-rate", str(w.learning_rate), "--temperature", str(w.temperature),
+              "--max-new-tokens", str(w.max_new_tokens), *eval_flags]
+    if w.method == "rloo":
+        return ["--k", "1", "--group-size", str(w.completions), "--top-p", "1.0", *shared,
+                "--exp-name", "trl_cmp_rloo", *args.ours_rloo_extra.split()]
+    return ["--num-completions", str(w.completions), *shared, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
+
+
+# --------------------------------------------------------------------------------------
+# Evaluation of TRL's model, the way our scripts evaluate
+# --------------------------------------------------------------------------------------
+
+
+def evaluate_model(model_dir: str, w: Workload) -> float:
+    """pass@1 on the held-out problems with a sampler started on `model_dir`: what rloo_kreuse.py
+    logs as eval/pass@1 and online_dpo_async.py as eval/accuracy."""
+    task = common.make_task("countdown", w.seed, tiny_prompts=True)
+    tokenizer = common.load_tokenizer(model_dir)
+    sampling = dict(temperature=w.temperature, max_tokens=w.max_new_tokens) | (dict(top_p=1.0) if w.method == "rloo" else {})
+    quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL")}
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # the sampler process inherits it; keeps the benchmark's output readable
+    try:
+        sampler = common.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
+    finally:
+        if quiet["VLLM_LOGGING_LEVEL"] is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL")
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = quiet["VLLM_LOGGING_LEVEL"]
+    try:
+        return common.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, MAX_PROMPT_TOKENS, **sampling)["eval/pass@1"]
+    finally:
+        sampler.close()
+
+
+# --------------------------------------------------------------------------------------
+# The ~50M-parameter model
+# --------------------------------------------------------------------------------------
+
+
+def build_50m() -> str:
+    """A random ~50M-parameter Qwen2 (hidden 512, 8 layers, MLP 3584) with the tiny model's
+    tokenizer, saved where `--model tiny` finds it when FASTRL_CACHE=M50_CACHE: so our scripts run
+    it with the tiny prompts and defaults (with any other model they switch to the chat prompt,
+    longer than the char tokenizer's context). Deterministic; cached."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tiny = common.tiny_model_path()
+    path = M50_CACHE / tiny.name
+    if (path / "config.json").exists():
+        return str(path)
+    tokenizer = common.load_tokenizer(str(tiny))
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=3584, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True,
+                         rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    Qwen2ForCausalLM(config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.copy(tiny / "generation_config.json", tmp / "generation_config.json")
+    tmp.rename(path)
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------
+
+PHASES = ["generation", "logprob forwards (no grad)", "policy forward (grad)", "backward", "optimizer", "reward",
+          "weight push", "other"]
+
+
+def speed_table(title: str, rows: list[dict], with_accuracy: bool) -> None:
+    print(f"\n{title}\n")
+    head = "| side | steps | wall per step (s) | loop wall (s) | completion tokens / step | completion tokens/s |"
+    print(head + (" held-out accuracy start -> end |" if with_accuracy else ""))
+    print("|---" * (6 + with_accuracy) + "|")
+    for r in rows:
+        line = (f"| {r['side']} | {r['steps']} | {r['step']:.3f} | {r['loop']:.1f} | {r['tokens']:.0f} | "
+                f"{r['tokens'] / r['step']:.0f} |")
+        if with_accuracy:
+            line += f" {r['accuracy'][0]:.3f} -> {r['accuracy'][1]:.3f} |"
+        print(line)
+    ours, trl = rows
+    line = f"\nours / TRL: {trl['step'] / ours['step']:.2f}x faster per step (target >= 1.5x)"
+    if with_accuracy:
+        line += f", final accuracy {ours['accuracy'][1]:.3f} vs {trl['accuracy'][1]:.3f} ({ours['accuracy'][1] - trl['accuracy'][1]:+.3f})"
+    print(line)
+    if "pairs" in ours:
+        print(f"ours trained on {ours['pairs']:.1f} pairs per step on average (ties dropped); TRL on every prompt's pair")
+
+
+def phase_table(rows: list[dict]) -> None:
+    """Where each side spends its step: seconds per step averaged over all steps (the loop wall / steps)."""
+    print("\nwhere the step goes (s per step, mean over all steps; learner-side; 'generation' is the time the "
+          "learner waits for completions)\n")
+    print("| side | step (loop / steps) | " + " | ".join(PHASES) + " |")
+    print("|---" * (len(PHASES) + 2) + "|")
+    for r in rows:
+        total = r["loop"] / r["steps"]
+        cells = [f"{r['phases'].get(p, 0.0):.3f} ({100 * r['phases'].get(p, 0.0) / total:.0f}%)" for p in PHASES]
+        print(f"| {r['side']} | {total:.3f} | " + " | ".join(cells) + " |")
+    for r in rows:
+        if np.isfinite(r.get("overlapped_generation", float("nan"))):
+            print(f"{r['side']}: the sampler generates the next step's completions in {r['overlapped_generation']:.3f} s, "
+                  "overlapped with training")
+
+
+def compare(w: Workload, args: Args, workdir: Path, env: dict | None = None, evaluate: bool = True) -> list[dict]:
+    ours = run_ours(w, ours_flags(w, args), workdir, env)
+    trl = run_trl(w, args, save=evaluate, workdir=workdir)
+    if evaluate:
+        trl["accuracy"] = (evaluate_model(w.model_dir, w), evaluate_model(trl["model_dir"], w))
+    return [ours, trl]
+
+
+def main():
+    args = tyro.cli(Args)
+    if args.quick:
+        args.rloo_steps = args.dpo_steps = 3
+        args.m50_steps, args.eval_problems = 2, 20
+    try:
+        trl_version = metadata.version("trl")
+    except metadata.PackageNotFoundError:
+        raise SystemExit("error: TRL is not installed: .venv/bin/pip install -e '.[trl]'") from None
+    if trl_version != TRL_VERSION:
+        print(f"warning: TRL {trl_version} installed, this benchmark pins {TRL_VERSION}")
+    started = time.time()
+    print(f"TRL {trl_version}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    tiny = str(common.tiny_model_path())
+    workdir = Path(tempfile.mkdtemp(prefix="trl_comparison_"))
+    shared = dict(learning_rate=args.learning_rate, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    rloo = Workload("rloo", tiny, args.rloo_steps, args.rloo_prompts, args.rloo_completions, args.rloo_temperature,
+                    eval_problems=args.eval_problems, eval_samples=16, **shared)
+    dpo = Workload("dpo", tiny, args.dpo_steps, args.dpo_prompts, args.dpo_completions, args.dpo_temperature,
+                   eval_problems=args.eval_problems, eval_samples=4, **shared)
+    try:
+        results = {"rloo": compare(rloo, args, workdir), "dpo": compare(dpo, args, workdir)}
+        if not args.skip_50m:
+            m50 = build_50m()
+            env = {"FASTRL_CACHE": str(M50_CACHE)}
+            m50_rloo = dataclasses.replace(rloo, model_dir=m50, steps=args.m50_steps, prompts=args.m50_rloo_prompts,
+                                           completions=args.m50_rloo_completions, eval_problems=0, eval_samples=1)
+            m50_dpo = dataclasses.replace(dpo, model_dir=m50, steps=args.m50_steps, prompts=args.m50_dpo_prompts,
+                                          eval_problems=0, eval_samples=1)
+            results["rloo_50m"] = compare(m50_rloo, args, workdir, env, evaluate=False)
+            results["dpo_50m"] = compare(m50_dpo, args, workdir, env, evaluate=False)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print(f"\n## RLOO: TRL RLOOTrainer vs rloo_kreuse.py --k 1 (tiny model, {rloo.steps} steps of {rloo.prompts} prompts x "
+          f"{rloo.completions}, T={rloo.temperature}, lr {rloo.learning_rate}, max {rloo.max_new_tokens} new tokens)")
+    speed_table(f"accuracy: pass@1 on {rloo.eval_problems} held-out problems x {rloo.eval_samples} samples", results["rloo"], True)
+    phase_table(results["rloo"])
+    print(f"\n## Online DPO: TRL OnlineDPOTrainer vs online_dpo_async.py (async) (tiny model, {dpo.steps} steps of "
+          f"{dpo.prompts} prompts x {dpo.completions}, T={dpo.temperature}, lr {dpo.learning_rate})")
+    speed_table(f"accuracy: pass@1 on {dpo.eval_problems} held-out problems x {dpo.eval_samples} samples", results["dpo"], True)
+    phase_table(results["dpo"])
+    if not args.skip_50m:
+        with safe_open(Path(m50) / "model.safetensors", "pt") as f:  # tied embeddings: stored once
+            n = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) / 1e6
+        for key, w in (("rloo_50m", m50_rloo), ("dpo_50m", m50_dpo)):
+            print(f"\n## {w.method.upper()} on a random {n:.1f}M-parameter Qwen2 (speed only; accuracy of a random init "
+                  f"means nothing): {w.steps} steps of {w.prompts} prompts x {w.completions}, max {w.max_new_tokens} new tokens")
+            speed_table("", results[key], False)
+            phase_table(results[key])
+
+    print("\n## TRL configuration (TRL %s; every other field is TRL's default)\n" % trl_version)
+    for key, rows in results.items():
+        print(f"{key}: {rows[1]['config']}\n  resolved: {rows[1]['resolved']}\n  ours: {rows[0]['command']}")
+    print(f"\nwhole command: {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
