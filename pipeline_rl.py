@@ -165,7 +165,8 @@ def main():
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                    max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256)
     try:
-        sampler.init_weight_sync(policy)
+        # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
+        sampler.init_weight_sync(policy, background=args.mode == "pipeline")
         if step:
             sampler.push_weights(step)
         problems: dict[int, common.Problem] = {}
@@ -306,7 +307,7 @@ def main():
                     while ready and min(c.version_min for c in ready[0][1]) < step:
                         ready.popleft()
                     continue
-                push_seconds = sampler.push_weights(step, recompute_kv=args.recompute_kv)
+                push_seconds = sampler.push_weights(step, recompute_kv=args.recompute_kv, background=True)
                 log_step(stats, push_seconds, wait_seconds)
             else:
                 # ---- Conventional RL: B*G sequences from one policy, then G steps, then push ----
@@ -324,6 +325,7 @@ def main():
                     log_step(stats, 0.0, wait_seconds)
                 ready.clear()
                 push_seconds = sampler.push_weights(step)
+        sampler.wait_for_push()
         sampler.abort(list(sampler.pending))
         eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                    temperature=args.temperature, max_tokens=args.max_new_tokens)

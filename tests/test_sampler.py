@@ -107,6 +107,34 @@ def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
         assert any(len(c.token_ids) >= 10 for c in chunks[rid][1:])  # after the resize
 
 
+def test_background_push_sends_the_snapshot_while_training_goes_on(tiny_path, tokenizer, sampler):
+    """PipelineRL's push: copied into the snapshot, sent from a thread; the model keeps changing
+    meanwhile, and the sampler ends up with exactly the weights of the moment of the push."""
+    import copy
+
+    model = common.load_policy(tiny_path, "cpu")
+    sampler.init_weight_sync(model, background=True)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pushed = copy.deepcopy(model)
+    version = sampler.version + 1
+    sampler.push_weights(version, background=True)
+    with torch.no_grad():  # the next optimizer step, while the push is in flight
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sampler.wait_for_push()
+    assert sampler.version == version
+    _, prompts = _prompts(tokenizer, 16)
+    samples = sampler.generate(prompts, n=2, temperature=1.0, max_tokens=24)
+    learner, behaviour, mask = _learner_logprobs(pushed, samples, tokenizer.pad_token_id)
+    assert (learner - behaviour)[mask].abs().max() < 1e-4
+    later, _, _ = _learner_logprobs(model, samples, tokenizer.pad_token_id)
+    assert (later - behaviour)[mask].abs().max() > 1e-2
+    assert all(s.versions == [(version, 0, len(s.token_ids))] for s in samples)
+
+
 def test_push_when_idle_waits_for_the_running_requests(tiny_path, tokenizer, sampler):
     """Async online DPO's push: issued while a round is generating, applied only after its last
     request has finished, so the round is all old version and the next one all new."""
