@@ -13,12 +13,14 @@ same number of steps, max completion length, temperature (top-p 1, no top-k), le
 same reward: `task.reward` (our Countdown verifier) handed to TRL as a reward function.
 
 Ours runs as a subprocess of the real script with its real CLI flags. The only addition is a
-thin wrapper (`run_instrumented`) that times `common.token_logprobs`, `Tensor.backward` and
-`Adam.step` and counts the completion tokens of every training round; it changes no number.
-TRL runs in a subprocess too (`run_trl_worker`), with timers on the trainer's own methods. TRL's
-model is saved to a directory after training and evaluated exactly as our scripts evaluate:
-`common.evaluate` on a vLLM sampler started on that directory (same seed, same held-out
-problems, same samples per problem and sampling parameters).
+thin wrapper (`run_instrumented`) that times `common.token_logprobs` (with and without grad),
+`Tensor.backward`, `Adam.step`, the reward, the waits for the sampler and the weight pushes, and
+counts the completion tokens of every training round; it changes no number. TRL runs in a
+subprocess too (`run_trl_worker`), with the same timers on the trainer's own methods (generate,
+per-token logprobs, reward, backward, optimizer step). TRL's model is saved to a directory after
+training and evaluated exactly as our scripts evaluate: `common.evaluate` on a vLLM sampler
+started on that directory (same seed, same held-out problems, same samples per problem and
+sampling parameters; both sides' start accuracies therefore come out identical).
 
 Wall per step: the steady-state optimizer step, i.e. the mean over steps 2..N of the time between
 consecutive optimizer steps (TRL: `on_step_end` callbacks; ours: the per-round wall time the
@@ -46,17 +48,20 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
 - Generation: TRL generates with `model.generate` of the training model in the training process
   (use_vllm=False: a padded batch that runs until its longest completion ends; no weight sync);
   ours uses the vLLM sampler process and pushes the weights to it after every step.
-- Threads: our learner and sampler are separate processes with one thread each; TRL is one
-  process with `--trl-threads` threads (1: two threads were much slower on this 2-core machine).
+- Threads: ours runs as it ships (the learner takes OMP_NUM_THREADS torch threads, default 1;
+  the sampler is a second process). TRL is one process; on the tiny model it gets 1 thread, its
+  fastest here (torch's default of 2 was ~8x slower: the tiny model's ops are too small to
+  split); on the 50M model it runs with 2 (torch's default, ~1.7x faster than 1) and with 1, and
+  ours as shipped and with OMP_NUM_THREADS=2 (a learner that uses both cores).
 - TRL's defaults that would slow it down are turned off: gradient checkpointing (TRL default on;
   for online DPO it also disables the KV cache during generation) and bf16 autocast (default on).
   Its optimizer stays TRL's default (fused AdamW, weight decay 0, which is Adam).
 - RNG: both sides use seed 1, but vLLM's and torch's sampling streams differ, so the completions
   (and so the runs) are different draws of the same process.
 
-Accuracy is measured once per side (one seed); on 200 held-out problems it moves by about
-+-0.02 between repeated runs. At 50M the model is a random init: its accuracy means nothing and
-is not reported; only speed is.
+Accuracy is one run per side (one seed), not a confidence interval. The 50M model is a random
+init (run by our scripts as `--model tiny` with FASTRL_CACHE pointing at it, so that they keep the
+tiny prompt format): its accuracy means nothing and is not reported; only speed is.
 """
 
 from __future__ import annotations
@@ -125,7 +130,11 @@ class Args:
     skip_50m: bool = False
     """leave out the ~50M model measurement"""
     trl_threads: int = 1
-    """torch threads of the TRL process"""
+    """torch threads of the TRL process on the tiny model (1: torch's default of 2 was ~8x slower there)"""
+    m50_trl_threads: tuple[int, ...] = (2, 1)
+    """TRL runs on the ~50M model, one per thread count (2, torch's default, was ~1.7x faster than 1)"""
+    m50_ours_threads: tuple[int, ...] = (1, 2)
+    """our runs on the ~50M model, one per OMP_NUM_THREADS (1: as the scripts ship; 2: the learner uses both cores)"""
     ours_rloo_extra: str = ""
     """extra flags for rloo_kreuse.py, e.g. '--beta-ent 0'"""
     ours_dpo_extra: str = ""
@@ -190,7 +199,7 @@ def trl_config_kwargs(w: Workload, output_dir: str) -> dict:
         output_dir=output_dir, max_steps=w.steps, learning_rate=w.learning_rate, lr_scheduler_type="constant",
         weight_decay=0.0, adam_epsilon=1e-7, temperature=w.temperature, top_p=1.0, top_k=0, seed=w.seed,
         use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        report_to="none", save_strategy="no", eval_strategy="no", logging_steps=1, disable_tqdm=True,
+        report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
     )
     if w.method == "rloo":
         batch = w.prompts * w.completions
@@ -282,7 +291,8 @@ def run_trl_worker(spec_path: str) -> None:
         profiler.wrap(trainer, "_calculate_rewards_from_functions", "reward")
     profiler.wrap(trainer.accelerator, "backward", "backward")
     config = trainer.args
-    resolved = dict(optim=str(config.optim), per_device_train_batch_size=config.per_device_train_batch_size,
+    resolved = dict(torch_threads=torch.get_num_threads(), optim=str(config.optim),
+                    per_device_train_batch_size=config.per_device_train_batch_size,
                     gradient_accumulation_steps=config.gradient_accumulation_steps)
     if w.method == "rloo":
         resolved |= dict(generation_batch_size=config.generation_batch_size, steps_per_generation=config.steps_per_generation,
@@ -299,9 +309,9 @@ def run_trl_worker(spec_path: str) -> None:
         trl_version=metadata.version("trl"))))
 
 
-def run_trl(w: Workload, args: Args, save: bool, workdir: Path) -> dict:
+def run_trl(w: Workload, threads: int, save: bool, workdir: Path) -> dict:
     out = Path(tempfile.mkdtemp(prefix=f"trl_{w.method}_", dir=workdir))
-    (out / "spec.json").write_text(json.dumps(dict(workload=dataclasses.asdict(w), threads=args.trl_threads, save=save)))
+    (out / "spec.json").write_text(json.dumps(dict(workload=dataclasses.asdict(w), threads=threads, save=save)))
     code = (f"import sys; sys.path[:0] = [{str(ROOT / 'benchmarks')!r}, {str(ROOT)!r}]; "
             f"from trl_comparison import run_trl_worker; run_trl_worker({str(out / 'spec.json')!r})")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
@@ -432,7 +442,7 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     phases |= {k: seconds.get(k, 0.0) / n for k in learner}
     phases["other"] = loop / n - sum(phases.values())
     result = dict(side="ours", steps=n, step=step, loop=float(loop), tokens=tokens, phases=phases, run_dir=str(run_dir),
-                  command=f".venv/bin/python {script} " + " ".join(flags))
+                  command="".join(f"{k}={v} " for k, v in (env or {}).items()) + f".venv/bin/python {script} " + " ".join(flags))
     if w.method == "dpo":
         result["overlapped_generation"] = float(np.nanmean([r["time/generate_seconds"] for r in rounds[:-1]])) if n > 1 else float("nan")
         result["pairs"] = float(np.mean([r["charts/pairs"] for r in rounds]))
@@ -527,19 +537,23 @@ def speed_table(title: str, rows: list[dict], with_accuracy: bool) -> None:
         if with_accuracy:
             line += f" {r['accuracy'][0]:.3f} -> {r['accuracy'][1]:.3f} |"
         print(line)
-    ours, trl = rows
-    line = f"\nours / TRL: {trl['step'] / ours['step']:.2f}x faster per step (target >= 1.5x)"
-    if with_accuracy:
-        line += f", final accuracy {ours['accuracy'][1]:.3f} vs {trl['accuracy'][1]:.3f} ({ours['accuracy'][1] - trl['accuracy'][1]:+.3f})"
-    print(line)
-    if "pairs" in ours:
-        print(f"ours trained on {ours['pairs']:.1f} pairs per step on average (ties dropped); TRL on every prompt's pair")
+    print()
+    for ours in (r for r in rows if r["side"].startswith("ours")):
+        for trl in (r for r in rows if r["side"].startswith("TRL")):
+            line = f"{ours['side']} vs {trl['side']}: {trl['step'] / ours['step']:.2f}x faster per step (target >= 1.5x)"
+            if with_accuracy:
+                line += (f", final accuracy {ours['accuracy'][1]:.3f} vs {trl['accuracy'][1]:.3f} "
+                         f"({ours['accuracy'][1] - trl['accuracy'][1]:+.3f})")
+            print(line)
+    for r in rows:
+        if "pairs" in r:
+            print(f"{r['side']} trained on {r['pairs']:.1f} pairs per step on average (ties dropped); TRL on every prompt's pair")
 
 
 def phase_table(rows: list[dict]) -> None:
-    """Where each side spends its step: seconds per step averaged over all steps (the loop wall / steps)."""
-    print("\nwhere the step goes (s per step, mean over all steps; learner-side; 'generation' is the time the "
-          "learner waits for completions)\n")
+    """Where each side spends its step: seconds per step, averaged over all steps (loop wall / steps)."""
+    print("\nwhere the step goes (learner-side seconds per step, mean over all steps; 'generation' is the time the "
+          "learner spends generating or waiting for completions)\n")
     print("| side | step (loop / steps) | " + " | ".join(PHASES) + " |")
     print("|---" * (len(PHASES) + 2) + "|")
     for r in rows:
@@ -552,12 +566,21 @@ def phase_table(rows: list[dict]) -> None:
                   "overlapped with training")
 
 
-def compare(w: Workload, args: Args, workdir: Path, env: dict | None = None, evaluate: bool = True) -> list[dict]:
-    ours = run_ours(w, ours_flags(w, args), workdir, env)
-    trl = run_trl(w, args, save=evaluate, workdir=workdir)
-    if evaluate:
-        trl["accuracy"] = (evaluate_model(w.model_dir, w), evaluate_model(trl["model_dir"], w))
-    return [ours, trl]
+def compare(w: Workload, args: Args, workdir: Path, trl_threads: tuple[int, ...], ours_threads: tuple[int, ...] = (1,),
+            env: dict | None = None, evaluate: bool = True) -> list[dict]:
+    """Ours (with each OMP_NUM_THREADS) then TRL (with each thread count) on the same workload."""
+    rows = []
+    for threads in ours_threads:  # 1: the environment as it is (the learner's default is one thread)
+        row = run_ours(w, ours_flags(w, args), workdir, (env or {}) | ({} if threads == 1 else {"OMP_NUM_THREADS": str(threads)}))
+        row["side"] = "ours" if threads == 1 else f"ours, OMP_NUM_THREADS={threads}"
+        rows.append(row)
+    for threads in trl_threads:
+        row = run_trl(w, threads, save=evaluate, workdir=workdir)
+        row["side"] = f"TRL, {threads} thread{'s' if threads > 1 else ''}"
+        if evaluate:
+            row["accuracy"] = (evaluate_model(w.model_dir, w), evaluate_model(row["model_dir"], w))
+        rows.append(row)
+    return rows
 
 
 def main():
@@ -582,7 +605,8 @@ def main():
     dpo = Workload("dpo", tiny, args.dpo_steps, args.dpo_prompts, args.dpo_completions, args.dpo_temperature,
                    eval_problems=args.eval_problems, eval_samples=4, **shared)
     try:
-        results = {"rloo": compare(rloo, args, workdir), "dpo": compare(dpo, args, workdir)}
+        results = {"rloo": compare(rloo, args, workdir, (args.trl_threads,)),
+                   "dpo": compare(dpo, args, workdir, (args.trl_threads,))}
         if not args.skip_50m:
             m50 = build_50m()
             env = {"FASTRL_CACHE": str(M50_CACHE)}
@@ -590,8 +614,8 @@ def main():
                                            completions=args.m50_rloo_completions, eval_problems=0, eval_samples=1)
             m50_dpo = dataclasses.replace(dpo, model_dir=m50, steps=args.m50_steps, prompts=args.m50_dpo_prompts,
                                           eval_problems=0, eval_samples=1)
-            results["rloo_50m"] = compare(m50_rloo, args, workdir, env, evaluate=False)
-            results["dpo_50m"] = compare(m50_dpo, args, workdir, env, evaluate=False)
+            for key, w in (("rloo_50m", m50_rloo), ("dpo_50m", m50_dpo)):
+                results[key] = compare(w, args, workdir, args.m50_trl_threads, args.m50_ours_threads, env, evaluate=False)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -600,21 +624,23 @@ def main():
     speed_table(f"accuracy: pass@1 on {rloo.eval_problems} held-out problems x {rloo.eval_samples} samples", results["rloo"], True)
     phase_table(results["rloo"])
     print(f"\n## Online DPO: TRL OnlineDPOTrainer vs online_dpo_async.py (async) (tiny model, {dpo.steps} steps of "
-          f"{dpo.prompts} prompts x {dpo.completions}, T={dpo.temperature}, lr {dpo.learning_rate})")
+          f"{dpo.prompts} prompts x {dpo.completions}, T={dpo.temperature}, lr {dpo.learning_rate}, max {dpo.max_new_tokens} new tokens)")
     speed_table(f"accuracy: pass@1 on {dpo.eval_problems} held-out problems x {dpo.eval_samples} samples", results["dpo"], True)
     phase_table(results["dpo"])
     if not args.skip_50m:
         with safe_open(Path(m50) / "model.safetensors", "pt") as f:  # tied embeddings: stored once
             n = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) / 1e6
         for key, w in (("rloo_50m", m50_rloo), ("dpo_50m", m50_dpo)):
-            print(f"\n## {w.method.upper()} on a random {n:.1f}M-parameter Qwen2 (speed only; accuracy of a random init "
+            print(f"\n## {w.method.upper()} on a random {n:.1f}M-parameter Qwen2 (speed only: a random init's accuracy "
                   f"means nothing): {w.steps} steps of {w.prompts} prompts x {w.completions}, max {w.max_new_tokens} new tokens")
             speed_table("", results[key], False)
             phase_table(results[key])
 
-    print("\n## TRL configuration (TRL %s; every other field is TRL's default)\n" % trl_version)
+    print(f"\n## TRL configuration (TRL {trl_version}; every field not listed is TRL's default)\n")
     for key, rows in results.items():
-        print(f"{key}: {rows[1]['config']}\n  resolved: {rows[1]['resolved']}\n  ours: {rows[0]['command']}")
+        trl = next(r for r in rows if r["side"].startswith("TRL"))
+        print(f"{key}: {trl['config']}\n  resolved: {trl['resolved']}")
+        print("  ours: " + "; ".join(dict.fromkeys(r["command"] for r in rows if r["side"].startswith("ours"))))
     print(f"\nwhole command: {time.time() - started:.0f} s")
 
 
