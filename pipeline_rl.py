@@ -70,6 +70,8 @@ class Args:
     """skip a step whose batch ESS is below this and wait for data from the current weights (0: never)"""
     recompute_kv: bool = False
     """after a push, re-prefill running sequences with the new weights (default: keep the stale KV cache, as the paper)"""
+    background_push: bool = True
+    """pipeline mode: send each push from a thread (a snapshot of the weights) and train on meanwhile"""
     max_lag: int = 0
     """backpressure: stop admitting prompts while the oldest unused data is this many steps old (0: off)"""
     kl_coef: float = 0.0
@@ -166,7 +168,7 @@ def main():
                                    max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256)
     try:
         # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
-        sampler.init_weight_sync(policy, background=args.mode == "pipeline")
+        sampler.init_weight_sync(policy, background=args.mode == "pipeline" and args.background_push)
         if step:
             sampler.push_weights(step)
         problems: dict[int, common.Problem] = {}
@@ -307,7 +309,7 @@ def main():
                     while ready and min(c.version_min for c in ready[0][1]) < step:
                         ready.popleft()
                     continue
-                push_seconds = sampler.push_weights(step, recompute_kv=args.recompute_kv, background=True)
+                push_seconds = sampler.push_weights(step, recompute_kv=args.recompute_kv, background=args.background_push)
                 log_step(stats, push_seconds, wait_seconds)
             else:
                 # ---- Conventional RL: B*G sequences from one policy, then G steps, then push ----
