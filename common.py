@@ -1196,28 +1196,28 @@ class Sampler:
         seconds this call took."""
         if self._weight_engine is None:
             raise RuntimeError("call init_weight_sync(model) before push_weights")
+        if background and self._snapshot is None:
+            raise RuntimeError("push_weights(background=True) needs init_weight_sync(model, background=True)")
         start = time.perf_counter()
         self.wait_for_push()
-        if self._snapshot is not None:
+        if self._snapshot is not None:  # the engine sends from the snapshot: bring it up to date
             with torch.no_grad():
                 for mine, theirs in zip(self._snapshot.parameters(), self._model.parameters()):
                     mine.copy_(theirs)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the copy must be done before another thread sends it
-        if background:
-            if self._snapshot is None:
-                raise RuntimeError("push_weights(background=True) needs init_weight_sync(model, background=True)")
-
-            def push():
-                try:
-                    self._send_weights(version, recompute_kv, when_idle)
-                except BaseException as e:  # re-raised in the learner's thread by the next call
-                    self._push_error = e
-
-            self._push_thread = threading.Thread(target=push, name="weight-push", daemon=True)
-            self._push_thread.start()
-        else:
+        if not background:
             self._send_weights(version, recompute_kv, when_idle)
+            return time.perf_counter() - start
+
+        def push():
+            try:
+                self._send_weights(version, recompute_kv, when_idle)
+            except BaseException as e:  # re-raised in the learner's thread by the next call
+                self._push_error = e
+
+        self._push_thread = threading.Thread(target=push, name="weight-push", daemon=True)
+        self._push_thread.start()
         return time.perf_counter() - start
 
     _push_thread: threading.Thread | None = None

@@ -233,6 +233,10 @@ class Rollout:
     def tokens(self) -> list[int]:
         return self.prompt + self.response
 
+    @property
+    def num_tokens(self) -> int:  # checked on every pass of the generation loop: no list built
+        return len(self.prompt) + len(self.response)
+
 
 def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
     """Run a decoder (input ids -> hidden states) on each sequence's new tokens on top of its cached
@@ -275,8 +279,8 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
     """Prefill every rollout's tokens that `model` has not seen yet, on top of their cached prefix,
     and keep what the method needs: the critic's value at every position, the reference's logprob
     of every token, the reward model's last hidden state (its score is read off the last token)."""
-    todo = sorted((r for r in rollouts if len(r.tokens) > r.prefix[name].length),
-                  key=lambda r: (len(r.tokens) - r.prefix[name].length, r.prefix[name].length))
+    todo = sorted((r for r in rollouts if r.num_tokens > r.prefix[name].length),
+                  key=lambda r: (r.num_tokens - r.prefix[name].length, r.prefix[name].length))
     for start in range(0, len(todo), micro_batch_size):
         group = todo[start: start + micro_batch_size]
         prefixes = [r.prefix[name] for r in group]
