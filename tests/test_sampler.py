@@ -56,6 +56,20 @@ def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
 def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
     model = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(model)
+    assert sampler.weight_load_path() == "in place"  # the CPU sampler kept its linear weights: no layerwise reload
+    _check_push_matches_learner(model, tokenizer, sampler)
+
+
+def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
+    """The fallback for samplers whose linear weights were not kept: vLLM's layerwise reload."""
+    model = common.load_policy(tiny_path, "cpu")
+    with common.start_sampler(tiny_path, placement="cpu", seed=0, in_place_updates=False) as own:
+        own.init_weight_sync(model)
+        assert own.weight_load_path() == "layerwise"
+        _check_push_matches_learner(model, tokenizer, own)
+
+
+def _check_push_matches_learner(model, tokenizer, sampler):
     _, prompts = _prompts(tokenizer, 24)
 
     before = sampler.generate(prompts, n=2, temperature=1.0, max_tokens=24, seed=0)
