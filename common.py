@@ -1011,7 +1011,12 @@ class Sampler:
         self.config.placement = self.placement
         self.process = None
         self.conn = None
-        self._lock = threading.RLock()
+        # Two locks: a thread that waits for a message (holding _lock, in conn.poll) must not
+        # keep another from sending. With one lock, PipelineRL's main thread queued its prompts
+        # only after the background push thread had got its ack, and vice versa (~1.4 ms a
+        # submit, 10% of the learner's loop).
+        self._lock = threading.RLock()  # receiving, and the state it fills (_outputs, _acks)
+        self._send_lock = threading.Lock()  # conn.send: one message at a time, never blocks on a wait
         self._call_ids = iter(range(1, 1 << 62))
         self._acks: dict[int, Any] = {}
         self._outputs: list[Completion] = []
@@ -1096,7 +1101,7 @@ class Sampler:
 
     def _call(self, command: str, payload: Any = None, timeout: float | None = None) -> Any:
         call_id = next(self._call_ids)
-        with self._lock:
+        with self._send_lock:
             self.conn.send((command, call_id, payload))
         self._wait(lambda: call_id in self._acks, timeout or self.config.call_timeout, command)
         return self._acks.pop(call_id)
@@ -1121,7 +1126,7 @@ class Sampler:
                     params["seed"] = params["seed"] + int(rid)  # distinct but reproducible per sample
                 requests.append((rid, list(prompt), params, stream_every, tag))
                 ids.append(rid)
-        with self._lock:
+        with self._send_lock:
             self.conn.send(("add", None, requests))
         self.pending.update(ids)
         return ids
@@ -1135,7 +1140,8 @@ class Sampler:
             if left <= 0:
                 break
             with self._lock:
-                self._receive(min(left, 0.5))
+                if len(self._outputs) < min_items:  # another thread may have received them meanwhile
+                    self._receive(min(left, 0.5))
         with self._lock:
             self._receive(0)
             out, self._outputs = self._outputs, []
@@ -1167,7 +1173,7 @@ class Sampler:
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop these requests; whatever they generated is discarded."""
-        with self._lock:
+        with self._send_lock:
             self.conn.send(("abort", None, list(request_ids)))
         self.pending.difference_update(request_ids)
 
