@@ -127,7 +127,7 @@ def main():
     tokenizer = common.load_tokenizer(model_path)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
     reward_model = common.RewardModel(args.reward_model, device=str(device)) if args.reward_model else None
     logger = common.RunLogger(run_name, args, track=args.track)

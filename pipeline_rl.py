@@ -151,7 +151,7 @@ def main():
     tokenizer = common.load_tokenizer(model_path)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")

@@ -367,7 +367,7 @@ def main():
                           "must share the policy's tokenizer: it prefills the actor's token ids as they stream")
         downstream["rm"] = reward_model.eval().requires_grad_(False)
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
-    optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7)
+    optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
