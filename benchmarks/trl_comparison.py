@@ -5,6 +5,7 @@ in one run. Then the same speed measurement on a ~50M-parameter random model.
     .venv/bin/pip install -e '.[trl]'                          # trl==1.16.0 (pinned)
     .venv/bin/python benchmarks/trl_comparison.py              # ~10 min on 2 cores
     .venv/bin/python benchmarks/trl_comparison.py --quick      # smoke run, a few steps each
+    .venv/bin/python benchmarks/trl_comparison.py --accuracy-seeds 1 2 3   # RLOO accuracy over seeds (~10 min)
 
 Same work on both sides: the same model directory, the same training prompts (problems 0..N*P-1
 of the offline Countdown generator, in order), P prompts x G completions per optimizer step, the
@@ -59,7 +60,8 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
 - RNG: both sides use seed 1, but vLLM's and torch's sampling streams differ, so the completions
   (and so the runs) are different draws of the same process.
 
-Accuracy is one run per side (one seed), not a confidence interval. The 50M model is a random
+Accuracy is one run per side (one seed), not a confidence interval; --accuracy-seeds measures
+the tiny RLOO accuracy over several seeds, for ours with and without the entropy bonus and TRL. The 50M model is a random
 init (run by our scripts as `--model tiny` with FASTRL_CACHE pointing at it, so that they keep the
 tiny prompt format): its accuracy means nothing and is not reported; only speed is.
 """
@@ -141,6 +143,11 @@ class Args:
     """extra flags for online_dpo_async.py"""
     quick: bool = False
     """smoke run: 3 steps per side on the tiny model, 2 on the 50M, 20 eval problems"""
+    accuracy_seeds: tuple[int, ...] = ()
+    """if given, run only the RLOO accuracy study instead: the tiny RLOO workload once per seed for
+    each of our --accuracy-variants and for TRL, accuracies per seed and their mean"""
+    accuracy_variants: tuple[str, ...] = ("", "--beta-ent 0")
+    """extra flags of our runs in the accuracy study ('': as shipped; '--beta-ent 0': no entropy bonus, as TRL)"""
 
 
 @dataclass
@@ -451,14 +458,14 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     return result
 
 
-def ours_flags(w: Workload, args: Args) -> list[str]:
+def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[str]:
     eval_flags = ["--eval-problems", str(max(w.eval_problems, 4)), "--eval-samples", str(w.eval_samples)]
     shared = ["--model", "tiny", "--seed", str(w.seed), "--num-rounds", str(w.steps), "--num-prompts", str(w.prompts),
               "--learning-rate", str(w.learning_rate), "--temperature", str(w.temperature),
               "--max-new-tokens", str(w.max_new_tokens), *eval_flags]
     if w.method == "rloo":
         return ["--k", "1", "--group-size", str(w.completions), "--top-p", "1.0", *shared,
-                "--exp-name", "trl_cmp_rloo", *args.ours_rloo_extra.split()]
+                "--exp-name", "trl_cmp_rloo", *(args.ours_rloo_extra if rloo_extra is None else rloo_extra).split()]
     return ["--num-completions", str(w.completions), *shared, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
 
 
@@ -583,6 +590,30 @@ def compare(w: Workload, args: Args, workdir: Path, trl_threads: tuple[int, ...]
     return rows
 
 
+def accuracy_study(w: Workload, args: Args, workdir: Path) -> None:
+    """Is the RLOO accuracy gap between the sides more than seed noise, and is it our entropy
+    bonus? One run per side and seed, the same workload otherwise."""
+    sides = [f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants] + ["TRL, 1 thread"]
+    final, steps = {side: [] for side in sides}, {side: [] for side in sides}
+    for seed in args.accuracy_seeds:
+        ws = dataclasses.replace(w, seed=seed)
+        rows = [run_ours(ws, ours_flags(ws, args, v), workdir) for v in args.accuracy_variants]
+        trl = run_trl(ws, args.trl_threads, save=True, workdir=workdir)
+        trl["accuracy"] = (None, evaluate_model(trl["model_dir"], ws))
+        for side, row in zip(sides, rows + [trl]):
+            final[side].append(row["accuracy"][1])
+            steps[side].append(row["step"])
+            print(f"seed {seed}: {side}: accuracy {row['accuracy'][1]:.3f}, {row['step']:.3f} s per step", flush=True)
+    print(f"\n## RLOO accuracy study (tiny model, {w.steps} steps of {w.prompts} prompts x {w.completions}; pass@1 on "
+          f"{w.eval_problems} held-out problems x {w.eval_samples} samples)\n")
+    print("| side | " + " | ".join(f"seed {s}" for s in args.accuracy_seeds) + " | mean | sd | wall per step (s) |")
+    print("|---" * (len(args.accuracy_seeds) + 4) + "|")
+    for side in sides:
+        print(f"| {side} | " + " | ".join(f"{a:.3f}" for a in final[side]) +
+              f" | {np.mean(final[side]):.3f} | {np.std(final[side], ddof=1) if len(final[side]) > 1 else 0:.3f} | "
+              f"{np.mean(steps[side]):.3f} |")
+
+
 def main():
     args = tyro.cli(Args)
     if args.quick:
@@ -604,6 +635,13 @@ def main():
                     eval_problems=args.eval_problems, eval_samples=16, **shared)
     dpo = Workload("dpo", tiny, args.dpo_steps, args.dpo_prompts, args.dpo_completions, args.dpo_temperature,
                    eval_problems=args.eval_problems, eval_samples=4, **shared)
+    if args.accuracy_seeds:
+        try:
+            accuracy_study(rloo, args, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"\nwhole command: {time.time() - started:.0f} s")
+        return
     try:
         results = {"rloo": compare(rloo, args, workdir, (args.trl_threads,)),
                    "dpo": compare(dpo, args, workdir, (args.trl_threads,))}
