@@ -61,12 +61,12 @@ def reward_at(result: dict, seconds: float) -> float:
 
 def main():
     args = tyro.cli(Args)
-    pipes, convs = [], []
+    runs = {"pipeline": [], "conventional": []}
     for repeat in range(args.repeats):
-        order = ("pipeline", "conventional") if repeat % 2 == 0 else ("conventional", "pipeline")
-        for mode in order:
-            (pipes if mode == "pipeline" else convs).append(run(mode, args))
-            print(f"pair {repeat + 1}: {mode} {(pipes if mode == 'pipeline' else convs)[-1]['sps']:.1f} samples/s", flush=True)
+        for mode in list(runs) if repeat % 2 == 0 else list(runs)[::-1]:  # P C, C P, P C, ...
+            runs[mode].append(run(mode, args))
+            print(f"pair {repeat + 1}: {mode} {runs[mode][-1]['sps']:.1f} samples/s", flush=True)
+    pipes, convs = runs["pipeline"], runs["conventional"]
     common_time = min(r["rows"][-1]["wall"] - r["start"] for r in pipes + convs)
     print(f"\nPipelineRL vs Conventional RL (G={args.g}), tiny model, {args.num_steps} steps of 64 sequences, "
           f"workload: {args.workload}\n")

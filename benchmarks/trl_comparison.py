@@ -593,7 +593,7 @@ def compare(w: Workload, args: Args, workdir: Path, trl_threads: tuple[int, ...]
 def accuracy_study(w: Workload, args: Args, workdir: Path) -> None:
     """Is the RLOO accuracy gap between the sides more than seed noise, and is it our entropy
     bonus? One run per side and seed, the same workload otherwise."""
-    sides = [f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants] + ["TRL, 1 thread"]
+    sides = [f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants] + [f"TRL, {args.trl_threads} thread{'s' if args.trl_threads > 1 else ''}"]
     final, steps = {side: [] for side in sides}, {side: [] for side in sides}
     for seed in args.accuracy_seeds:
         ws = dataclasses.replace(w, seed=seed)
