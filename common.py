@@ -497,19 +497,54 @@ def pad_prompt_completions(prompts: list[list[int]], completions: list[list[int]
     return input_ids, attention_mask, completion_mask
 
 
-def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0, with_entropy: bool = False):
-    """Per-token log pi(y_t | x, y_<t) of the completion tokens under `model`, in fp32, with the
-    sampler's temperature applied (matching vLLM's processed_logprobs when top_p = 1 and top_k
-    is off). Returns [batch, len-1] tensors aligned with input_ids[:, 1:], zero off the
-    completion, plus per-token entropy when asked."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
-    logps = torch.log_softmax(logits, dim=-1)
+def sampling_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                    top_k: int = 0) -> torch.Tensor:
+    """The logits of the distribution the sampler actually samples from, as vLLM builds it
+    (vllm/v1/sample/sampler.py `sample`, vllm/v1/sample/ops/topk_topp_sampler.py
+    `apply_top_k_top_p_pytorch`): divide by the temperature, then drop (-inf) what top-k and
+    top-p exclude: sort ascending, keep the tokens whose cumulative probability from the top
+    reaches top_p, always the most likely one. log_softmax of the result equals vLLM's
+    `processed_logprobs`, renormalised over the kept tokens.
+
+    The kept set is a constant for autograd (the gradient flows through the kept logits), and
+    the token actually sampled (`targets`) is always kept: the learner's nucleus can differ
+    from the sampler's at its edge (another precision) or after a few optimizer steps, and a
+    -inf logprob would turn every ratio and loss into inf/NaN. logits: [..., V] fp32;
+    targets: [...] token ids."""
+    logits = logits / temperature
+    if top_p >= 1.0 and top_k <= 0:
+        return logits
+    with torch.no_grad():
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if 0 < top_k < logits.shape[-1]:
+            drop |= sorted_logits < sorted_logits[..., -top_k, None]
+        if top_p < 1.0:
+            cumulative = sorted_logits.masked_fill(drop, -float("inf")).softmax(dim=-1).cumsum(dim=-1)
+            drop |= cumulative <= 1 - top_p
+        drop[..., -1] = False  # at least the most likely token
+        drop = drop.scatter(-1, order, drop)  # back to vocabulary order
+        drop.scatter_(-1, targets.unsqueeze(-1), False)
+    return logits.masked_fill(drop, -float("inf"))
+
+
+def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0, top_p: float = 1.0,
+                   top_k: int = 0, with_entropy: bool = False):
+    """Per-token log pi(y_t | x, y_<t) of the completion tokens under `model`, in fp32, under the
+    sampler's processing (temperature, top-k, top-p: see sampling_logits). This is the logprob
+    contract: at the sampler's weights these equal the sampler's `processed_logprobs` (~1e-6 in
+    fp32), so every ratio a method forms compares distributions of the same kind. Returns
+    [batch, len-1] tensors aligned with input_ids[:, 1:], zero off the completion, plus the
+    per-token entropy of the same distribution when asked."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
     targets = input_ids[:, 1:]
+    logps = torch.log_softmax(sampling_logits(logits, targets, temperature, top_p, top_k), dim=-1)
     mask = completion_mask[:, 1:].to(logps.dtype)
     chosen = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
     if not with_entropy:
         return chosen
-    entropy = -(logps.exp() * logps).sum(-1) * mask
+    probs = logps.exp()
+    entropy = -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1) * mask  # excluded tokens: 0 * -inf -> 0
     return chosen, entropy
 
 

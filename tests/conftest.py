@@ -30,3 +30,12 @@ def sampler(tiny_path):
     s = common.start_sampler(tiny_path, placement="cpu", seed=0)
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def realistic_path():
+    """The realistic fixture (tests/realistic_model.py): Qwen2, byte-level BPE, pad == eos,
+    ChatML template, bf16 weights. The path users run, built offline."""
+    from realistic_model import realistic_model_path
+
+    return str(realistic_model_path())
