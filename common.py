@@ -1366,16 +1366,29 @@ def start_sampler(model_path: str, placement: str = "auto", max_model_len: int |
     return Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
 
 
-def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int) -> tuple[list[Problem], list[list[int]], int]:
+def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
+                   chat_template: bool = False) -> tuple[list[Problem], list[list[int]], int]:
     """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`.
-    Returns the kept problems, their token ids and how many were skipped (log it)."""
+    `chat_template`: wrap each prompt as one user turn in the tokenizer's chat template with the
+    assistant's generation prompt (instruct models; TinyZero's instruct setting). Returns the
+    kept problems, their token ids and how many were skipped (log it)."""
     kept, ids = [], []
     for problem in problems:
-        tokens = tokenizer(problem.prompt, add_special_tokens=True)["input_ids"]
+        if chat_template:
+            tokens = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True)["input_ids"]
+        else:
+            tokens = tokenizer(problem.prompt, add_special_tokens=True)["input_ids"]
         if len(tokens) <= max_prompt_tokens:
             kept.append(problem)
-            ids.append(tokens)
+            ids.append(list(tokens))
     return kept, ids, len(problems) - len(kept)
+
+
+def check_chat_template(tokenizer, enabled: bool) -> None:
+    """--chat-template needs a tokenizer that has one."""
+    check_args(not enabled or bool(getattr(tokenizer, "chat_template", None)), "--chat-template",
+               "this model's tokenizer has no chat template (a base model?); drop the flag")
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -1385,11 +1398,15 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
-def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int, samples_per_problem: int, max_prompt_tokens: int,
-             **sampling) -> dict[str, float]:
+def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samples_per_problem: int, max_prompt_tokens: int,
+             chat_template: bool = False, **sampling) -> dict[str, float]:
     """pass@k (k = 1, 4, 8, 16 up to samples_per_problem) on the first `num_problems` held-out
-    problems, sampling with the sampler's current weights."""
-    problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)], max_prompt_tokens)
+    problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
+    weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report)."""
+    if num_problems is None:
+        num_problems = len(task.test)
+    problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)], max_prompt_tokens,
+                                          chat_template)
     samples = sampler.generate(prompts, n=samples_per_problem, **sampling)
     correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
                for i, p in enumerate(problems)]
