@@ -272,7 +272,8 @@ def _load_hub_dataset(*args, **kwargs):
 
 def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) -> Any:
     """`countdown`: the offline generator. `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
-    TinyZero data). `gsm8k`: openai/gsm8k. Hub tasks need network access to the Hub."""
+    TinyZero data; its first `test_size` shuffled rows are held out). `gsm8k`: openai/gsm8k with its
+    own train/test splits. Hub tasks need network access to the Hub."""
     template = TINY_PROMPT if tiny_prompts else CHAT_PROMPT
     if name == "countdown":
         if tiny_prompts:
@@ -291,7 +292,8 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) ->
     if name == "gsm8k":
         data = _load_hub_dataset("openai/gsm8k", "main")
         to_problem = lambda r: Problem(prompt=f"Question: {r['question']}\nAnswer:", answer=r["answer"])  # noqa: E731
-        return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]][:test_size],
+        # the whole test split (1319 problems): evaluate(num_problems=None) scores all of it, as the paper does
+        return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],
                         name, lambda c, p: gsm8k_reward(c, p.answer))
     raise SystemExit(f"error: --task: unknown task {name!r} (countdown, countdown-hub, gsm8k)")
 
