@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -49,18 +50,20 @@ class Args:
     learning_rate: float | None = None
     """Adam learning rate, constant [paper 1e-6; tiny 1e-4]"""
     beta_kl: float = 0.01
-    """KL(pi || pi_ref) penalty coefficient (sequence-level k3 estimator)"""
+    """KL penalty coefficient (the paper's beta_KL)"""
+    kl_estimator: Literal["k3", "k2", "k1"] = "k3"
+    """how the KL penalty enters (see kl_penalty): k3 or k2 as a loss term, k1 folded into the reward"""
     beta_ent: float | None = None
     """entropy bonus coefficient [paper 0.05; tiny 0.01]"""
     max_grad_norm: float = 0.5
     """gradient clipping norm"""
     temperature: float = 0.8
     """sampling temperature"""
-    top_p: float | None = None
-    """nucleus sampling [paper 0.95; tiny 1.0, so that sampler logprobs equal the learner's]"""
+    top_p: float = 0.95
+    """nucleus sampling (the paper's 0.95); the learner applies the same nucleus (the logprob contract)"""
     max_new_tokens: int | None = None
     """response length cap [paper setup 512; tiny 32]"""
-    iw_level: str = "sequence"
+    iw_level: Literal["sequence", "token"] = "sequence"
     """importance weights per `sequence` (the paper) or per `token`"""
     iw_clip: float | None = None
     """rho-bar: clip importance weights at this value (off by default; the paper's next step)"""
@@ -69,6 +72,12 @@ class Args:
     recompute_old_logprobs: bool = False
     """recompute log pi_theta0 with the learner on the sampling weights instead of using the
     sampler's logprobs (exact on-policy start; costs one extra forward per round)"""
+    tis_cap: float | None = None
+    """training-inference mismatch correction (off by default: on CPU in fp32 the mismatch is ~0):
+    log pi_theta0 is the learner's recomputation and the loss is weighted by the truncated importance
+    weight min(pi_learner / pi_sampler, C) at --iw-level, kept apart from K-reuse's own weights"""
+    chat_template: bool = False
+    """wrap prompts in the tokenizer's chat template (instruct models)"""
     overlap: bool = False
     """generate round r+1 while the learner does the K steps of round r (one round off-policy)"""
 
@@ -87,10 +96,9 @@ class Args:
     """sequences per forward pass when computing the loss (memory only: gradients accumulate)"""
 
 
-PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, top_p=0.95,
-             max_new_tokens=512, eval_problems=50)
-TINY = dict(group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, top_p=1.0,
-            max_new_tokens=32, eval_problems=200)
+PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50)
+TINY = dict(group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, max_new_tokens=32, eval_problems=200)
+MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -100,37 +108,71 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def importance_weights(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
-    """w = exp(log pi_theta - log pi_theta0): [N] per sequence, or [N, T] per token."""
+    """w = exp(log pi_theta - log pi_theta0): [N] per sequence, or [N, T] per token. The log-ratio
+    is clamped at MAX_LOG_WEIGHT, so a long sequence never overflows to inf."""
     if level == "sequence":
-        return torch.exp((logp - old_logp).mul(mask).sum(1))
-    return torch.exp(logp - old_logp) * mask
+        return torch.exp((logp - old_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+    return torch.exp((logp - old_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
 
 
-def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, args):
+def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
+    """Per-sequence KL term between pi and pi_ref, summed over the response ([N]), for samples
+    drawn from pi (Schulman's k1/k2/k3; Tang & Munos 2025 for their gradients as losses):
+    - k3 = r - log r - 1 with r = pi_ref/pi: its value estimates KL(pi || pi_ref) without bias and
+      never goes negative, but as a loss its gradient is that of KL(pi_ref || pi) (GRPO's choice);
+    - k2 = (log pi - log pi_ref)^2 / 2: as a loss, its gradient is that of KL(pi || pi_ref);
+    - k1 = log pi - log pi_ref: its gradient as a loss is zero in expectation, so it is not used
+      as a loss; main() subtracts beta_kl * k1 from the reward instead (RLHF's KL-shaped reward),
+      which gives the REINFORCE gradient of KL(pi || pi_ref)."""
+    log_ratio = (ref_logp - logp) * mask
+    if estimator == "k3":
+        return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+    if estimator == "k2":
+        return (0.5 * log_ratio ** 2).sum(1)
+    return -log_ratio.sum(1)
+
+
+def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, args, tis=None):
     """The paper's Eq. 4 for one minibatch: -E[w A log pi] - beta_ent H + beta_kl KL(pi||pi_ref).
-    logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]. Returns (loss, stats)."""
+    logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated
+    mismatch weights (--tis-cap) at the level of the method's weights ([N] per sequence, [N, T] per
+    token) or None. Returns (loss, stats)."""
+    tis = torch.ones_like(advantages) if tis is None else tis
     seq_logp = (logp * mask).sum(1)
     if args.ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
         clipped = ratio.clamp(1 - args.ppo_clip, 1 + args.ppo_clip)
-        pg = -torch.min(ratio * advantages, clipped * advantages)
+        pg = -torch.min(ratio * advantages, clipped * advantages) * tis
         w = ratio.detach()
     else:
         w = importance_weights(logp, old_logp, mask, args.iw_level).detach()
         if args.iw_clip is not None:
             w = w.clamp(max=args.iw_clip)
         if args.iw_level == "sequence":
-            pg = -w * advantages * seq_logp
+            pg = -w * tis * advantages * seq_logp
         else:
-            pg = -(w * logp * mask).sum(1) * advantages
-    # k3 estimator of KL(pi || pi_ref) per token, summed over the response
-    log_ratio = (ref_logp - logp) * mask
-    kl = (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+            pg = -(w * tis * logp * mask).sum(1) * advantages
+    kl = kl_penalty(logp, ref_logp, mask, args.kl_estimator) if args.kl_estimator != "k1" else torch.zeros_like(advantages)
     tokens = mask.sum(1).clamp(min=1)
     mean_entropy = (entropy * mask).sum(1) / tokens
     loss = (pg + args.beta_kl * kl - args.beta_ent * mean_entropy).mean()
     w_seq = w if w.dim() == 1 else (w.sum(1) / tokens)
     return loss, dict(pg=pg.mean(), kl=kl.mean(), entropy=mean_entropy.mean(), w=w_seq)
+
+
+def truncated_mismatch_weights(learner_logp, sampler_logp, mask, level: str, cap: float):
+    """Training-inference mismatch correction (truncated importance sampling, as TRL, verl,
+    open-instruct and PipelineRL do it): min(pi_learner / pi_sampler, cap) per sequence or per
+    token, for samples the sampler drew while the learner held the same weights. Kept apart from
+    K-reuse's own importance weights. Returns (weights, stats)."""
+    ratio = importance_weights(learner_logp, sampler_logp, mask, level)
+    truncated = ratio > cap
+    if level == "token":
+        considered = mask.bool()
+        stats = dict(max_ratio=ratio[considered].max().item(), truncated_fraction=truncated[considered].float().mean().item())
+    else:
+        stats = dict(max_ratio=ratio.max().item(), truncated_fraction=truncated.float().mean().item())
+    return ratio.clamp(max=cap), stats
 
 
 def ess(weights: torch.Tensor) -> float:
@@ -147,13 +189,20 @@ def main():
     common.check_args(args.k >= 1, "--k", f"must be >= 1, got {args.k}")
     common.check_args(args.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {args.group_size}")
     common.check_args(args.num_prompts >= 1 and args.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1")
-    common.check_args(args.iw_level in ("sequence", "token"), "--iw-level", "must be `sequence` or `token`")
     common.check_args(args.learning_rate > 0, "--learning-rate", "must be > 0")
     common.check_args(0 < args.top_p <= 1 and args.temperature > 0, "--top-p/--temperature", "need 0 < top_p <= 1, temperature > 0")
     common.check_args(args.iw_clip is None or args.iw_clip > 0, "--iw-clip", "must be > 0")
     common.check_args(args.ppo_clip is None or 0 < args.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)")
     common.check_args(not (args.recompute_old_logprobs and args.overlap), "--recompute-old-logprobs",
                       "cannot be combined with --overlap: the learner no longer holds the sampling weights")
+    common.check_args(args.tis_cap is None or args.tis_cap >= 1, "--tis-cap", f"must be >= 1, got {args.tis_cap}")
+    common.check_args(not (args.tis_cap and args.overlap), "--tis-cap",
+                      "cannot be combined with --overlap: the learner no longer holds the sampling weights")
+    common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
+    common.check_args(args.minibatch_size >= 1, "--minibatch-size", "must be >= 1")
+    common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
+    args.recompute_old_logprobs = args.recompute_old_logprobs or args.tis_cap is not None
+    args.tis_level = "sequence" if args.ppo_clip is not None else args.iw_level
     args.batch_size = args.num_prompts * args.group_size  # episodes per round
     args.max_prompt_tokens = 64 if args.model == common.TINY else 256
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
@@ -164,6 +213,7 @@ def main():
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
+    common.check_chat_template(tokenizer, args.chat_template)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
@@ -171,7 +221,7 @@ def main():
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
 
-    start_round, data_position, step = 0, 0, 0
+    start_round, data_position, step, nonfinite_skipped = 0, 0, 0, 0
     timing = dict(sample=0.0, update=0.0, wall=0.0)
     if args.resume:
         state = common.load_checkpoint(args.resume, policy, optimizer)
@@ -189,7 +239,8 @@ def main():
         def next_prompts():
             nonlocal data_position
             problems, prompts, skipped = common.encode_prompts(
-                tokenizer, [task.problem("train", data_position + i) for i in range(args.num_prompts)], args.max_prompt_tokens)
+                tokenizer, [task.problem("train", data_position + i) for i in range(args.num_prompts)], args.max_prompt_tokens,
+                args.chat_template)
             data_position += args.num_prompts
             return problems, prompts, skipped
 
@@ -203,7 +254,8 @@ def main():
             return problems, sampler.wait_for(ids), skipped, time.perf_counter() - submitted
 
         def evaluate():  # pass@k on the held-out split, sampling as in training (Table 4 protocol)
-            return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens, **sampling)
+            return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                   args.chat_template, **sampling)
 
         eval_start = evaluate()
         logger.log(step, eval_start)
@@ -222,46 +274,61 @@ def main():
             texts = [s.text for s in samples]
             rewards = torch.tensor([task.reward(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
             correct = np.mean([task.is_correct(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
-            advantages = rloo_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
             input_ids, attention_mask, completion_mask = common.pad_prompt_completions(
                 [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], tokenizer.pad_token_id)
-            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-            mask = completion_mask[:, 1:].to(device, torch.float32)
-            old_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+            input_ids, attention_mask, completion_mask = input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
+            mask = completion_mask[:, 1:].float()
+            sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
             minibatches = [slice(i, min(i + args.minibatch_size, len(samples))) for i in range(0, len(samples), args.minibatch_size)]
-            fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
-            logprob_diff, diff_sum = float("nan"), 0.0
+            processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
+
+            def logprobs(model, mb, **kw):
+                return common.token_logprobs(model, input_ids[mb], attention_mask[mb], completion_mask[mb], **processing, **kw)
+
             with torch.no_grad():
-                ref_logp = torch.cat([common.token_logprobs(ref_policy, input_ids[mb], attention_mask[mb], completion_mask[mb].to(device),
-                                                            args.temperature) for mb in minibatches])
-                if args.recompute_old_logprobs:
-                    sampler_logp = old_logp
-                    old_logp = torch.cat([common.token_logprobs(policy, input_ids[mb], attention_mask[mb], completion_mask[mb].to(device),
-                                                                args.temperature) for mb in minibatches])
-                    logprob_diff = (((sampler_logp - old_logp).abs() * mask).sum() / mask.sum()).item()
+                ref_logp = torch.cat([logprobs(ref_policy, mb) for mb in minibatches])
+                # log pi_theta0: the sampler's logprobs, or the learner's own recomputation (--recompute-old-logprobs, --tis-cap)
+                old_logp = torch.cat([logprobs(policy, mb) for mb in minibatches]) if args.recompute_old_logprobs else sampler_logp
+            tis, mismatch = None, {}
+            if args.tis_cap is not None:
+                tis, tis_stats = truncated_mismatch_weights(old_logp, sampler_logp, mask, args.tis_level, args.tis_cap)
+                mismatch = {"charts/tis_max_ratio": tis_stats["max_ratio"], "charts/tis_truncated_fraction": tis_stats["truncated_fraction"]}
+            # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
+            kl_value = kl_penalty(old_logp, ref_logp, mask, "k3").mean().item()
+            if args.kl_estimator == "k1":  # KL-shaped reward: r - beta_kl * sum_t log(pi / pi_ref), before the baseline
+                rewards_for_baseline = rewards.to(device) - args.beta_kl * kl_penalty(old_logp, ref_logp, mask, "k1")
+            else:
+                rewards_for_baseline = rewards.to(device)
+            advantages = rloo_advantages(rewards_for_baseline.view(-1, args.group_size)).view(-1)
+            fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
+            diff_sum = 0.0
 
             # ---- K gradient steps on this one batch ----
-            iw_means, ess_values = [], []
+            iw_means, ess_values, round_start_step = [], [], step
             for k_step in range(args.k):
                 optimizer.zero_grad()
                 weights = []
                 for mb in minibatches:
-                    logp, entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], completion_mask[mb].to(device),
-                                                          args.temperature, with_entropy=True)
-                    if k_step == 0 and fresh and not args.recompute_old_logprobs:
-                        # the first thing to look at when training goes wrong (DESIGN.md section 2)
-                        diff_sum += ((logp.detach() - old_logp[mb]).abs() * mask[mb]).sum().item()
-                    loss, stats = rloo_loss(logp, old_logp[mb], ref_logp[mb], entropy, mask[mb], advantages[mb], args)
+                    logp, entropy = logprobs(policy, mb, with_entropy=True)
+                    if k_step == 0 and fresh:
+                        # the first thing to look at when training goes wrong: at fresh weights it is ~1e-6 in fp32
+                        diff_sum += ((logp.detach() - sampler_logp[mb]).abs() * mask[mb]).sum().item()
+                    loss, stats = rloo_loss(logp, old_logp[mb], ref_logp[mb], entropy, mask[mb], advantages[mb], args,
+                                            None if tis is None else tis[mb])
                     (loss * (mb.stop - mb.start) / len(samples)).backward()  # minibatches add up to the batch mean
                     weights.append(stats["w"])
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                weights = torch.cat(weights)
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                    # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
+                    optimizer.zero_grad()
+                    nonfinite_skipped += 1
+                    continue
                 optimizer.step()
                 step += 1
-                weights = torch.cat(weights)
                 iw_means.append(weights.mean().item())
                 ess_values.append(ess(weights))
-            if fresh and not args.recompute_old_logprobs:
-                logprob_diff = diff_sum / mask.sum().item()
+            logprob_diff = diff_sum / mask.sum().item() if fresh else float("nan")
             update_seconds = time.perf_counter() - update_start
             timing["update"] += update_seconds
 
@@ -271,25 +338,27 @@ def main():
                 pending = submit_round()
             timing["wall"] = time.perf_counter() - loop_start
 
-            lags = [step - args.k - s.version_min for s in samples]  # learner version at the round's first k-step
+            lags = [round_start_step - s.version_min for s in samples]  # learner version at the round's first k-step
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": mask.sum(1).mean().item(), "charts/episodes": (round_index + 1) * args.batch_size,
-                "charts/skipped_long_prompts": skipped, "charts/ess_min": min(ess_values), "charts/lag_mean": float(np.mean(lags)),
-                "losses/loss": loss.item(), "losses/pg": stats["pg"].item(), "losses/kl": stats["kl"].item(),
+                "charts/skipped_long_prompts": skipped, "charts/ess_min": min(ess_values, default=float("nan")),
+                "charts/lag_mean": float(np.mean(lags)), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
+                "losses/loss": loss.item(), "losses/pg": stats["pg"].item(), "losses/kl_penalty": stats["kl"].item(),
                 "losses/entropy": stats["entropy"].item(), "losses/grad_norm": grad_norm.item(),
                 "time/sample_seconds": sample_seconds, "time/update_seconds": update_seconds, "time/push_seconds": push_seconds,
                 "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
                 "time/grad_steps_per_second": step / max(timing["wall"], 1e-9),
             }
             if math.isfinite(logprob_diff):
-                metrics["charts/sampler_learner_logprob_diff"] = logprob_diff
+                metrics["charts/logprob_diff"] = logprob_diff
+            metrics |= mismatch
             metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
             metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
             logger.log(step, metrics, echo=False)
             print(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
-                  f"acc {correct:.3f} kl {metrics['losses/kl']:.3f} ent {metrics['losses/entropy']:.3f} "
-                  f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {min(ess_values):.2f} "
+                  f"acc {correct:.3f} kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} "
+                  f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess_min']:.2f} "
                   f"sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
 
             last = round_index + 1 == args.num_rounds

@@ -67,3 +67,28 @@ def test_checkpoint_roundtrip_restores_model_optimizer_rng_and_position(tmp_path
 def test_check_args_names_the_flag():
     with pytest.raises(SystemExit, match="--k"):
         common.check_args(0 >= 1, "--k", "must be >= 1")
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [(0.8, 0.95, 0), (1.0, 0.5, 0), (0.7, 1.0, 5), (1.3, 0.9, 20), (0.8, 1.0, 1)])
+def test_sampling_logits_equal_vllms_processing(temperature, top_p, top_k):
+    """The learner's processing is vLLM's own: compare with the function the CPU sampler calls."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 300) * 3
+    theirs = apply_top_k_top_p_pytorch((logits / temperature).clone(), torch.full((64,), top_k) if top_k else None,
+                                       torch.full((64,), top_p) if top_p < 1 else None).log_softmax(-1)
+    kept = torch.isfinite(theirs)
+    targets = torch.multinomial(theirs.exp(), 1).squeeze(1)  # tokens vLLM could have sampled
+    ours = torch.log_softmax(common.sampling_logits(logits, targets, temperature, top_p, top_k), -1)
+    assert torch.equal(torch.isfinite(ours), kept)
+    assert torch.allclose(ours[kept], theirs[kept], atol=1e-5)
+    if top_p < 1 or top_k:
+        assert (~kept).any()  # the setting really cuts the vocabulary
+
+
+def test_sampling_logits_keep_a_target_outside_the_nucleus():
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
+    out = torch.log_softmax(common.sampling_logits(logits, torch.tensor([3]), 1.0, 0.9), -1)
+    assert torch.isfinite(out[0, 3]) and not torch.isfinite(out[0, 2])  # the sampled token stays finite
+    assert out[0, 3] == pytest.approx((logits[0, 3] - torch.logsumexp(logits[0, [0, 1, 3]], 0)).item())

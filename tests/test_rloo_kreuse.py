@@ -4,6 +4,7 @@ real sampler, and the script from its real command line."""
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +25,7 @@ def test_leave_one_out_advantage_by_hand():
 
 
 def _args(**kw):
-    base = dict(ppo_clip=None, iw_level="sequence", iw_clip=None, beta_kl=0.0, beta_ent=0.0)
+    base = dict(ppo_clip=None, iw_level="sequence", iw_clip=None, beta_kl=0.0, beta_ent=0.0, kl_estimator="k3")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -114,7 +115,7 @@ def test_two_rounds_from_the_command_line_then_resume():
     rounds = [r for r in rows if "charts/reward" in r]
     assert [r["step"] for r in rounds] == [2, 4]
     assert rounds[0]["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and rounds[0]["charts/ess_k1"] == pytest.approx(1.0, abs=1e-3)
-    assert rounds[0]["charts/sampler_learner_logprob_diff"] < 1e-4
+    assert rounds[0]["charts/logprob_diff"] < 1e-4
     assert (run_dir / "checkpoint.pt").exists() and json.loads((run_dir / "args.json").read_text())["k"] == 2
     assert "| K | wall (s)" in out.stdout and "pass@1" in out.stdout
 
@@ -139,3 +140,108 @@ def test_overlap_mode_runs_one_round_off_policy():
 def test_bad_flags_are_rejected_at_start(flags, flag):
     out = _run(*flags, timeout=120)
     assert out.returncode != 0 and f"error: {flag}" in out.stderr
+
+
+def test_kl_estimators_by_hand_and_their_gradients():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0], [-0.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    d = (ref - logp).detach() * mask  # log(pi_ref / pi)
+    k3 = rloo.kl_penalty(logp, ref, mask, "k3")
+    assert torch.allclose(k3, (torch.exp(d) - d - 1).mul(mask).sum(1))
+    k2 = rloo.kl_penalty(logp, ref, mask, "k2")
+    assert torch.allclose(k2, (0.5 * d ** 2).sum(1))
+    assert torch.allclose(rloo.kl_penalty(logp, ref, mask, "k1"), -d.sum(1))
+    # as losses: d k2 / d log pi = log pi - log pi_ref (the KL(pi || pi_ref) score-function weight);
+    # d k3 / d log pi = 1 - pi_ref / pi (the KL(pi_ref || pi) one)
+    (grad_k2,) = torch.autograd.grad(k2.sum(), logp)
+    assert torch.allclose(grad_k2, -d * mask)
+    (grad_k3,) = torch.autograd.grad(k3.sum(), logp)
+    assert torch.allclose(grad_k3, (1 - torch.exp(d)) * mask)
+
+
+def test_k1_is_folded_into_the_reward_not_the_loss():
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -1.0]])
+    loss, stats = rloo.rloo_loss(logp, logp, ref, torch.zeros_like(logp), torch.ones_like(logp), torch.zeros(1),
+                                 _args(beta_kl=1.0, kl_estimator="k1"))
+    assert stats["kl"].item() == 0 and loss.item() == 0
+
+
+def test_truncated_mismatch_weights_by_hand():
+    learner = torch.tensor([[-1.0, -1.0], [-2.0, -0.1]])
+    sampler = torch.tensor([[-1.0, -2.0], [-1.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    w, stats = rloo.truncated_mismatch_weights(learner, sampler, mask, "sequence", cap=2.0)
+    assert torch.allclose(w, torch.tensor([2.0, torch.e ** -1]))  # e^1 = 2.72 truncated at 2
+    assert stats["max_ratio"] == pytest.approx(torch.e) and stats["truncated_fraction"] == 0.5
+    w, stats = rloo.truncated_mismatch_weights(learner, sampler, mask, "token", cap=2.0)
+    assert torch.allclose(w, torch.tensor([[1.0, 2.0], [torch.e ** -1, 0.0]]))
+    assert stats["truncated_fraction"] == pytest.approx(1 / 3)  # of the 3 response tokens
+    # the loss is weighted by them: a sequence at weight 0.5 pushes half as hard
+    logp = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
+    loss, _ = rloo.rloo_loss(logp, logp.detach(), logp.detach(), torch.zeros_like(logp), torch.ones_like(logp), torch.ones(2),
+                             _args(), tis=torch.tensor([1.0, 0.5]))
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5], [-0.25]]))
+
+
+def test_sequence_weights_never_overflow():
+    logp, old = torch.full((1, 400), -0.1), torch.full((1, 400), -1.0)  # summed log-ratio 360: exp() is inf in fp32
+    w = rloo.importance_weights(logp, old, torch.ones_like(logp), "sequence")
+    assert torch.isfinite(w).all() and rloo.ess(torch.cat([w, torch.ones(3)])) > 0
+
+
+def test_k1_weight_is_one_with_top_p_from_the_command_line():
+    """The reported bug: at K=1 with top-p < 1 the weight was 0.84 every round (the learner's
+    logprobs were over the full vocabulary, the sampler's over the nucleus)."""
+    out = _run("--exp-name", "pytest_rloo_topp", "--k", "1", "--top-p", "0.9", "--num-prompts", "8", "--group-size", "4",
+               "--num-rounds", "3", "--eval-problems", "8", "--eval-samples", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    assert len(rounds) == 3
+    for r in rounds:
+        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/logprob_diff"] < 1e-4
+
+
+def test_realistic_model_paper_settings_k1_on_policy_with_tis(realistic_path):
+    """The path users run: BPE tokenizer with pad == eos, bf16 checkpoint, T 0.8 / top-p 0.95 (the
+    paper's defaults for a non-tiny model), sizes shrunk. K=1 is exactly on-policy; the mismatch
+    correction sees ratio 1."""
+    out = _run("--model", realistic_path, "--exp-name", "pytest_rloo_real", "--k", "1", "--num-prompts", "4", "--group-size", "2",
+               "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2", "--tis-cap", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["temperature"], args["top_p"], args["max_new_tokens"]) == (0.8, 0.95, 48)
+    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    assert len(rounds) == 2
+    for r in rounds:
+        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/logprob_diff"] < 1e-4
+        assert r["charts/tis_max_ratio"] == pytest.approx(1.0, abs=1e-3) and r["charts/tis_truncated_fraction"] == 0
+
+
+def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
+    """A NaN loss skips the optimizer step, is counted, and neither the pushed nor the saved
+    weights change."""
+    code = textwrap.dedent(f"""
+        import sys, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        import rloo_kreuse as rloo
+        real = rloo.rloo_loss
+        def poisoned(*a, **k):
+            loss, stats = real(*a, **k)
+            return loss * float("nan"), stats
+        rloo.rloo_loss = poisoned
+        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nan", "--k", "2", "--num-prompts", "4", "--group-size", "2",
+                    "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"]
+        rloo.main()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    assert [r["charts/nonfinite_skipped"] for r in rounds] == [2, 4] and [r["step"] for r in rounds] == [0, 0]
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+    initial = common.load_policy(tiny_path, "cpu").state_dict()
+    assert all(torch.equal(saved[name], initial[name]) for name in initial)
