@@ -63,7 +63,6 @@ def limit_cpu_threads() -> None:
 # Tasks and rewards
 # --------------------------------------------------------------------------------------
 
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 COUNTDOWN_FORMAT_SCORE = 0.1  # TinyZero: a well-formed but wrong answer
 _MAX_ABS_VALUE = 10**12  # larger intermediate values are treated as malformed
 
@@ -107,15 +106,28 @@ def safe_arithmetic(expression: str) -> tuple[Fraction, list[int]]:
     return walk(tree), numbers
 
 
+def last_answer(completion: str) -> str | None:
+    """The content of the last <answer>...</answer>, pairing tags left to right as TinyZero's
+    `re.finditer(r"<answer>(.*?)</answer>")` does, in time linear in the completion (the regex
+    is quadratic in unclosed <answer> tags: 2.6 s for a 72 KB completion)."""
+    found, position = None, 0
+    while (start := completion.find("<answer>", position)) >= 0:
+        end = completion.find("</answer>", start + len("<answer>"))
+        if end < 0:
+            break
+        found, position = completion[start + len("<answer>"): end], end + len("</answer>")
+    return found
+
+
 def countdown_reward(completion: str, numbers: list[int], target: int, format_score: float = COUNTDOWN_FORMAT_SCORE) -> float:
     """TinyZero convention: 1 for a correct equation in the last <answer>...</answer> that uses
     each given number exactly once; `format_score` for a well-formed but wrong answer; 0 when
     there is no answer."""
-    answers = ANSWER_RE.findall(completion)
-    if not answers:
+    answer = last_answer(completion)
+    if answer is None:
         return 0.0
     try:
-        value, used = safe_arithmetic(answers[-1])
+        value, used = safe_arithmetic(answer)
     except (SyntaxError, ValueError, RecursionError):
         return format_score
     if sorted(used) != sorted(numbers):
@@ -123,13 +135,21 @@ def countdown_reward(completion: str, numbers: list[int], target: int, format_sc
     return 1.0 if value == target else format_score
 
 
-_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# a number as GSM8K writes them: commas only as thousands separators ("1,234"; "1,5" is two numbers)
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
+_NUMBER_RE = re.compile(_NUMBER)
+_MARKED_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 
 
 def gsm8k_extract(text: str) -> str | None:
-    """The final number of a GSM8K answer: after '####' when present, else the last number."""
-    if "####" in text:
-        text = text.split("####")[-1]
+    """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the
+    first number after the last '####' that is followed by one (text after the answer, or a
+    trailing '####', does not change it). Without a marked answer, the last number in the text.
+    Unicode minus signs count as minus."""
+    text = text.replace("\u2212", "-")
+    marked = _MARKED_RE.findall(text)
+    if marked:
+        return marked[-1].replace(",", "")
     found = _NUMBER_RE.findall(text)
     return found[-1].replace(",", "") if found else None
 

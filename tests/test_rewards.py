@@ -55,6 +55,12 @@ def test_safe_arithmetic_rejects_names_and_calls():
         ("0.5", "#### .5", 1.0),
         ("no number here", "#### 4", 0.0),
         ("#### 17", "#### 18", 0.0),
+        ("\u221218 degrees", "#### -18", 1.0),  # a Unicode minus is a minus
+        ("\u221218 degrees", "#### 18", 0.0),
+        ("1,5", "#### 15", 0.0),  # a comma only separates thousands
+        ("so #### 18 ####", "#### 18", 1.0),  # a trailing marker does not drop the answer
+        ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0),  # text after the answer is not the answer
+        ("#### $1,000,000", "#### 1000000", 1.0),
     ],
 )
 def test_gsm8k_reward(completion, answer, expected):
@@ -88,3 +94,20 @@ def test_long_prompts_are_skipped_and_counted(tokenizer):
     problems[3].prompt = "9 " * 200 + "->5:"
     kept, ids, skipped = encode_prompts(tokenizer, problems, max_prompt_tokens=32)
     assert skipped == 1 and len(kept) == len(ids) == 9 and problems[3] not in kept
+
+
+def test_last_answer_pairs_tags_like_tinyzeros_regex():
+    import random
+    import re
+
+    from common import last_answer
+
+    regex = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    rng = random.Random(0)
+    pieces = ["<answer>", "</answer>", "1+2", " ", "x", "\n", "<answer", "answer>"]
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        found = regex.findall(text)
+        assert last_answer(text) == (found[-1] if found else None), text
+    # many unclosed tags: one pass, not one scan to the end per tag (the regex took 2.6 s at 72 KB)
+    assert countdown_reward("<answer>" * 100_000, [1, 2], 3) == 0.0
