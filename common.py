@@ -671,6 +671,30 @@ def _pack_plan(dtypes: list[torch.dtype], shapes: list) -> list[list[int]]:
     return chunks
 
 
+def gloo_group(host: str, port: int, rank: int, world_size: int, timeout, listen_socket=None):
+    """A gloo process group outside torch.distributed's global state (vLLM's
+    stateless_init_torch_distributed_process_group, with the gloo device bound to `host`: vLLM's
+    binds to whatever the machine's hostname resolves to, which may be a public interface).
+    Rank 0 passes a socket it already bound and listens on (`listen_socket`): no port is chosen,
+    closed and bound again, so no other process can take it in between."""
+    from torch.distributed import PrefixStore, ProcessGroup
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+    from vllm.distributed.utils import create_tcp_store
+
+    store = create_tcp_store(host, port, listen_socket=listen_socket, world_size=world_size, is_master=rank == 0,
+                             timeout=timeout, wait_for_workers=False)
+    prefix_store = PrefixStore(f"tcp://{host}:{port}", store)
+    options = ProcessGroupGloo._Options()
+    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    backend = ProcessGroupGloo(prefix_store, rank, world_size, options)
+    group = ProcessGroup(prefix_store, rank, world_size)
+    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    backend._set_sequence_number_for_group()
+    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
 def register_gloo_engine() -> None:
     """Register the CPU weight-transfer backend "gloo" with vLLM's worker and trainer
     factories. Called in both processes before vLLM builds its engine."""
@@ -679,7 +703,6 @@ def register_gloo_engine() -> None:
         return
     from datetime import timedelta
 
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
     from vllm.distributed.weight_transfer.base import (
         TrainerInitInfo,
         TrainerWeightTransferEngine,
@@ -727,9 +750,7 @@ def register_gloo_engine() -> None:
 
         def init_transfer_engine(self, init_info):
             rank = init_info.rank_offset + self.parallel_config.rank
-            self.group = stateless_init_torch_distributed_process_group(
-                init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                backend="gloo", timeout=group_timeout)
+            self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size, group_timeout)
 
         def kept_linears(self) -> list | None:
             """The linear layers to repack after an in-place load, or None if their weights were
@@ -789,17 +810,32 @@ def register_gloo_engine() -> None:
 
         @classmethod
         def trainer_init(cls, init_info, *, client, source=None):
-            from concurrent.futures import ThreadPoolExecutor
+            """Both sides must join at once: ours in one thread, the sampler's in another; the first
+            error from either side (the sampler's own traceback included) is raised at once, and
+            the whole rendezvous has a deadline."""
+            import socket
+            from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
             engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-            worker_info = dict(master_address=init_info.master_address, master_port=init_info.master_port,
-                               rank_offset=1, world_size=init_info.world_size)
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                future = pool.submit(client.init_weight_transfer_engine, worker_info)
-                engine.group = stateless_init_torch_distributed_process_group(
-                    init_info.master_address, init_info.master_port, 0, init_info.world_size,
-                    backend="gloo", timeout=group_timeout)
-                future.result()
+            # the learner binds the port itself (0: any free one) and keeps it: no race for it
+            listen = socket.create_server((init_info.master_address, init_info.master_port))
+            port = listen.getsockname()[1]
+            worker_info = dict(master_address=init_info.master_address, master_port=port, rank_offset=1,
+                               world_size=init_info.world_size)
+            pool = ThreadPoolExecutor(max_workers=2)
+            try:
+                theirs = pool.submit(client.init_weight_transfer_engine, worker_info)
+                ours = pool.submit(gloo_group, init_info.master_address, port, 0, init_info.world_size, group_timeout, listen)
+                done, _ = wait([theirs, ours], timeout=group_timeout.total_seconds(), return_when=FIRST_EXCEPTION)
+                for future in (theirs, ours):
+                    if future in done and future.exception() is not None:
+                        raise future.exception()
+                if len(done) < 2:
+                    raise SamplerError(f"the weight-sync rendezvous on {init_info.master_address}:{port} did not complete "
+                                       f"within {group_timeout.total_seconds():.0f}s")
+                engine.group = ours.result()
+            finally:
+                pool.shutdown(wait=False)  # never join a thread stuck on a dead peer
             return engine
 
         def send_weights(self):
@@ -1295,7 +1331,7 @@ class Sampler:
         backend = weight_backend(self.placement)
         if backend == "gloo":
             info_cls = WeightTransferTrainerFactory._registry["gloo"]().init_info_cls
-            info = info_cls(rank=0, master_address="127.0.0.1", master_port=_free_port(), world_size=2)
+            info = info_cls(rank=0, master_address="127.0.0.1", master_port=0, world_size=2)  # loopback: the sampler is local
         elif backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -1459,8 +1495,11 @@ class _Tee:
 
 
 def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
-    """runs/<exp_name>__<seed>__<unix time>; a resumed run keeps the directory it resumes from."""
+    """runs/<exp_name>__<seed>__<unix time> (RunLogger adds -1, -2, ... if that exists already); a
+    resumed run keeps the directory it resumes from, after checking its checkpoint (so that a bad
+    --resume is one line, before anything starts or any directory is made)."""
     if resume:
+        checkpoint_state(resume)
         return Path(resume).name if Path(resume).is_dir() else Path(resume).parent.name
     return f"{exp_name}__{seed}__{int(time.time())}"
 
@@ -1470,8 +1509,18 @@ class RunLogger:
     metric), TensorBoard event files, and wandb when `track`."""
 
     def __init__(self, run_name: str, args: Any, track: bool = False, wandb_project: str = "fast-rl-llm", root: str = "runs"):
-        self.dir = Path(root) / run_name
-        self.dir.mkdir(parents=True, exist_ok=True)
+        if getattr(args, "resume", None):
+            self.dir = Path(root) / run_name
+            self.dir.mkdir(parents=True, exist_ok=True)
+        else:  # a new run gets a directory of its own, even when another run starts in the same second
+            Path(root).mkdir(parents=True, exist_ok=True)
+            for attempt in range(10_000):
+                self.dir = Path(root) / (run_name if attempt == 0 else f"{run_name}-{attempt}")
+                try:
+                    self.dir.mkdir()  # atomic: exactly one process creates it
+                    break
+                except FileExistsError:
+                    continue
         config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         (self.dir / "args.json").write_text(json.dumps(config, indent=1, default=str))
         self._console = open(self.dir / "console.log", "a")
@@ -1521,33 +1570,102 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
 
 
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "data_position", "rng")
+
+
+def _replace_atomically(write, path: Path) -> None:
+    """write(tmp) then rename over `path`: a reader never sees half a file, two runs never share
+    a temporary name, and a failed write (disk full) leaves the previous file as it was."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp.is_dir():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise SystemExit(f"error: could not write {path} ({e.strerror or e}); the previous copy, if any, is intact") from None
+
+
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: int, **extra) -> None:
-    """Model, optimizer, step, RNG states and data position, written atomically."""
+                    data_position: int, hf_model=None, tokenizer=None, **extra) -> None:
+    """Model, optimizer, step, RNG states and data position, written atomically; only tensors and
+    plain data, so that --resume loads it with weights_only=True (no code runs on load). With
+    `hf_model` (and its tokenizer), also <dir>/model/: a Hugging Face model directory
+    (safetensors) that transformers and vLLM load as is."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        **extra,
-    }
-    torch.save(state, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
+    rng = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
+             "rng": rng, **extra}
+    _replace_atomically(lambda tmp: torch.save(state, tmp), path)
+    if hf_model is not None:
+        save_hf_model(path.parent / "model", hf_model, tokenizer)
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Restore what save_checkpoint wrote; returns the whole state (step, data_position, extras)."""
+def save_hf_model(out_dir: str | Path, model, tokenizer=None) -> None:
+    """`save_pretrained` (safetensors, tokenizer included) into out_dir, replacing it whole."""
+    import shutil
+
+    out_dir = Path(out_dir)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():  # a directory cannot be replaced by rename: move the old one aside first
+            old = out_dir.with_name(f"{out_dir.name}.old-{os.getpid()}")
+            out_dir.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
+
+    _replace_atomically(write, out_dir)
+
+
+def checkpoint_state(path: str | Path) -> dict:
+    """Load a checkpoint with weights_only=True (tensors and plain data only: a crafted file
+    cannot run code) or stop with one line naming --resume."""
     path = Path(path)
     if path.is_dir():
         path = path / "checkpoint.pt"
-    if not path.exists():
+    if not path.is_file():
         raise SystemExit(f"error: --resume: no checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, empty, foreign or unsafe: the message is all the user needs
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"error: --resume: {path} is not a checkpoint this project wrote ({reason})") from None
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise SystemExit(f"error: --resume: {path} is not a checkpoint this project wrote (missing {', '.join(missing)})")
+    return state
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, required: tuple = ()) -> dict:
+    """Restore what save_checkpoint wrote; returns the whole state (step, data_position, extras).
+    `required`: the extra keys the caller reads, checked before anything is restored."""
+    state = checkpoint_state(path)
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise SystemExit(f"error: --resume: {path} was written by another script (missing {', '.join(missing)})")
+    try:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: --resume: {path} does not fit this model ({str(e).splitlines()[0][:200]})") from None
     random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
+    numpy_state = state["rng"]["numpy"]
+    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
+    np.random.set_state(numpy_state)
     torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return state
 
 
