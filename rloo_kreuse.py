@@ -224,7 +224,7 @@ def main():
     start_round, data_position, step, nonfinite_skipped = 0, 0, 0, 0
     timing = dict(sample=0.0, update=0.0, wall=0.0)
     if args.resume:
-        state = common.load_checkpoint(args.resume, policy, optimizer)
+        state = common.load_checkpoint(args.resume, policy, optimizer, required=("round", "timing"))
         start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
@@ -366,7 +366,7 @@ def main():
                 logger.log(step, evaluate())
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
-                                       round=round_index + 1, timing=timing)
+                                       hf_model=policy, tokenizer=tokenizer, round=round_index + 1, timing=timing)
 
         eval_end = evaluate()
         logger.log(step, eval_end)
