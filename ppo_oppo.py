@@ -17,6 +17,13 @@ OPPO adds two overlaps, each with a switch for the paper's ablation (both off = 
   update) and continue with the new weights in the next iteration. Delta adapts to the reward
   trend every W iterations (Algorithm 1 lines 22-27, Eq. 4; see --delta-rule).
 
+Numerics: the sampler returns the logprobs of the distribution it sampled (after temperature and
+top-p); the learner's actor and reference logprobs, chunked or not, apply the same processing
+(common.sampling_logits), so the ratios and the KL compare like with like (charts/logprob_diff).
+The trained models are fp32 whatever the checkpoint's dtype (--dtype). --tis-cap corrects what
+mismatch is left with truncated importance weights. A NaN/inf loss or gradient skips its optimizer
+step (charts/nonfinite_skipped). The RM score is read where transformers reads it (rm_position).
+
 Terms: an *iteration* is one PPO iteration (the paper's "training step": generate, score, update);
 an optimizer *step* is one optimizer.step() (epochs x minibatches per iteration); the policy
 *version* counts optimizer steps, so a token's lag is in optimizer steps; a carried-over sequence's
@@ -24,12 +31,14 @@ an optimizer *step* is one optimizer.step() (epochs x minibatches per iteration)
 
     python ppo_oppo.py --model tiny
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
+    python ppo_oppo.py --model Qwen/Qwen2.5-3B-Instruct --chat-template --top-p 0.95 --tis-cap 2.0
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -49,12 +58,17 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id: the actor, and the init of critic and reference"""
-    task: str = "countdown"
+    task: Literal["countdown", "countdown-hub", "gsm8k"] = "countdown"
     """countdown (offline generator), countdown-hub or gsm8k"""
     reward_model: str | None = None
     """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
-    placement: str = "auto"
+    placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained models (actor, critic) and the reference, whatever the checkpoint's (often bf16):
+    in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
+    chat_template: bool = False
+    """wrap each prompt as a user turn in the tokenizer's chat template (instruct models)"""
 
     # PPO
     num_iterations: int | None = None
@@ -87,6 +101,21 @@ class Args:
     """subtracted from the score of a response that ends without EOS (off under --long-tail, which forces lengths)"""
     temperature: float | None = None
     """sampling temperature [tiny 1.0; otherwise 0.7, TRL's]"""
+    top_p: float = 1.0
+    """nucleus sampling; the learner's logprobs use the same truncated distribution (the logprob contract)
+    [1.0: TRL's PPOTrainer, which the paper builds on, samples without a nucleus; the paper states none]"""
+    tis_cap: float | None = None
+    """truncated importance sampling (verl, open-instruct): PPO's old logprobs become the learner's own, recomputed
+    at the start of the iteration, and each token's policy loss is weighted by min(pi_old_learner / pi_sampler, C).
+    Corrects a sampler whose numerics differ from the learner's (bf16, other kernels) and the staleness of
+    carried-over sequences. Off (None) by default: the sampler here runs in fp32, its logprobs are the
+    learner's (charts/logprob_diff ~1e-6) and, as PPO's old logprobs, already make the ratio of a carried-over
+    token off-policy correct (and clipped); on costs one more forward per iteration. 2.0 is a common C"""
+    request_seeds: bool = False
+    """seed every request (from --seed, its data position and its request id), so that its tokens do not depend
+    on the other requests in the engine. Off: vLLM's own generator, seeded by --seed, is used; still reproducible
+    when the engine sees the same batches (OPPO at Delta 0 = plain PPO, tested), and faster: seeded requests
+    are sampled one by one (and on GPU without FlashInfer's sampler)"""
     max_new_tokens: int | None = None
     """response length cap [tiny 32; otherwise 1024]"""
 
@@ -109,7 +138,7 @@ class Args:
     """upper bound of Delta"""
     delta_window: int | None = None
     """W: Delta moves when 2W iteration rewards are in, comparing the last W with the W before [tiny 5; otherwise 10]"""
-    delta_rule: str = "eq4"
+    delta_rule: Literal["eq4", "alg1"] = "eq4"
     """eq4: Delta grows while the reward improves and shrinks otherwise (Eq. 4 and the paper's text);
     alg1: Delta - sign(d) * change, as Algorithm 1 line 25 is printed (the opposite direction)"""
     long_tail: float = 0.0
@@ -159,16 +188,47 @@ def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x - mean) * torch.rsqrt(var + 1e-8) * mask
 
 
-def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mask, clip_coef: float, vf_clip: float):
-    """Clipped surrogate (Eq. 2) and clipped value loss, token means over the mask."""
+def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mask, clip_coef: float, vf_clip: float,
+               tis_weights: torch.Tensor | None = None):
+    """Clipped surrogate (Eq. 2) and clipped value loss, token means over the mask. `tis_weights`
+    (see tis_weights) multiply each token's policy loss, as in verl and open-instruct; the value
+    loss is a regression onto the returns and stays unweighted."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef))
+    if tis_weights is not None:
+        pg = pg * tis_weights
     clipped_values = old_values + (values_pred - old_values).clamp(-vf_clip, vf_clip)
     vf = 0.5 * torch.max((values_pred - returns) ** 2, (clipped_values - returns) ** 2)
     n = mask.sum()
     stats = dict(clipfrac=(((ratio - 1).abs() > clip_coef).float() * mask).sum() / n,
                  approx_kl=(0.5 * (logp - old_logp) ** 2 * mask).sum() / n)
     return (pg * mask).sum() / n, (vf * mask).sum() / n, stats
+
+
+def tis_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float):
+    """Truncated importance weights min(pi_old / pi_behaviour, C) per token: pi_old is the learner
+    at the start of the iteration, pi_behaviour the sampler that drew the token (a bf16 engine, or
+    an older policy version for a carried-over sequence). Truncation bounds the variance. Returns
+    the weights (zero off the mask) and their stats over the mask: the largest raw ratio and the
+    fraction of tokens truncated."""
+    ratio = torch.exp(old_logp - behaviour_logp) * mask
+    on = mask.bool()
+    stats = dict(max_ratio=ratio[on].max().item() if on.any() else float("nan"),
+                 truncated_fraction=(ratio[on] > cap).float().mean().item() if on.any() else float("nan"))
+    return ratio.clamp(max=cap) * mask, stats
+
+
+def guarded_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], max_grad_norm: float,
+                 loss_is_finite: bool) -> tuple[bool, torch.Tensor]:
+    """Clip and step, unless the loss or the gradient norm is NaN/inf: then drop the gradients and
+    take no step. One non-finite gradient in Adam's moments would make every later step (and every
+    checkpoint) NaN. Returns whether it stepped, and the gradient norm before clipping."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    if not loss_is_finite or not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        return False, grad_norm
+    optimizer.step()
+    return True, grad_norm
 
 
 def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, delta_max: int, rule: str) -> tuple[int, list[float]]:
@@ -275,10 +335,11 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
 
 
 @torch.no_grad()
-def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro_batch_size: int) -> None:
+def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro_batch_size: int, top_p: float = 1.0) -> None:
     """Prefill every rollout's tokens that `model` has not seen yet, on top of their cached prefix,
-    and keep what the method needs: the critic's value at every position, the reference's logprob
-    of every token, the reward model's last hidden state (its score is read off the last token)."""
+    and keep what the method needs per position: the critic's value, the reference's logprob of
+    the token (under the sampler's temperature and top-p, as common.token_logprobs), the reward
+    model's score (read off at one position once the sequence is complete: see rm_position)."""
     todo = sorted((r for r in rollouts if r.num_tokens > r.prefix[name].length),
                   key=lambda r: (r.num_tokens - r.prefix[name].length, r.prefix[name].length))
     for start in range(0, len(todo), micro_batch_size):
@@ -287,33 +348,75 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
         new_tokens = [r.tokens[p.length:] for r, p in zip(group, prefixes)]
         hidden, kv = extend_prefix(model.base_model, prefixes, new_tokens)
         for p, h, t, cache in zip(prefixes, hidden, new_tokens, kv):
-            if name == "critic":
-                p.per_token.append(model.score(h).squeeze(-1).float())
+            if name in ("critic", "rm"):
+                p.per_token.append(model.score(h).float())  # [new tokens, labels]
             elif name == "ref":
                 # token j's logprob comes from the hidden state at j - 1: the previous chunk's last one
                 before = h if p.last_hidden is None else torch.cat([p.last_hidden[None], h])
-                logps = torch.log_softmax(model.lm_head(before[:-1]).float() / temperature, dim=-1)
-                targets = torch.tensor(t[1:] if p.last_hidden is None else t, device=logps.device)
-                chosen = logps.gather(-1, targets[:, None]).squeeze(-1)
+                targets = torch.tensor(t[1:] if p.last_hidden is None else t, device=h.device)
+                logits = common.sampling_logits(model.lm_head(before[:-1]).float(), targets, temperature, top_p)
+                chosen = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
                 p.per_token.append(torch.cat([chosen.new_zeros(1), chosen]) if p.last_hidden is None else chosen)
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
 
+def rm_position(tokens: list[int], pad_token_id: int | None) -> int:
+    """Where a transformers sequence classifier reads its score (GenericForSequenceClassification):
+    the rightmost token that is not config.pad_token_id, whatever the attention mask says. With
+    pad == eos (Qwen2.5) a response ending in EOS is scored at the token before its EOS. No pad id:
+    the last token; nothing but pads: position 0 (transformers' argmax of zeros)."""
+    if pad_token_id is None:
+        return len(tokens) - 1
+    return next((i for i in range(len(tokens) - 1, -1, -1) if tokens[i] != pad_token_id), 0)
+
+
 def scored(r: Rollout, name: str, model) -> torch.Tensor:
     """What the downstream model `name` gives for the rollout's response: critic values V(s_t) for
-    every response token's state, reference logprobs of every response token, or the RM score."""
+    every response token's state, reference logprobs of every response token, or the RM score
+    (= transformers' model(prompt + response).logits)."""
     p = r.prefix[name]
-    if name == "rm":
-        return model.score(p.last_hidden).float().squeeze()
     outputs = torch.cat(p.per_token)
+    if name == "rm":
+        return outputs[rm_position(r.tokens, model.config.get_text_config().pad_token_id)].squeeze()
     plen, T = len(r.prompt), len(r.response)
-    return outputs[plen - 1: plen - 1 + T] if name == "critic" else outputs[plen: plen + T]
+    return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
 
 def critic_values(critic, input_ids, attention_mask, completion_mask):
     """V(s_t) for every completion token's state, laid out like common.token_logprobs' output."""
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return critic.score(hidden[:, :-1]).squeeze(-1).float() * completion_mask[:, 1:]
+
+
+@torch.no_grad()
+def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batch_size: int, **processing) -> list[torch.Tensor]:
+    """The learner's logprob of every response token under `processing` (the sampler's temperature
+    and top-p), one no-grad forward in micro-batches of similar length: TIS's pi_old."""
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
+    device = next(policy.parameters()).device
+    order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens)
+    for start in range(0, len(order), micro_batch_size):
+        rows = order[start: start + micro_batch_size]
+        ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
+        logp = common.token_logprobs(policy, ids.to(device), attn.to(device), cmask.to(device), **processing).cpu()
+        for row, i in enumerate(rows):
+            plen = len(batch[i].prompt)
+            out[i] = logp[row, plen - 1: plen - 1 + len(batch[i].response)]
+    return out
+
+
+def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None):
+    """Actor, critic (the policy's architecture with a fresh 1-output score head) and frozen
+    reference, all in `dtype` whatever the checkpoint's (from_pretrained would keep a bf16
+    checkpoint in bf16); the reward model, frozen, in its checkpoint's dtype."""
+    policy = common.load_policy(model_path, device, dtype=dtype)
+    critic = common.load_hf(AutoModelForSequenceClassification, model_path, quiet=True, num_labels=1, dtype=dtype).to(device)
+    ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
+    rm = None
+    if reward_model:
+        rm = common.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1, dtype="auto")
+        rm = rm.to(device).eval().requires_grad_(False)
+    return policy, critic, ref_policy, rm
 
 
 def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
@@ -337,10 +440,11 @@ def main():
                       "must be >= 1")
     common.check_args(1 <= args.num_minibatches <= B, "--num-minibatches", f"must be between 1 and --batch-size ({B})")
     common.check_args(0 <= args.delta_min <= args.delta <= args.delta_max, "--delta", "needs 0 <= --delta-min <= --delta <= --delta-max")
-    common.check_args(args.delta_rule in ("eq4", "alg1"), "--delta-rule", "must be eq4 or alg1")
     common.check_args(args.chunk_size >= 1 and all(c >= 1 for c in args.chunk_candidates), "--chunk-size/--chunk-candidates", "must be >= 1")
     common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")
     common.check_args(args.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)")
+    common.check_args(0 < args.top_p <= 1, "--top-p", "must be in (0, 1]")
+    common.check_args(args.tis_cap is None or args.tis_cap > 0, "--tis-cap", "must be > 0 (or left out: off)")
     if args.chunk_tune_every:
         common.check_args(args.chunk_tune_every > len(args.chunk_candidates), "--chunk-tune-every",
                           f"must exceed the number of candidates ({len(args.chunk_candidates)})")
@@ -356,16 +460,14 @@ def main():
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
-    policy = common.load_policy(model_path, device)
-    # the critic is the policy's architecture with a value head (a fresh 1-output score layer)
-    critic = common.load_hf(AutoModelForSequenceClassification, model_path, quiet=True, num_labels=1).to(device)
-    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    common.check_chat_template(tokenizer, args.chat_template)
+    policy, critic, ref_policy, reward_model = load_models(model_path, device, getattr(torch, args.dtype), args.reward_model)
     downstream = dict(critic=critic, ref=ref_policy)
-    if args.reward_model:
-        reward_model = common.load_hf(AutoModelForSequenceClassification, args.reward_model, flag="--reward-model", num_labels=1).to(device)
+    if reward_model is not None:
         common.check_args(common.load_tokenizer(args.reward_model, "--reward-model").get_vocab() == tokenizer.get_vocab(), "--reward-model",
                           "must share the policy's tokenizer: it prefills the actor's token ids as they stream")
-        downstream["rm"] = reward_model.eval().requires_grad_(False)
+        downstream["rm"] = reward_model
+    processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution, everywhere
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
     optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
@@ -375,10 +477,12 @@ def main():
 
     iteration, version, data_position, carried_keys = 0, 0, 0, []
     chunk, trial_seconds, reward_history = args.chunk_size, {}, []
-    totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0)
+    totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
     if args.resume:
-        state = common.load_checkpoint(args.resume, learner, optimizer)
-        iteration, version, data_position, totals = state["iteration"], state["step"], state["data_position"], state["totals"]
+        state = common.load_checkpoint(args.resume, learner, optimizer,
+                                       required=("iteration", "totals", "delta", "chunk", "reward_history", "carried_keys"))
+        iteration, version, data_position = state["iteration"], state["step"], state["data_position"]
+        totals.update(state["totals"])
         delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
@@ -395,18 +499,22 @@ def main():
             """Submit these problems' prompts, one sample each, streamed in chunks when intra is on;
             prompts longer than the context are counted in the log, not sent. Returns how many went."""
             candidates = [task.problem("train", k) for k in keys]
-            problems, prompts, skipped = common.encode_prompts(tokenizer, candidates, args.max_prompt_tokens)
+            problems, prompts, skipped = common.encode_prompts(tokenizer, candidates, args.max_prompt_tokens, chat_template=args.chat_template)
             totals["skipped_prompts"] += skipped
             kept = {id(p) for p in problems}
             keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
-            per_prompt = None
+            per_prompt = [{} for _ in prompts]
             if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
                 lengths = np.minimum(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(prompts)))).astype(int)
-                per_prompt = [dict(ignore_eos=True, max_tokens=int(n)) for n in lengths]
+                for extra, n in zip(per_prompt, lengths):
+                    extra.update(ignore_eos=True, max_tokens=int(n))
+            if args.request_seeds:  # Sampler.submit adds the request id
+                for extra, k in zip(per_prompt, keys):
+                    extra["seed"] = (args.seed * 1_000_003 + k) % 2**31
             if not prompts:
                 return 0
-            ids = sampler.submit(prompts, tags=keys, stream_every=chunk if args.intra else 0,
-                                 per_prompt=per_prompt, temperature=args.temperature, max_tokens=args.max_new_tokens)
+            ids = sampler.submit(prompts, tags=keys, stream_every=chunk if args.intra else 0, per_prompt=per_prompt,
+                                 max_tokens=args.max_new_tokens, **processing)
             for rid, key, problem, prompt in zip(ids, keys, problems, prompts):
                 buffer[rid] = Rollout(rid, key, problem, prompt, iteration, prefix={name: Prefix() for name in downstream})
             return len(ids)
@@ -423,10 +531,10 @@ def main():
 
         def score(rollouts: list[Rollout]) -> None:
             for name, model in downstream.items():
-                prefill(name, model, rollouts, args.temperature, args.micro_batch_size)
+                prefill(name, model, rollouts, args.temperature, args.micro_batch_size, top_p=args.top_p)
 
         eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                     temperature=args.temperature, max_tokens=args.max_new_tokens)
+                                     chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
         logger.log(version, eval_start)
         admit(carried_keys)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
@@ -464,6 +572,8 @@ def main():
             if unfinished:
                 sampler.pause()  # the carried sequences wait, KV cache kept, until the new weights are in
             batch, finished = finished[:B], finished[B:]
+            # admission order, not finishing order: the same sequences train the same way however they finished
+            batch.sort(key=lambda r: int(r.request_id))
             for r in batch:
                 del buffer[r.request_id]
             # ---- Stage 3: score what is left (intra: the last chunks; otherwise all), then PPO ----
@@ -478,29 +588,44 @@ def main():
             lengths = [len(r.response) for r in batch]
             T = max(lengths)
             resp_mask = torch.zeros((B, T))
-            old_logp, ref_logp, values = (torch.zeros((B, T)) for _ in range(3))
+            sampler_logp, ref_logp, values, fresh = (torch.zeros((B, T)) for _ in range(4))
+            token_versions = [[v for v, s, e in r.final.versions for _ in range(e - s)] for r in batch]
             for i, r in enumerate(batch):
                 n = lengths[i]
                 resp_mask[i, :n] = 1
-                old_logp[i, :n] = torch.tensor(r.final.logprobs)  # the sampler's: the policy that sampled each token
+                sampler_logp[i, :n] = torch.tensor(r.final.logprobs)  # the policy that sampled each token
                 ref_logp[i, :n] = scored(r, "ref", ref_policy).cpu()
                 values[i, :n] = scored(r, "critic", critic).cpu()
+                fresh[i, :n] = torch.tensor([float(v == version) for v in token_versions[i]])  # sampled by the current weights
+            lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
+            tis = {}
+            if args.tis_cap is None:
+                old_logp, weights = sampler_logp, None  # fp32 sampler: its logprobs are the learner's (logprob_diff)
+            else:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
+                policy.eval()
+                old_logp = torch.zeros((B, T))
+                for i, row in enumerate(learner_logprobs(policy, batch, tokenizer.pad_token_id, args.micro_batch_size, **processing)):
+                    old_logp[i, :lengths[i]] = row
+                weights, tis = tis_weights(old_logp, sampler_logp, resp_mask, args.tis_cap)
+                diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
             kl = (old_logp - ref_logp) * resp_mask
             rewards = -args.kl_coef * kl
             rewards[torch.arange(B), torch.tensor(lengths) - 1] += scores
             advantages = gae(rewards, values, args.gamma, args.lam)
             returns = advantages + values
             advantages = whiten(advantages, resp_mask)
-            token_versions = [[v for v, s, e in r.final.versions for _ in range(e - s)] for r in batch]
-            lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
 
             policy.train()
-            stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy", "logprob_diff")}
+            stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy")}
             total_tokens = sum(lengths)
+            parameters = list(learner.parameters())
             for epoch in range(args.num_ppo_epochs):
-                for minibatch in np.array_split(np.random.permutation(B), args.num_minibatches):
+                for m, minibatch in enumerate(np.array_split(np.random.permutation(B), args.num_minibatches)):
                     optimizer.zero_grad()
                     minibatch_tokens = sum(lengths[i] for i in minibatch)
+                    loss_is_finite = True
+                    if args.tis_cap is None and epoch == 0 and m == 0:  # no step yet: the learner's logprobs at the sampler's weights
+                        diff_sum = diff_count = 0.0
                     # micro-batches of similar length: long-tailed responses would pad everything to the longest
                     order = sorted(minibatch, key=lambda i: len(batch[i].tokens))
                     for start in range(0, len(order), args.micro_batch_size):
@@ -512,26 +637,29 @@ def main():
                         starts, width = [len(r.prompt) - 1 for r in micro], ids.shape[1] - 1
                         put = lambda x: layout([x[i, :lengths[i]] for i in rows], starts, width).to(device)  # noqa: E731
                         mask = cmask[:, 1:].float()
-                        logp, entropy = common.token_logprobs(policy, ids, attn, cmask, args.temperature, with_entropy=True)
+                        logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, **processing)
                         values_pred = critic_values(critic, ids, attn, cmask)
                         pg, vf, extra = ppo_losses(logp, put(old_logp), put(advantages), values_pred, put(values), put(returns), mask,
-                                                   args.clip_coef, args.vf_clip)
+                                                   args.clip_coef, args.vf_clip, tis_weights=None if weights is None else put(weights))
                         share = mask.sum() / minibatch_tokens
-                        ((pg + args.vf_coef * vf) * share).backward()
+                        loss = (pg + args.vf_coef * vf) * share
+                        loss_is_finite = loss_is_finite and bool(torch.isfinite(loss))
+                        loss.backward()
                         for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
                                      ("entropy", (entropy.sum() / mask.sum()))):
                             stats[k].append(v.item() * mask.sum().item() / total_tokens)
-                        if epoch == 0 and start == 0 and len(stats["logprob_diff"]) == 0:
-                            # fp mismatch between sampler and learner on tokens of the current version
-                            fresh = layout([torch.tensor([float(v == version) for v in token_versions[i]]) for i in rows], starts, width)
-                            fresh = fresh.to(device) * mask
-                            if fresh.sum():
-                                stats["logprob_diff"].append(((logp.detach() - put(old_logp)).abs() * fresh).sum().item() / fresh.sum().item())
-                    grad_norm = torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    version += 1
+                        if args.tis_cap is None and epoch == 0 and m == 0:
+                            on = put(fresh) * mask
+                            diff_sum += ((logp.detach() - put(sampler_logp)).abs() * on).sum().item()
+                            diff_count += on.sum().item()
+                    stepped, grad_norm = guarded_step(optimizer, parameters, args.max_grad_norm, loss_is_finite)
+                    if stepped:
+                        version += 1
+                    else:  # NaN/inf loss or gradient: this step is dropped, the weights and Adam's moments stay finite
+                        totals["nonfinite_skipped"] += 1
             train_seconds = time.time() - train_start
-            push_seconds = sampler.push_weights(version, recompute_kv=True)  # carried sequences continue exactly under the new policy
+            # carried sequences continue exactly under the new policy; no push if every step was skipped
+            push_seconds = sampler.push_weights(version, recompute_kv=True) if version != sampler.version else 0.0
             if unfinished:
                 sampler.resume()
             iteration += 1
@@ -560,7 +688,9 @@ def main():
                 # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
                 "charts/resumed_in_batch": sum(len({v for v, _, _ in r.final.versions}) > 1 for r in batch),
                 "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
-                "charts/logprob_diff": float(np.mean(stats["logprob_diff"])) if stats["logprob_diff"] else float("nan"),
+                # mean |sampler - learner| logprob over the tokens the current weights sampled: the numerical mismatch
+                "charts/logprob_diff": diff_sum / diff_count if diff_count else float("nan"),
+                "charts/nonfinite_skipped": totals["nonfinite_skipped"],
                 "charts/episodes": totals["samples"], "charts/samples_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"],
                 "charts/skipped_long_prompts": totals["skipped_prompts"],
@@ -571,7 +701,11 @@ def main():
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
             }
+            if args.tis_cap is not None:
+                metrics.update({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]})
             logger.log(version, metrics, echo=False)
+            if iteration == 1:  # what the model really sees (chat template, special tokens) and writes
+                print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
             if iteration % 10 == 0 or iteration == args.num_iterations or iteration == 1:
                 print(f"iteration {iteration}/{args.num_iterations}: reward {metrics['charts/reward']:.3f} acc {accuracy:.3f} "
                       f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
@@ -583,7 +717,7 @@ def main():
                                        carried_keys=[r.key for r in buffer.values()])
         sampler.abort(list(sampler.pending))
         eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   temperature=args.temperature, max_tokens=args.max_new_tokens)
+                                   chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
         logger.log(version, eval_end)
         memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
     finally:

@@ -1,14 +1,19 @@
-"""PPO with OPPO: chunked prefill = full forward for critic, reference and a reward model; GAE and
-the PPO losses by hand; the Delta controller and chunk tuner on scripted inputs; carried-over
-sequences resuming on the real sampler; every ablation from the command line."""
+"""PPO with OPPO: chunked prefill = full forward for critic, reference (top-p) and a reward model,
+and the RM score = transformers' with pad == eos; GAE, the PPO losses and TIS by hand; NaN steps
+skipped; the Delta controller and chunk tuner on scripted inputs; carried-over sequences resuming on
+the real sampler; OPPO at Delta 0 = plain PPO; every ablation and the realistic model from the
+command line."""
 
+import copy
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
 
 import common
 import ppo_oppo as po
@@ -35,7 +40,7 @@ def test_chunked_prefill_equals_full_forward(tiny_path, tokenizer, tiny_reward_m
     """Responses arrive in chunks of `chunk` tokens (plus a per-sequence offset, so chunk borders
     fall at different places mid-sequence); each chunk is prefilled on top of the cached prefix,
     batched with other sequences. Values, reference logprobs and RM scores must equal one full
-    forward of the whole padded batch."""
+    forward of the whole padded batch (the reference's under the sampler's temperature and top-p)."""
     torch.manual_seed(0)
     critic = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).eval()
     ref = common.load_policy(tiny_path, "cpu").eval()
@@ -46,18 +51,19 @@ def test_chunked_prefill_equals_full_forward(tiny_path, tokenizer, tiny_reward_m
     responses = [torch.randint(3, len(tokenizer), (n,)).tolist() for n in (13, 5, 21)]
     rollouts = [po.Rollout(str(i), i, None, p, 0, prefix={name: po.Prefix() for name in models}) for i, p in enumerate(prompts)]
     for name, model in models.items():  # the prompts, before any response token
-        po.prefill(name, model, rollouts, 0.7, micro_batch_size=2)
+        po.prefill(name, model, rollouts, 0.7, micro_batch_size=2, top_p=0.9)
     done = [0, 0, 0]
     while any(d < len(r) for d, r in zip(done, responses)):
         for i, r in enumerate(rollouts):
             done[i] = min(len(responses[i]), done[i] + chunk + i)
             r.response = responses[i][:done[i]]
         for name, model in models.items():
-            po.prefill(name, model, rollouts, 0.7, micro_batch_size=2)
+            po.prefill(name, model, rollouts, 0.7, micro_batch_size=2, top_p=0.9)
 
     ids, attn, cmask = common.pad_prompt_completions(prompts, responses, tokenizer.pad_token_id)
     with torch.no_grad():
-        full_logp = common.token_logprobs(ref, ids, attn, cmask, 0.7)
+        full_logp = common.token_logprobs(ref, ids, attn, cmask, 0.7, top_p=0.9)
+        assert (full_logp - common.token_logprobs(ref, ids, attn, cmask, 0.7)).abs().max() > 1e-3  # top-p really cuts
         full_values = po.critic_values(critic, ids, attn, cmask)
         full_scores = rm(input_ids=ids, attention_mask=attn).logits[:, 0]
     for i, r in enumerate(rollouts):
@@ -142,6 +148,141 @@ def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
     assert po.chunk_for_iteration(5, 32, candidates, 0, {}) == 32  # tuning off
 
 
+def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_path):
+    """A Qwen2ForSequenceClassification reward model with the realistic tokenizer (pad == eos):
+    transformers scores the rightmost non-pad token, so a response that ends in EOS is scored at
+    the token before. The streamed, chunked score must equal transformers' logits for the same ids:
+    alone, in a right-padded and in a left-padded batch."""
+    tokenizer = common.load_tokenizer(realistic_path)
+    pad = eos = tokenizer.eos_token_id
+    assert tokenizer.pad_token_id == eos
+    torch.manual_seed(0)
+    rm = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=256, pad_token_id=pad, eos_token_id=eos, num_labels=1)).eval()
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 1.0)
+    prompts = [tokenizer(p)["input_ids"] for p in ("Using the numbers [1, 2, 3]", "equals 20", "Assistant: Let me")]
+    body = [torch.randint(3, len(tokenizer), (n,)).tolist() for n in (9, 6, 12)]
+    responses = [body[0] + [eos], body[1], body[2] + [eos]]  # ends in EOS, not (length cap), EOS
+    rollouts = [po.Rollout(str(i), i, None, p, 0, prefix={"rm": po.Prefix()}) for i, p in enumerate(prompts)]
+    po.prefill("rm", rm, rollouts, 1.0, micro_batch_size=2)
+    done = [0, 0, 0]
+    while any(d < len(r) for d, r in zip(done, responses)):
+        for i, r in enumerate(rollouts):
+            done[i] = min(len(responses[i]), done[i] + 4)
+            r.response = responses[i][:done[i]]
+        po.prefill("rm", rm, rollouts, 1.0, micro_batch_size=2)
+    ours = torch.stack([po.scored(r, "rm", rm) for r in rollouts])
+
+    sequences = [p + r for p, r in zip(prompts, responses)]
+    L = max(map(len, sequences))
+    right = torch.full((3, L), pad)
+    left = torch.full((3, L), pad)
+    right_mask, left_mask = torch.zeros((3, L), dtype=torch.long), torch.zeros((3, L), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        right[i, :len(seq)], right_mask[i, :len(seq)] = torch.tensor(seq), 1
+        left[i, L - len(seq):], left_mask[i, L - len(seq):] = torch.tensor(seq), 1
+    with torch.no_grad():
+        alone = torch.stack([rm(input_ids=torch.tensor([seq])).logits[0, 0] for seq in sequences])
+        right_padded = rm(input_ids=right, attention_mask=right_mask).logits[:, 0]
+        left_padded = rm(input_ids=left, attention_mask=left_mask).logits[:, 0]
+        at_eos = torch.stack([rm.score(rm.model(input_ids=torch.tensor([seq])).last_hidden_state)[0, -1, 0] for seq in sequences])
+    torch.testing.assert_close(ours, alone, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, right_padded, atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours, left_padded, atol=1e-4, rtol=0)
+    assert (alone[[0, 2]] - at_eos[[0, 2]]).abs().min() > 1e-3  # the EOS position really scores differently
+    assert po.rm_position([5, 6, 0, 0], 0) == 1 and po.rm_position([0, 0], 0) == 0 and po.rm_position([5, 0], None) == 1
+
+
+def test_trained_models_are_fp32_on_a_bf16_checkpoint(realistic_path):
+    """The realistic checkpoint is bf16: actor, critic (its new value head too) and reference load
+    in fp32 unless --dtype bfloat16 asks otherwise."""
+    config = json.loads((Path(realistic_path) / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    policy, critic, ref, rm = po.load_models(realistic_path, "cpu", torch.float32)
+    assert rm is None
+    for model in (policy, critic, ref):
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    policy, critic, ref, _ = po.load_models(realistic_path, "cpu", torch.bfloat16)
+    for model in (policy, critic, ref):
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_tis_weights_and_weighted_policy_loss_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])  # the learner at the start of the iteration
+    behaviour = torch.tensor([[-1.5, -1.0, -0.5, -9.0]])  # the sampler's logprobs; the last token is padding
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    weights, stats = po.tis_weights(old, behaviour, mask, cap=1.5)
+    # exp(old - behaviour) = e^0.5 = 1.649 (truncated to 1.5), e^-1, e^0 = 1; padding 0
+    torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0]]))
+    assert stats["max_ratio"] == pytest.approx(math.exp(0.5))
+    assert stats["truncated_fraction"] == pytest.approx(1 / 3)
+
+    logp = old.clone().requires_grad_()  # first epoch: pi_theta = pi_old, ratio 1, nothing clipped
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    zeros = torch.zeros(1, 4)
+    pg, _, _ = po.ppo_losses(logp, old, adv, zeros, zeros, zeros, mask, 0.2, 0.2, tis_weights=weights)
+    assert pg.item() == pytest.approx(-(1.5 * 1.0 + math.exp(-1.0) * -2.0 + 1.0 * 0.5) / 3)
+    pg.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.5 / 3, 2 * math.exp(-1.0) / 3, -0.5 / 3, 0.0]]))
+
+
+def test_guarded_step_skips_nonfinite_losses_and_gradients():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    before = copy.deepcopy(model.state_dict())
+
+    model(torch.ones(1, 3)).sum().backward()
+    stepped, _ = po.guarded_step(optimizer, params, 1.0, loss_is_finite=False)  # a NaN loss: no step
+    assert not stepped and all(p.grad is None for p in params)
+    model(torch.ones(1, 3)).sum().backward()
+    params[0].grad[0, 0] = float("inf")  # a finite loss with an inf gradient: no step either
+    stepped, grad_norm = po.guarded_step(optimizer, params, 1.0, loss_is_finite=True)
+    assert not stepped and not torch.isfinite(grad_norm)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])
+    assert not optimizer.state  # Adam's moments never saw them
+
+    model(torch.ones(1, 3)).sum().backward()
+    stepped, _ = po.guarded_step(optimizer, params, 1.0, loss_is_finite=True)
+    assert stepped and not torch.equal(model.weight, before["weight"])
+
+
+def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, tiny_path):
+    """The real main() with a NaN policy loss: every optimizer step is skipped and counted in
+    charts/nonfinite_skipped, the checkpoint holds the initial weights (finite), no version moves."""
+    initial = {}
+
+    def load_models(*a, **k):
+        models = real_load_models(*a, **k)
+        initial.update(policy=copy.deepcopy(models[0].state_dict()), critic=copy.deepcopy(models[1].state_dict()))
+        return models
+
+    def nan_losses(*a, **k):
+        pg, vf, stats = real_losses(*a, **k)
+        return pg * float("nan"), vf, stats
+
+    real_load_models, real_losses = po.load_models, po.ppo_losses
+    monkeypatch.setattr(po, "load_models", load_models)
+    monkeypatch.setattr(po, "ppo_losses", nan_losses)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-iterations", "2", "--batch-size", "4",
+                                      "--num-ppo-epochs", "2", "--max-new-tokens", "8", "--eval-problems", "2", "--eval-samples", "1",
+                                      "--chunk-tune-every", "0"])
+    po.main()
+    run, rows = _metrics(tmp_path, "nan")
+    assert [r["charts/nonfinite_skipped"] for r in rows] == [2, 4]
+    assert all(r["step"] == 0 for r in rows)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["step"] == 0
+    for part in ("policy", "critic"):
+        for name, tensor in initial[part].items():
+            assert torch.equal(state["model"][f"{part}.{name}"], tensor), name
+
+
 def _run(tmp_path, *flags, expect_ok=True):
     cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", "tiny", "--num-iterations", "4", "--batch-size", "8",
            "--eval-problems", "8", "--eval-samples", "2", "--micro-batch-size", "8", *flags]
@@ -210,3 +351,61 @@ def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path):
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --reward-model")
     out = _run(tmp_path, "--max-new-tokens", "500", expect_ok=False)
     assert out.returncode != 0 and "context" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("seeds", [(), ("--request-seeds",)], ids=["engine-seed", "request-seeds"])
+def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
+    """OPPO with Delta = 0 (nothing over-committed, nothing carried over) and intra-step streaming
+    on is plain PPO computed in another order: the same sampled tokens (per-request seeds), the same
+    rewards, and losses equal to float tolerance (chunked prefill vs one forward)."""
+    common_flags = ("--num-iterations", "3", "--max-new-tokens", "24", "--micro-batch-size", "2", "--num-minibatches", "2",
+                    "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *seeds)
+    _run(tmp_path, "--exp-name", "oppo0", "--delta", "0", "--delta-max", "0", "--chunk-size", "4", *common_flags)
+    _run(tmp_path, "--exp-name", "plain", "--no-intra", "--no-inter", *common_flags)
+    oppo_run, oppo = _metrics(tmp_path, "oppo0")
+    plain_run, plain = _metrics(tmp_path, "plain")
+    assert len(oppo) == len(plain) == 3
+    assert all(r["time/score_hidden_seconds"] > 0 for r in oppo)  # it really streamed
+    for a, b in zip(oppo, plain):
+        assert a["step"] == b["step"]
+        for key in ("charts/reward", "charts/accuracy", "charts/response_length", "charts/no_eos_fraction"):
+            assert a[key] == b[key], key  # the same tokens
+        for key in ("charts/kl", "losses/policy", "losses/value", "losses/entropy", "losses/approx_kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), key
+    final = [torch.load(run / "checkpoint.pt", weights_only=True)["model"] for run in (oppo_run, plain_run)]
+    for name, tensor in final[0].items():
+        torch.testing.assert_close(tensor, final[1][name], atol=1e-4, rtol=0)
+
+
+def test_chat_template_flag_needs_a_template(tmp_path):
+    out = _run(tmp_path, "--chat-template", expect_ok=False)  # the tiny tokenizer has none
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --chat-template")
+
+
+def _run_realistic(tmp_path, realistic_path, exp_name, *flags):
+    """The realistic model with the script's non-tiny (paper) defaults, temperature 0.7 included,
+    top-p 0.95; only sizes and counts shrunk."""
+    cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", realistic_path, "--exp-name", exp_name, "--top-p", "0.95",
+           "--num-iterations", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1", *flags]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    run, rows = _metrics(tmp_path, exp_name)
+    assert len(rows) == 2
+    args = json.loads((run / "args.json").read_text())
+    assert args["temperature"] == 0.7 and args["top_p"] == 0.95 and args["delta"] == 8 and args["num_ppo_epochs"] == 4
+    diffs = [r["charts/logprob_diff"] for r in rows if not math.isnan(r["charts/logprob_diff"])]
+    assert diffs and max(diffs) <= 1e-4, diffs  # the logprob contract holds under top-p on a bf16 checkpoint
+    assert all(r["charts/nonfinite_skipped"] == 0 for r in rows)
+    return out, rows
+
+
+def test_realistic_model_end_to_end(tmp_path, realistic_path):
+    _run_realistic(tmp_path, realistic_path, "realistic")
+
+
+def test_realistic_model_chat_template_and_tis(tmp_path, realistic_path):
+    out, rows = _run_realistic(tmp_path, realistic_path, "realistic_tis", "--chat-template", "--tis-cap", "2.0")
+    assert "<|im_start|>user" in out.stdout and "<|im_start|>assistant" in out.stdout  # the printed sample prompt
+    assert all(0.0 <= r["charts/tis_truncated_fraction"] <= 1.0 for r in rows)
+    # nothing stale in the first batch: the learner recomputes pi_old at the sampler's weights, every ratio ~1
+    assert rows[0]["charts/tis_max_ratio"] == pytest.approx(1.0, abs=1e-3) and rows[0]["charts/tis_truncated_fraction"] == 0.0
