@@ -427,11 +427,12 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
             schedule.step()
             if step % 50 == 0 or step == config.sft_steps - 1:
                 log(f"[tiny model] sft step {step + 1}/{config.sft_steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
-        tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
-        tmp.rename(out_dir)  # atomic: a half-built model is never picked up from the cache
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+
+        replace_atomically(write, out_dir)  # a half-built model is never picked up from the cache
     finally:
         torch.set_num_threads(threads)
     return out_dir
@@ -439,15 +440,24 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
 
 def tiny_model_path(config: TinyConfig = TinyConfig(), log=print) -> Path:
     """The cached tiny model, built on first use (about 2 minutes on 2 cores)."""
-    path = CACHE_DIR / f"tiny-qwen2-{config.key()}"
-    if not (path / "config.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log(f"building the tiny model into {path} (once; cached afterwards)")
-        try:
-            build_tiny_model(path, config, log=log)
-        except OSError:
-            if not (path / "config.json").exists():  # not another process winning the rename
-                raise
+    return cached_build(CACHE_DIR / f"tiny-qwen2-{config.key()}", lambda path: build_tiny_model(path, config, log=log),
+                        lambda: log(f"building the tiny model into {CACHE_DIR} (once; cached afterwards)"))
+
+
+def cached_build(path: Path, build, announce=lambda: None) -> Path:
+    """Build a model directory into the cache once: under a file lock, so that runs started
+    together build it once (the others wait, then find it); the build writes a temporary
+    directory and renames it, so a half-built model is never picked up."""
+    import fcntl
+
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").exists():
+            announce()
+            build(path)
     return path
 
 
@@ -619,6 +629,7 @@ class SamplerConfig:
     max_num_seqs: int = 256
     startup_timeout: float = 300.0
     call_timeout: float = 120.0
+    silence_timeout: float = 15.0  # no heartbeat for this long: the sampler is stopped or frozen (SamplerError)
     in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
 
 
@@ -880,6 +891,7 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
     outbox = _Outbox(conn)
+    threading.Thread(target=_heartbeat, args=(outbox, parent_pid), name="heartbeat", daemon=True).start()
     try:
         _serve(config, conn, parent_pid, outbox)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -890,6 +902,11 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
         closing = threading.Thread(target=outbox.flush, kwargs={"block": True}, daemon=True)
         closing.start()
         closing.join(timeout=5)  # a learner that stopped reading must not keep us alive
+        import multiprocessing.util
+
+        # unlink the named semaphores vLLM and tqdm made here (os._exit skips it, and the learner's
+        # resource tracker then warns about "leaked semaphore objects" at the end of every run)
+        multiprocessing.util._run_finalizers(0)
         os._exit(0)  # skip vLLM's atexit handlers, which can block on a dead peer
 
 
@@ -900,7 +917,7 @@ class _Outbox:
     otherwise; the loop flushes them between decode steps."""
 
     def __init__(self, conn):
-        self.conn, self.pending = conn, []
+        self.conn, self.pending, self.lock = conn, [], threading.Lock()
 
     def send(self, message) -> None:
         self.pending.append(message)
@@ -912,7 +929,37 @@ class _Outbox:
         while self.pending:
             if not block and not select.select([], [self.conn], [], 0)[1]:
                 return
-            self.conn.send(self.pending.pop(0))
+            with self.lock:
+                self.conn.send(self.pending.pop(0))
+
+    def try_send(self, message) -> None:
+        """Send now if the pipe can take it and nobody else is sending; else drop it."""
+        import select
+
+        if self.lock.acquire(blocking=False):
+            try:
+                if select.select([], [self.conn], [], 0)[1]:
+                    self.conn.send(message)
+            finally:
+                self.lock.release()
+
+
+HEARTBEAT_SECONDS = 1.0
+
+
+def _heartbeat(outbox: _Outbox, parent_pid: int) -> None:
+    """A thread of the sampler process: tells the learner every second that the process runs
+    (a stopped or frozen process sends nothing: the learner's silence deadline catches it, even
+    mid-generation or while the engine is being built), and ends the process as soon as the
+    learner is gone (also while the engine is still being built)."""
+    while True:
+        time.sleep(HEARTBEAT_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        try:
+            outbox.try_send(("alive", None, None))
+        except OSError:
+            os._exit(0)
 
 
 def keep_cpu_linear_weights() -> None:
@@ -1109,7 +1156,11 @@ class Sampler:
         # only after the background push thread had got its ack, and vice versa (~1.4 ms a
         # submit, 10% of the learner's loop).
         self._lock = threading.RLock()  # receiving, and the state it fills (_outputs, _acks)
-        self._send_lock = threading.Lock()  # conn.send: one message at a time, never blocks on a wait
+        # Messages go out through one sender thread: a sampler that stops reading (stopped, frozen)
+        # fills the pipe, and a conn.send in the learner's own thread would then block forever;
+        # this way only the sender blocks, and the learner's deadline on the answer fires.
+        self._outgoing: "queue.SimpleQueue" = None
+        self._send_error: BaseException | None = None
         self._call_ids = iter(range(1, 1 << 62))
         self._acks: dict[int, Any] = {}
         self._outputs: list[Completion] = []
@@ -1124,6 +1175,11 @@ class Sampler:
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        import queue
+
+        self._outgoing = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name="sampler-send", daemon=True).start()
+        self._last_heard = time.monotonic()
         cuda_device = {"cpu": None, "colocate": "0", "separate": "1"}[self.placement]
         self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device),
                                    name="vllm-sampler", daemon=False)
@@ -1141,10 +1197,12 @@ class Sampler:
             return
         try:
             if self.process.is_alive():
-                self.conn.send(("shutdown", None, None))
+                self._send(("shutdown", None, None))
                 self.process.join(5)
         except Exception:
             pass
+        if self._outgoing is not None:
+            self._outgoing.put(None)  # ends the sender thread
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
@@ -1158,19 +1216,42 @@ class Sampler:
         self.close()
 
     # -- plumbing --
+    def _send(self, message) -> None:
+        if self._send_error is not None:
+            raise SamplerError(f"the sampler stopped taking messages ({self._send_error!r})")
+        self._outgoing.put(message)
+
+    def _send_loop(self) -> None:
+        while (message := self._outgoing.get()) is not None:
+            try:
+                self.conn.send(message)
+            except Exception as e:  # the sampler is gone; the next wait says how
+                self._send_error = e
+                return
+
+    def _exit_code(self):
+        self.process.join(1)  # reap it first: before that, exitcode is None
+        return self.process.exitcode
+
     def _receive(self, timeout: float) -> None:
         """Receive at most one message within `timeout` seconds and file it."""
         if self.process is None:
             raise SamplerError("the sampler is not running")
         if not self.conn.poll(timeout):
             if not self.process.is_alive():
-                raise SamplerError(f"the sampler process died (exit code {self.process.exitcode}); see its log above")
+                raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above")
+            silent = time.monotonic() - self._last_heard
+            if silent > self.config.silence_timeout:
+                raise SamplerError(f"the sampler process (pid {self.process.pid}) is alive but has not answered for {silent:.0f}s "
+                                   "(stopped, frozen or swapped out?)")
             return
         try:
             kind, call_id, payload = self.conn.recv()
         except (EOFError, ConnectionResetError, OSError) as e:
-            code = self.process.exitcode if self.process else None
-            raise SamplerError(f"the sampler process died (exit code {code}); see its log above") from e
+            raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above") from e
+        self._last_heard = time.monotonic()
+        if kind == "alive":
+            return
         if kind == "ready":
             self._ready = True
         elif kind == "out":
@@ -1194,8 +1275,7 @@ class Sampler:
 
     def _call(self, command: str, payload: Any = None, timeout: float | None = None) -> Any:
         call_id = next(self._call_ids)
-        with self._send_lock:
-            self.conn.send((command, call_id, payload))
+        self._send((command, call_id, payload))
         self._wait(lambda: call_id in self._acks, timeout or self.config.call_timeout, command)
         return self._acks.pop(call_id)
 
@@ -1215,12 +1295,13 @@ class Sampler:
                 if tags is not None and n > 1:
                     tag = (tags[i], j)
                 params = dict(sampling, **(per_prompt[i] if per_prompt else {}))
-                if "seed" in params and params["seed"] is not None:
-                    params["seed"] = params["seed"] + int(rid)  # distinct but reproducible per sample
+                if params.get("seed") is not None:
+                    # distinct but reproducible per sample; a per-prompt seed stays independent of submission order
+                    explicit = bool(per_prompt) and per_prompt[i].get("seed") is not None
+                    params["seed"] = params["seed"] + (j if explicit else int(rid))
                 requests.append((rid, list(prompt), params, stream_every, tag))
                 ids.append(rid)
-        with self._send_lock:
-            self.conn.send(("add", None, requests))
+        self._send(("add", None, requests))
         self.pending.update(ids)
         return ids
 
@@ -1266,8 +1347,7 @@ class Sampler:
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop these requests; whatever they generated is discarded."""
-        with self._send_lock:
-            self.conn.send(("abort", None, list(request_ids)))
+        self._send(("abort", None, list(request_ids)))
         self.pending.difference_update(request_ids)
 
     def set_stream_every(self, chunk_tokens: int) -> None:
@@ -1385,7 +1465,10 @@ class Sampler:
     def wait_for_push(self) -> None:
         """Wait until a background push has landed; raise its error if it failed."""
         if self._push_thread is not None:
-            self._push_thread.join()
+            # every wait inside the push has its own deadline; this one bounds them all
+            self._push_thread.join(timeout=4 * self.config.call_timeout)
+            if self._push_thread.is_alive():
+                raise SamplerError(f"a background weight push did not finish within {4 * self.config.call_timeout:.0f}s")
             self._push_thread = None
         if self._push_error is not None:
             error, self._push_error = self._push_error, None
@@ -1573,7 +1656,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 CHECKPOINT_KEYS = ("model", "optimizer", "step", "data_position", "rng")
 
 
-def _replace_atomically(write, path: Path) -> None:
+def replace_atomically(write, path: Path) -> None:
     """write(tmp) then rename over `path`: a reader never sees half a file, two runs never share
     a temporary name, and a failed write (disk full) leaves the previous file as it was."""
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
@@ -1605,7 +1688,7 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
         rng["cuda"] = torch.cuda.get_rng_state_all()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
              "rng": rng, **extra}
-    _replace_atomically(lambda tmp: torch.save(state, tmp), path)
+    replace_atomically(lambda tmp: torch.save(state, tmp), path)
     if hf_model is not None:
         save_hf_model(path.parent / "model", hf_model, tokenizer)
 
@@ -1625,7 +1708,7 @@ def save_hf_model(out_dir: str | Path, model, tokenizer=None) -> None:
             out_dir.rename(old)
             shutil.rmtree(old, ignore_errors=True)
 
-    _replace_atomically(write, out_dir)
+    replace_atomically(write, out_dir)
 
 
 def checkpoint_state(path: str | Path) -> dict:

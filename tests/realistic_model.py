@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,22 +107,16 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
         log(f"[realistic model] {config.sft_steps} sft steps, loss {loss.item():.3f} ({time.time() - start:.0f}s)")
-        tmp = out_dir.with_name(f"{out_dir.name}.tmp{os.getpid()}")
-        model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)  # a bf16 checkpoint, as on the Hub
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(out_dir)
+        def write(tmp: Path) -> None:
+            model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)  # a bf16 checkpoint, as on the Hub
+            tokenizer.save_pretrained(tmp)
+
+        common.replace_atomically(write, out_dir)
     finally:
         torch.set_num_threads(threads)
     return out_dir
 
 
 def realistic_model_path(config: RealisticConfig = RealisticConfig(), log=print) -> Path:
-    path = common.CACHE_DIR / f"realistic-qwen2-{config.key()}"
-    if not (path / "config.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            build_realistic_model(path, config, log=log)
-        except OSError:
-            if not (path / "config.json").exists():
-                raise
-    return path
+    return common.cached_build(common.CACHE_DIR / f"realistic-qwen2-{config.key()}",
+                               lambda path: build_realistic_model(path, config, log=log))

@@ -4,6 +4,7 @@ Each test here backs one reliability promise of the README (section "Reliability
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -115,3 +116,125 @@ def test_weight_sync_listens_on_loopback_only(tiny_path):
         listening = [c for pid in pids for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
         assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
         sampler.push_weights(1)  # and the group works
+
+
+def _prompts(tokenizer, count):
+    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    return [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(count)]
+
+
+def _stopped_sampler_is_an_error_in_seconds(sampler, action):
+    os.kill(sampler.process.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(common.SamplerError, match="has not answered"):
+            action()
+        assert time.monotonic() - start < sampler.config.silence_timeout + 15
+    finally:
+        os.kill(sampler.process.pid, signal.SIGCONT)
+        sampler.close()
+
+
+def test_stopped_sampler_during_generation(tiny_path, tokenizer):
+    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    prompts = _prompts(tokenizer, 64)
+    ids = sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
+    time.sleep(0.3)
+    _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.wait_for(ids))
+
+
+def test_stopped_sampler_during_a_push(tiny_path):
+    model = common.load_policy(tiny_path, "cpu")
+    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler.init_weight_sync(model)
+    _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.push_weights(1))
+
+
+def test_stopped_sampler_while_its_engine_is_built(tiny_path):
+    sampler = common.Sampler(common.SamplerConfig(model=tiny_path, placement="cpu", silence_timeout=5))
+    real_wait = sampler._wait
+
+    def stop_then_wait(done, timeout, what):  # stop it right after spawning, while it imports and builds vLLM
+        time.sleep(1.5)
+        os.kill(sampler.process.pid, signal.SIGSTOP)
+        return real_wait(done, timeout, what)
+
+    sampler._wait = stop_then_wait
+    start = time.monotonic()
+    try:
+        with pytest.raises(common.SamplerError, match="has not answered"):
+            sampler.start()
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(sampler.process.pid, signal.SIGCONT)
+        sampler.close()
+
+
+def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_path):
+    script = textwrap.dedent(f"""
+        import os, sys, threading, time
+        sys.path.insert(0, {str(ROOT)!r})
+        import common
+        if __name__ == "__main__":
+            s = common.Sampler(common.SamplerConfig(model={tiny_path!r}, placement="cpu"))
+            threading.Thread(target=s.start, daemon=True).start()
+            while s.process is None:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            print(s.process.pid, flush=True)
+            os._exit(1)  # die mid-build, without any cleanup
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    pid = int(out.stdout.strip().splitlines()[-1])
+    deadline = time.monotonic() + 5
+    gone = lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # noqa: E731
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone()
+
+
+def test_killed_sampler_reports_its_exit_code(tiny_path, tokenizer):
+    sampler = common.start_sampler(tiny_path, placement="cpu")
+    os.kill(sampler.process.pid, signal.SIGKILL)
+    with pytest.raises(common.SamplerError, match=r"exit code -9"):
+        sampler.generate(_prompts(tokenizer, 2), n=1, max_tokens=4)
+    sampler.close()
+
+
+def test_two_runs_building_a_model_build_it_once(tmp_path):
+    """Runs started together on an empty cache: one builds, the other waits and uses it; no
+    temporary directory is left behind."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        sys.path.insert(0, {str(ROOT)!r})
+        import common
+
+        def build(path):
+            def write(tmp):
+                tmp.mkdir()
+                time.sleep(1.0)
+                (tmp / "config.json").write_text("{{}}")
+            with open({str(tmp_path / "builds")!r}, "a") as f:
+                f.write("built\\n")
+            common.replace_atomically(write, path)
+
+        print(common.cached_build(Path({str(tmp_path / "cache" / "model")!r}), build))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [p.communicate(timeout=60)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(set(outputs)) == 1
+    assert (tmp_path / "builds").read_text() == "built\n"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model", "model.lock"]
+
+
+def test_a_run_ends_without_leaked_semaphores(tiny_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import common
+        if __name__ == "__main__":
+            common.start_sampler({tiny_path!r}, placement="cpu").close()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]

@@ -235,7 +235,9 @@ def test_ctrl_c_stops_learner_and_sampler(tmp_path):
     """SIGINT to the whole foreground process group (what Ctrl-C does) ends both processes."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "rloo_kreuse.py"), "--exp-name", "pytest_ctrl_c", "--num-rounds", "500",
                              "--eval-problems", "8", "--eval-samples", "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            # a runner started from a background shell ignores SIGINT, and children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:  # wait until training is under way
             if line.startswith("round 1/"):
