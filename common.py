@@ -1526,6 +1526,17 @@ def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
     return kept, ids, len(problems) - len(kept)
 
 
+def check_prompts_fit(tokenizer, task, max_prompt_tokens: int, chat_template: bool = False, sample: int = 64) -> None:
+    """Stop with one line when none of the first `sample` training prompts fits the prompt budget:
+    every round would skip all of its prompts (a silent loop or an empty batch otherwise)."""
+    problems = [task.problem("train", i) for i in range(sample)]
+    kept, ids, _ = encode_prompts(tokenizer, problems, max_prompt_tokens, chat_template)
+    if not kept:
+        shortest = min(len(encode_prompts(tokenizer, [p], 10**9, chat_template)[1][0]) for p in problems)
+        raise SystemExit(f"error: --model/--task: every prompt is longer than the prompt budget of {max_prompt_tokens} tokens "
+                         f"(the shortest of the first {sample} has {shortest}); use a model with a longer context or shorter prompts")
+
+
 def check_chat_template(tokenizer, enabled: bool) -> None:
     """--chat-template needs a tokenizer that has one."""
     check_args(not enabled or bool(getattr(tokenizer, "chat_template", None)), "--chat-template",

@@ -63,6 +63,8 @@ class Args:
     """nucleus sampling (the paper's 0.95); the learner applies the same nucleus (the logprob contract)"""
     max_new_tokens: int | None = None
     """response length cap [paper setup 512; tiny 32]"""
+    max_prompt_tokens: int | None = None
+    """prompt budget: longer prompts are skipped and counted [tiny 64; otherwise 256]"""
     iw_level: Literal["sequence", "token"] = "sequence"
     """importance weights per `sequence` (the paper) or per `token`"""
     iw_clip: float | None = None
@@ -96,8 +98,10 @@ class Args:
     """sequences per forward pass when computing the loss (memory only: gradients accumulate)"""
 
 
-PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50)
-TINY = dict(group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, max_new_tokens=32, eval_problems=200)
+PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50,
+             max_prompt_tokens=256)
+TINY = dict(group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, max_new_tokens=32, eval_problems=200,
+            max_prompt_tokens=64)
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
@@ -199,12 +203,12 @@ def main():
     common.check_args(not (args.tis_cap and args.overlap), "--tis-cap",
                       "cannot be combined with --overlap: the learner no longer holds the sampling weights")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
+    common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.minibatch_size >= 1, "--minibatch-size", "must be >= 1")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
     args.recompute_old_logprobs = args.recompute_old_logprobs or args.tis_cap is not None
     args.tis_level = "sequence" if args.ppo_clip is not None else args.iw_level
     args.batch_size = args.num_prompts * args.group_size  # episodes per round
-    args.max_prompt_tokens = 64 if args.model == common.TINY else 256
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     common.set_seed(args.seed)
@@ -214,10 +218,11 @@ def main():
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
+    task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
 

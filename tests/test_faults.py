@@ -238,3 +238,27 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
+
+
+def test_prompts_all_too_long_is_one_clear_line():
+    out = _run("rloo_kreuse.py", "--max-prompt-tokens", "3")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --model/--task: every prompt is longer than the prompt budget of 3")
+
+
+def test_sampler_killed_during_a_push(tiny_path):
+    model = common.load_policy(tiny_path, "cpu")
+    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler.init_weight_sync(model)
+    real_update = sampler.update_weights
+
+    def die_mid_push(update_info):  # the sampler dies between start and the data
+        os.kill(sampler.process.pid, signal.SIGKILL)
+        return real_update(update_info)
+
+    sampler.update_weights = die_mid_push
+    start = time.monotonic()
+    with pytest.raises(common.SamplerError, match="died|push failed"):
+        sampler.push_weights(1)
+    assert time.monotonic() - start < 60
+    sampler.close()
