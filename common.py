@@ -560,24 +560,69 @@ def sampling_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     return logits.masked_fill(drop, -float("inf"))
 
 
+LOGIT_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of positions; a [B, T, V] copy at V=151,936 is tens of GB
+
+
 def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0, top_p: float = 1.0,
-                   top_k: int = 0, with_entropy: bool = False):
+                   top_k: int = 0, with_entropy: bool = False, chunk_bytes: int = LOGIT_CHUNK_BYTES):
     """Per-token log pi(y_t | x, y_<t) of the completion tokens under `model`, in fp32, under the
     sampler's processing (temperature, top-k, top-p: see sampling_logits). This is the logprob
     contract: at the sampler's weights these equal the sampler's `processed_logprobs` (~1e-6 in
     fp32), so every ratio a method forms compares distributions of the same kind. Returns
     [batch, len-1] tensors aligned with input_ids[:, 1:], zero off the completion, plus the
-    per-token entropy of the same distribution when asked."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    per-token entropy of the same distribution when asked.
+
+    Memory: the backbone runs once; the vocabulary projection, softmax and entropy run over
+    chunks of positions of at most `chunk_bytes` of fp32 logits each, and with gradients each
+    chunk is recomputed in the backward pass (activation checkpointing), so no [B, T, V] copy
+    is ever alive beyond one chunk."""
     targets = input_ids[:, 1:]
-    logps = torch.log_softmax(sampling_logits(logits, targets, temperature, top_p, top_k), dim=-1)
-    mask = completion_mask[:, 1:].to(logps.dtype)
-    chosen = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask
+    mask = completion_mask[:, 1:].float()
+    decoder, head = _backbone_and_head(model)
+    if decoder is None:  # a model whose head does more than a projection: the plain way
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        chosen, entropy = _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy)
+    else:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+        per_chunk = max(1, chunk_bytes // (4 * hidden.shape[0] * head.weight.shape[0]))
+        pieces = []
+        for start in range(0, hidden.shape[1], per_chunk):
+            part = slice(start, start + per_chunk)
+
+            def run(h, t):
+                return _chunk_logprobs(head(h), t, temperature, top_p, top_k, with_entropy)
+
+            if torch.is_grad_enabled() and hidden.shape[1] > per_chunk:
+                from torch.utils.checkpoint import checkpoint
+
+                pieces.append(checkpoint(run, hidden[:, part], targets[:, part], use_reentrant=False))
+            else:
+                pieces.append(run(hidden[:, part], targets[:, part]))
+        chosen = torch.cat([c for c, _ in pieces], 1)
+        entropy = torch.cat([e for _, e in pieces], 1) if with_entropy else None
     if not with_entropy:
-        return chosen
+        return chosen * mask
+    return chosen * mask, entropy * mask
+
+
+def _backbone_and_head(model):
+    """(decoder, lm_head) when logits are just lm_head(last hidden state), else (None, None)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) or not hasattr(model, "get_decoder"):
+        return None, None
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return None, None
+    return model.get_decoder(), head
+
+
+def _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy):
+    logps = torch.log_softmax(sampling_logits(logits.float(), targets, temperature, top_p, top_k), dim=-1)
+    chosen = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return chosen, None
     probs = logps.exp()
-    entropy = -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1) * mask  # excluded tokens: 0 * -inf -> 0
-    return chosen, entropy
+    return chosen, -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1)  # excluded tokens: 0 * -inf -> 0
 
 
 def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], width: int) -> torch.Tensor:

@@ -92,3 +92,27 @@ def test_sampling_logits_keep_a_target_outside_the_nucleus():
     out = torch.log_softmax(common.sampling_logits(logits, torch.tensor([3]), 1.0, 0.9), -1)
     assert torch.isfinite(out[0, 3]) and not torch.isfinite(out[0, 2])  # the sampled token stays finite
     assert out[0, 3] == pytest.approx((logits[0, 3] - torch.logsumexp(logits[0, [0, 1, 3]], 0)).item())
+
+
+def test_chunked_logprobs_equal_one_forward_values_and_gradients(realistic_path):
+    """Chunking the vocabulary projection over positions (with recomputation in the backward
+    pass) changes no number: same logprobs, entropy and gradients as one whole forward."""
+    model = common.load_policy(realistic_path, "cpu")
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 40))
+    attn = torch.ones_like(ids)
+    cmask = torch.zeros_like(ids)
+    cmask[:, 10:] = 1
+    results = []
+    for chunk_bytes in (common.LOGIT_CHUNK_BYTES, 4 * 3 * model.config.vocab_size * 7):  # one chunk; chunks of 7 positions
+        model.zero_grad()
+        logp, ent = common.token_logprobs(model, ids, attn, cmask, 0.8, 0.95, with_entropy=True, chunk_bytes=chunk_bytes)
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        results.append((logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
+    (a_logp, a_ent, a_grad), (b_logp, b_ent, b_grad) = results
+    assert torch.allclose(a_logp, b_logp, atol=1e-5) and torch.allclose(a_ent, b_ent, atol=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(a_grad, b_grad))
+    with torch.no_grad():  # and both equal the model's own logits
+        full = torch.log_softmax(common.sampling_logits(model(ids).logits[:, :-1].float(), ids[:, 1:], 0.8, 0.95), -1)
+    expected = full.gather(-1, ids[:, 1:, None]).squeeze(-1) * cmask[:, 1:]
+    assert torch.allclose(a_logp, expected, atol=1e-5)
