@@ -668,14 +668,56 @@ class SamplerConfig:
     placement: str = "auto"  # "cpu", "colocate" (learner's GPU, ipc), "separate" (own GPU, nccl), "auto"
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 on a GPU (half the KV and weight traffic, fast kernels), float32 on CPU
     kv_cache_bytes: int = 256 * 2**20  # CPU only
-    gpu_memory_utilization: float = 0.3  # GPU only; colocated with the learner, keep it small
+    gpu_memory_utilization: float | None = None  # GPU only; None: 0.3 when sharing the learner's GPU, 0.85 on its own
     max_num_seqs: int = 256
     startup_timeout: float = 300.0
     call_timeout: float = 120.0
     silence_timeout: float = 15.0  # no heartbeat for this long: the sampler is stopped or frozen (SamplerError)
     in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
+
+
+def sampler_cuda_device(placement: str, visible: str | None, device_count: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the sampler process: the learner's own device ("colocate") or the
+    next one ("separate"), picked from the devices the learner can see, so that a
+    CUDA_VISIBLE_DEVICES the user set (indices, UUIDs or MIG ids) is honoured: the literal "0"/"1"
+    would be another GPU (separate) or a UUID mismatch for IPC handles (colocate)."""
+    if placement == "cpu":
+        return None
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(device_count)]
+    wanted = 0 if placement == "colocate" else 1
+    if len(devices) <= wanted:
+        raise SystemExit(f"error: --placement: {placement} needs {wanted + 1} visible GPU(s), found {len(devices)}")
+    return devices[wanted]
+
+
+def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
+    """vLLM EngineArgs for the sampler, by placement. Pure, so each placement is unit-tested.
+    - logprobs of the distribution actually sampled (the logprob contract);
+    - async scheduling off: vLLM turns it on by default on CUDA (vllm/config/vllm.py, the
+      `async_scheduling is None` branch of VllmConfig.__post_init__), and then `step()` returns
+      while the next batch still runs (vllm/v1/engine/core.py, step_with_batch_queue); our loop
+      applies weight updates between two step() calls, which would race that batch (and one
+      token per running sequence would carry the wrong version label). Off, step() returns with
+      the device idle, as vLLM's own pause does by synchronising first;
+    - CUDA graphs on a GPU (enforce_eager only on CPU): the layerwise reload copies new weights
+      into the original storages, which keeps captured graphs valid
+      (vllm/model_executor/model_loader/reload/layerwise.py, "preserves cudagraph refs");
+    - bf16 weights on a GPU unless asked, fp32 on CPU (exact comparisons with the learner)."""
+    on_gpu = placement != "cpu"
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    settings: dict[str, Any] = dict(
+        model=config.model, seed=config.seed, dtype=dtype, max_model_len=config.max_model_len,
+        enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=False, async_scheduling=False,
+    )
+    if on_gpu:
+        utilization = config.gpu_memory_utilization
+        settings["gpu_memory_utilization"] = utilization if utilization is not None else (0.3 if placement == "colocate" else 0.85)
+    else:
+        settings["kv_cache_memory_bytes"] = config.kv_cache_bytes
+    return settings
 
 
 def resolve_placement(placement: str) -> str:
@@ -695,6 +737,17 @@ def peak_rss_mib(pid: int | str = "self") -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def peak_memory_mib(sampler: "Sampler | None" = None) -> dict[str, float]:
+    """Peak memory of this run: the learner's resident memory, its GPU memory (torch's peak
+    allocation) when it has a GPU, and the sampler process's resident memory."""
+    memory = {"learner": peak_rss_mib()}
+    if torch.cuda.is_available():
+        memory["learner_gpu"] = torch.cuda.max_memory_allocated() / 2**20
+    if sampler is not None:
+        memory["sampler"] = sampler.peak_rss_mib()
+    return memory
 
 
 def _free_port() -> int:
@@ -1049,17 +1102,8 @@ def _serve(config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox) -> Non
 
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
         lambda record: "Failed to load weights" not in record.getMessage())
-    engine_kwargs: dict[str, Any] = dict(
-        model=config.model, seed=config.seed, dtype=config.dtype, max_model_len=config.max_model_len,
-        enforce_eager=True, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
-        weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement)),
-        enable_prefix_caching=False,
-    )
-    if config.placement == "cpu":
-        engine_kwargs["kv_cache_memory_bytes"] = config.kv_cache_bytes
-    else:
-        engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-    engine = LLMEngine.from_engine_args(EngineArgs(**engine_kwargs))
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_settings(config, config.placement),
+                                                   weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement))))
     send = outbox.send
     send(("ready", None, None))
 
@@ -1225,7 +1269,7 @@ class Sampler:
         self._outgoing = queue.SimpleQueue()
         threading.Thread(target=self._send_loop, name="sampler-send", daemon=True).start()
         self._last_heard = time.monotonic()
-        cuda_device = {"cpu": None, "colocate": "0", "separate": "1"}[self.placement]
+        cuda_device = sampler_cuda_device(self.placement, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
         self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device),
                                    name="vllm-sampler", daemon=False)
         self.process.start()
@@ -1464,7 +1508,7 @@ class Sampler:
         else:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-            info = IPCTrainerInitInfo(rank=0)
+            info = IPCTrainerInitInfo(rank=0, packed=True)  # one handle for a packed buffer, not one per tensor
         self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
 
     def push_weights(self, version: int, recompute_kv: bool = False, when_idle: bool = False, background: bool = False) -> float:
@@ -1503,6 +1547,36 @@ class Sampler:
         self._push_thread.start()
         return time.perf_counter() - start
 
+    def _watched(self, transfer) -> None:
+        """Run a weight transfer in a thread and watch the sampler meanwhile. A NCCL broadcast to a
+        dead peer never returns (it has no timeout), and cannot be interrupted; the watchdog turns a
+        dead or silent sampler into a SamplerError in the learner instead of a hang (the stuck
+        thread is left behind; the run is over anyway)."""
+        error: list[BaseException] = []
+
+        def run():
+            try:
+                transfer()
+            except BaseException as e:
+                error.append(e)
+
+        thread = threading.Thread(target=run, name="weight-transfer", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 4 * self.config.call_timeout
+        while thread.is_alive():
+            thread.join(0.5)
+            if not thread.is_alive():
+                break
+            if not self.process.is_alive():
+                raise SamplerError(f"the sampler process died during a weight push (exit code {self._exit_code()})")
+            if time.monotonic() - self._last_heard > self.config.silence_timeout:
+                with self._lock:  # nobody received for a while: look for a heartbeat ourselves
+                    self._receive(0.5)
+            if time.monotonic() > deadline:
+                raise SamplerError(f"a weight push did not finish within {4 * self.config.call_timeout:.0f}s")
+        if error:
+            raise error[0]
+
     _push_thread: threading.Thread | None = None
     _push_error: BaseException | None = None
     _snapshot = None
@@ -1522,7 +1596,7 @@ class Sampler:
     def _send_weights(self, version: int, recompute_kv: bool, when_idle: bool) -> None:
         self._next_version, self._recompute_kv, self._when_idle = version, recompute_kv, when_idle
         try:
-            self._weight_engine.send_weights()
+            self._watched(self._weight_engine.send_weights)
         except SamplerError:
             raise
         except Exception as e:  # a broken group usually means the sampler died: say why if it told us

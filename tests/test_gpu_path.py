@@ -1,0 +1,140 @@
+"""The GPU path, tested where it can be on a CPU machine: device choice and engine settings per
+placement as pure functions, and vLLM's NCCL / IPC weight-transfer types built from the installed
+vLLM (an API change in a version bump fails here). Tests that need CUDA are marked `gpu`."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import common
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("placement, visible, count, expected", [
+    ("cpu", None, 0, None),
+    ("colocate", None, 1, "0"),
+    ("separate", None, 2, "1"),
+    ("colocate", "2,3", 8, "2"),  # the user's CUDA_VISIBLE_DEVICES, not the literal "0"
+    ("separate", "2,3", 8, "3"),
+    ("colocate", "GPU-8f0c1a2b,GPU-77aa", 2, "GPU-8f0c1a2b"),  # UUIDs pass through (IPC handles carry them)
+    ("separate", " 5 , 6 ", 8, "6"),
+])
+def test_sampler_device_follows_the_visible_devices(placement, visible, count, expected):
+    assert common.sampler_cuda_device(placement, visible, count) == expected
+
+
+def test_separate_placement_needs_two_visible_gpus():
+    with pytest.raises(SystemExit, match="error: --placement: separate needs 2"):
+        common.sampler_cuda_device("separate", "4", 8)
+
+
+@pytest.mark.parametrize("placement, eager, dtype, memory", [
+    ("cpu", True, "float32", ("kv_cache_memory_bytes", 256 * 2**20)),
+    ("colocate", False, "bfloat16", ("gpu_memory_utilization", 0.3)),
+    ("separate", False, "bfloat16", ("gpu_memory_utilization", 0.85)),
+])
+def test_engine_settings_per_placement(placement, eager, dtype, memory):
+    settings = common.engine_settings(common.SamplerConfig(model="m"), placement)
+    assert settings["enforce_eager"] is eager and settings["dtype"] == dtype and settings[memory[0]] == memory[1]
+    assert settings["async_scheduling"] is False  # updates between step() calls must not race a running batch
+    assert settings["logprobs_mode"] == "processed_logprobs"
+    from vllm import EngineArgs  # every key is one vLLM knows
+    from vllm.config import WeightTransferConfig
+
+    EngineArgs(**settings, weight_transfer_config=WeightTransferConfig(backend=common.weight_backend(placement)))
+
+
+def test_engine_settings_honour_explicit_choices():
+    config = common.SamplerConfig(model="m", dtype="float16", gpu_memory_utilization=0.5)
+    settings = common.engine_settings(config, "separate")
+    assert settings["dtype"] == "float16" and settings["gpu_memory_utilization"] == 0.5
+
+
+def test_vllm_nccl_and_ipc_transfer_types_build_from_the_installed_vllm():
+    """The trainer-side init and update infos our Sampler builds for the GPU backends."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLWeightTransferUpdateInfo
+
+    nccl = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=29500, world_size=2)
+    assert nccl.is_sender and nccl.packed and nccl.backend == "nccl"
+    NCCLWeightTransferUpdateInfo(names=["w"], dtype_names=["bfloat16"], shapes=[[2, 2]])
+    ipc = IPCTrainerInitInfo(rank=0, packed=True)
+    assert ipc.backend == "ipc" and ipc.packed
+    IPCWeightTransferUpdateInfo(names=["w"], dtype_names=["bfloat16"], shapes=[[2, 2]], ipc_handles={})
+    common.register_gloo_engine()
+    assert {"nccl", "ipc", "gloo"} <= set(WeightTransferTrainerFactory._registry)
+    for backend in ("nccl", "ipc", "gloo"):
+        engine_cls = WeightTransferTrainerFactory._registry[backend]()
+        assert hasattr(engine_cls, "trainer_init") and hasattr(engine_cls, "send_weights")
+
+
+def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
+    """A NCCL broadcast to a dead peer never returns; the watchdog must not wait for it. Here the
+    transfer is a stand-in that never returns, and the sampler is killed meanwhile."""
+    sampler = common.start_sampler(tiny_path, placement="cpu")
+    pid = sampler.process.pid
+
+    def stuck_transfer():
+        os.kill(pid, 9)
+        time.sleep(3600)
+
+    start = time.monotonic()
+    with pytest.raises(common.SamplerError, match="died during a weight push"):
+        sampler._watched(stuck_transfer)
+    assert time.monotonic() - start < 10
+    sampler.close()
+
+
+def _push_then_compare(placement, tiny_path, tokenizer):
+    model = common.load_policy(tiny_path, "cuda")
+    with common.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
+        sampler.init_weight_sync(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        sampler.push_weights(1)
+        task = common.make_task("countdown", seed=0, tiny_prompts=True)
+        prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(16)]
+        samples = sampler.generate(prompts, n=2, temperature=0.8, top_p=0.95, max_tokens=24)
+        ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
+                                                         tokenizer.pad_token_id)
+        with torch.no_grad():
+            learner = common.token_logprobs(model, ids.cuda(), attn.cuda(), cmask.cuda(), 0.8, 0.95).cpu()
+        behaviour = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], learner.shape[1])
+        mask = cmask[:, 1:].bool()
+        assert (learner - behaviour)[mask].abs().mean() < 1e-3 and {s.version_max for s in samples} == {1}
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_colocated_push_then_logprobs_match(tiny_path, tokenizer):
+    _push_then_compare("colocate", tiny_path, tokenizer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_separate_push_then_logprobs_match(tiny_path, tokenizer):
+    _push_then_compare("separate", tiny_path, tokenizer)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_in_flight_update_labels_versions(tiny_path, tokenizer):
+    """Under CUDA (async scheduling off), a push in the middle of generation splits each running
+    sequence's tokens into a version-0 span and a version-1 span, contiguous, covering every token."""
+    model = common.load_policy(tiny_path, "cuda")
+    with common.start_sampler(tiny_path, placement="colocate") as sampler:
+        sampler.init_weight_sync(model)
+        task = common.make_task("countdown", seed=0, tiny_prompts=True)
+        prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(32)]
+        ids = sampler.submit(prompts, n=1, temperature=1.0, max_tokens=64, ignore_eos=True)
+        time.sleep(0.2)
+        sampler.push_weights(1)
+        for s in sampler.wait_for(ids):
+            spans = s.versions
+            assert spans[0][1] == 0 and spans[-1][2] == len(s.token_ids)
+            assert all(a[2] == b[1] for a, b in zip(spans, spans[1:])) and {v for v, _, _ in spans} <= {0, 1}
