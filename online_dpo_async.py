@@ -1,11 +1,12 @@
 """Asynchronous off-policy online DPO (papers/asynchronous-rlhf-online-dpo.txt, Algorithm 1).
 
-Each round, the sampler draws K completions per prompt; the best and worst by reward form a
-preference pair (ties are dropped and counted) and the learner takes N DPO steps against the
-frozen initial policy. Asynchronous (default, Cleanba-style): while the learner trains on the
-round generated with theta_{t-1}, the sampler already generates the next round with theta_t,
-so the learner is exactly one step ahead of its data. `--sync` is the on-policy baseline:
-generate, then train, alternating.
+Each round, the sampler draws a group of completions per prompt (`--group-size`); the best and
+worst by reward form a preference pair (ties are dropped and counted) and the learner takes N DPO
+steps against the frozen initial policy. Asynchronous (default, Cleanba-style, `--staleness 1`):
+while the learner trains on the round generated with theta_{t-1}, the sampler already generates
+the next round with theta_t, so the learner is exactly one round ahead of its data. `--sync`
+(= `--staleness 0`, the same loop with the next round submitted only after the push) is the
+on-policy baseline: generate, then train, alternating.
 
     python online_dpo_async.py --model tiny           # async, the built-in model, CPU
     python online_dpo_async.py --model tiny --sync    # the synchronous baseline
@@ -14,7 +15,9 @@ generate, then train, alternating.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -29,7 +32,7 @@ class Args:
     exp_name: str = "online_dpo_async"
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (and of the sampler's engine)"""
     track: bool = False
     """log to Weights & Biases"""
     model: str = "tiny"
@@ -43,54 +46,117 @@ class Args:
 
     # the method
     sync: bool = False
-    """synchronous on-policy baseline: generate, then train (default: asynchronous, one step off-policy)"""
-    num_completions: int | None = None
-    """completions per prompt; chosen = best reward, rejected = worst [paper 2, 4 for GSM8K; tiny 4]"""
+    """synchronous on-policy baseline: generate, then train (shorthand for --staleness 0)"""
+    staleness: Literal[0, 1] | None = None
+    """rounds the sampler generates ahead of the learner [1: asynchronous, Algorithm 1; --sync: 0]"""
+    group_size: int | None = None
+    """samples per prompt; chosen = best reward, rejected = worst [paper 2, gsm8k 4; tiny 4]"""
     num_prompts: int | None = None
     """prompts per minibatch [paper 64; tiny 32]"""
     num_minibatches: int = 1
     """N: minibatches generated per round and N optimizer steps on them (the paper's off-policyness knob)"""
     num_rounds: int | None = None
     """sampling rounds [paper ~ 512k episodes / batch; tiny 60]"""
-    loss_type: str = "dpo"
+    loss_type: Literal["dpo", "ipo"] = "dpo"
     """dpo (sigmoid) or ipo"""
     beta: float | None = None
-    """DPO beta [0.1; 0.05 for gsm8k]"""
+    """DPO beta [0.1; gsm8k 0.05]"""
     learning_rate: float | None = None
     """Adam learning rate, constant [paper 3e-6; tiny 1e-4]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     temperature: float | None = None
-    """sampling temperature [paper 0.7; tiny 1.0]"""
+    """sampling temperature, applied to every logprob too (policy, reference, KL) [paper 0.7; tiny 1.0]"""
+    top_p: float = 1.0
+    """nucleus sampling (the paper samples the full distribution: 1.0); the learner applies the same nucleus"""
     max_new_tokens: int | None = None
     """response length cap [paper 512; tiny 32]"""
     missing_eos_penalty: float = 1.0
-    """subtracted from the reward of completions that end without EOS"""
+    """penalty for a completion that ends without EOS (cut at --max-new-tokens); see --eos-penalty-mode"""
+    eos_penalty_mode: Literal["replace", "subtract"] = "replace"
+    """replace: such a completion scores -penalty (the paper's code: 'penalty reward value' -1); subtract: score - penalty"""
+    chat_template: bool = False
+    """wrap prompts in the tokenizer's chat template (instruct models)"""
 
     # evaluation, logging, checkpoints
+    eval_decoding: Literal["greedy", "sample"] | None = None
+    """greedy: one greedy completion per problem (the paper's GSM8K pass@1); sample: as in training [gsm8k greedy; sample]"""
     eval_problems: int | None = None
-    """held-out problems [paper 50; tiny 200]"""
-    eval_samples: int = 4
-    """samples per held-out problem (accuracy = pass@1 over them)"""
+    """held-out problems; 0 = the whole test split of a fixed dataset (gsm8k, countdown-hub) [gsm8k 0; paper 50; tiny 200]"""
+    eval_samples: int | None = None
+    """completions per held-out problem, accuracy = pass@1 over them [greedy 1; sample 4]"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from"""
 
 
-PAPER = dict(num_completions=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, temperature=0.7,
+PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, temperature=0.7,
              max_new_tokens=512, eval_problems=50)
-TINY = dict(num_completions=4, num_prompts=32, num_rounds=60, learning_rate=1e-4, temperature=1.0,
+TINY = dict(group_size=4, num_prompts=32, num_rounds=60, learning_rate=1e-4, temperature=1.0,
             max_new_tokens=32, eval_problems=200)
+# Table 10 (Appendix A.3) and §A.3's evaluation: greedy pass@1 on the whole GSM8K test set
+GSM8K = dict(group_size=4, beta=0.05, eval_decoding="greedy", eval_problems=0)
+FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fixed list (--eval-problems 0 = all of it)
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    """The command line, with every None default filled in (an explicit flag wins, then the task's
+    defaults, then the model's: paper or tiny) and every value checked before anything starts."""
+    args = tyro.cli(Args, args=argv)
+    task_defaults = GSM8K if args.task == "gsm8k" else {}
+    model_defaults = TINY if args.model == common.TINY else PAPER
+    for defaults in (task_defaults, model_defaults):
+        for name, value in defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+    if args.beta is None:
+        args.beta = 0.1
+    if args.eval_decoding is None:
+        args.eval_decoding = "sample"
+    if args.eval_samples is None:
+        args.eval_samples = 1 if args.eval_decoding == "greedy" else 4
+    common.check_args(not (args.sync and args.staleness == 1), "--sync", "is --staleness 0; drop one of them")
+    if args.staleness is None:
+        args.staleness = 0 if args.sync else 1
+    args.sync = args.staleness == 0
+
+    common.check_args(args.group_size >= 2, "--group-size", f"a pair needs at least 2 samples per prompt, got {args.group_size}")
+    common.check_args(args.num_minibatches >= 1, "--num-minibatches", f"must be >= 1, got {args.num_minibatches}")
+    common.check_args(args.num_prompts >= 1 and args.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1")
+    common.check_args(args.beta > 0 and args.learning_rate > 0, "--beta/--learning-rate", "must be > 0")
+    common.check_args(args.temperature > 0, "--temperature",
+                      f"must be > 0, got {args.temperature} (0 is greedy: every pair would tie and no logprob is defined)")
+    common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
+    common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    common.check_args(args.missing_eos_penalty >= 0, "--missing-eos-penalty",
+                      f"must be >= 0 (replace gives the score -penalty), got {args.missing_eos_penalty}")
+    common.check_args(args.eval_samples >= 1, "--eval-samples", f"must be >= 1, got {args.eval_samples}")
+    common.check_args(args.eval_decoding == "sample" or args.eval_samples == 1, "--eval-samples",
+                      "greedy decoding gives one completion per problem; use 1 or --eval-decoding sample")
+    common.check_args(args.eval_problems >= 1 or (args.eval_problems == 0 and args.task in FIXED_TEST_SPLIT), "--eval-problems",
+                      f"must be >= 1, or 0 (the whole test split) for {' or '.join(FIXED_TEST_SPLIT)}; got {args.eval_problems}")
+    common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
+    return args
 
 
 def select_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each prompt's K rewards [P, K]: chosen = index of the best, rejected = index of the
-    worst (the first in case of equal values). Returns (chosen, rejected, keep) where keep is
-    False for prompts whose rewards all tie (no preference to learn)."""
+    """For each prompt's group of rewards [P, group size]: chosen = index of the best, rejected =
+    index of the worst (the first in case of equal values). Returns (chosen, rejected, keep) where
+    keep is False for prompts whose rewards all tie (no preference to learn)."""
     chosen, rejected = rewards.argmax(1), rewards.argmin(1)
     keep = rewards.max(1).values > rewards.min(1).values
     return chosen, rejected, keep
+
+
+def penalize_missing_eos(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float, mode: str) -> torch.Tensor:
+    """Scores with the completions that ended without EOS penalised. replace: their score becomes
+    -penalty whatever the verifier or reward model said (the paper's code: a truncated completion
+    is never preferred to one that finished); subtract: penalty is subtracted from their score
+    (TRL's missing_eos_penalty). scores: [n] float; ended_with_eos: [n] bool."""
+    if mode == "replace":
+        return torch.where(ended_with_eos, scores, torch.full_like(scores, -penalty))
+    return scores - penalty * (~ended_with_eos).to(scores.dtype)
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str = "dpo"):
@@ -103,18 +169,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
 
 def main():
-    args = tyro.cli(Args)
-    defaults = TINY if args.model == common.TINY else PAPER
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.beta is None:
-        args.beta = 0.05 if args.task == "gsm8k" else 0.1
-    common.check_args(args.num_completions >= 2, "--num-completions", f"a pair needs at least 2 completions, got {args.num_completions}")
-    common.check_args(args.num_minibatches >= 1, "--num-minibatches", f"must be >= 1, got {args.num_minibatches}")
-    common.check_args(args.num_prompts >= 1 and args.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1")
-    common.check_args(args.loss_type in ("dpo", "ipo"), "--loss-type", "must be dpo or ipo")
-    common.check_args(args.beta > 0 and args.learning_rate > 0, "--beta/--learning-rate", "must be > 0")
+    args = parse_args()
     args.prompts_per_round = args.num_prompts * args.num_minibatches
     args.max_prompt_tokens = 64 if args.model == common.TINY else 512
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
@@ -125,6 +180,7 @@ def main():
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
+    common.check_chat_template(tokenizer, args.chat_template)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
@@ -133,10 +189,12 @@ def main():
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
 
-    start_round, data_position, step, totals = 0, 0, 0, dict(generate=0.0, train=0.0, wall=0.0, episodes=0)
+    start_round, data_position, step = 0, 0, 0
+    totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
     if args.resume:
         state = common.load_checkpoint(args.resume, policy, optimizer)
-        start_round, data_position, step, totals = state["round"], state["data_position"], state["step"], state["totals"]
+        start_round, data_position, step = state["round"], state["data_position"], state["step"]
+        totals |= state["totals"]
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
@@ -145,102 +203,133 @@ def main():
         sampler.init_weight_sync(policy)
         if step:
             sampler.push_weights(step)
-        sampling = dict(temperature=args.temperature, max_tokens=args.max_new_tokens)
+        # No per-request seed: vLLM's CPU runner fails on a seeded request whose prompt's prefill it splits
+        # ("CPU Generator does not use offset"). The sampler's engine seed (--seed) already makes the tokens
+        # reproducible for the same schedule of requests (the sync / --staleness 0 parity test).
+        sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+        # the logprob contract: every learner logprob (policy, reference) is of the distribution the sampler sampled
+        processing = dict(temperature=args.temperature, top_p=args.top_p)
+        eval_sampling = dict(temperature=0.0, max_tokens=args.max_new_tokens) if args.eval_decoding == "greedy" else sampling
+        pending: deque[dict] = deque()  # rounds submitted to the sampler and not yet trained on, oldest first
+        next_round = start_round
 
         def submit_round():
-            """Queue one round of prompts with the sampler's current weights."""
-            nonlocal data_position
+            """Queue the next round's prompts; the sampler generates them with its current weights."""
+            nonlocal data_position, next_round
+            position = data_position
             problems, prompts, skipped = common.encode_prompts(
-                tokenizer, [task.problem("train", data_position + i) for i in range(args.prompts_per_round)], args.max_prompt_tokens)
+                tokenizer, [task.problem("train", position + i) for i in range(args.prompts_per_round)], args.max_prompt_tokens,
+                args.chat_template)
             data_position += args.prompts_per_round
-            ids = sampler.submit(prompts, n=args.num_completions, **sampling)
-            return dict(problems=problems, ids=ids, skipped=skipped, submitted=time.time())
+            next_round += 1
+            ids = sampler.submit(prompts, n=args.group_size, **sampling)
+            pending.append(dict(problems=problems, ids=ids, skipped=skipped, position=position, submitted=time.time()))
+
+        def collect():
+            """The oldest submitted round, once generated."""
+            batch = pending.popleft()
+            samples = sampler.wait_for(batch["ids"])
+            return batch | dict(samples=samples, finished=max(s.finished_at for s in samples))
 
         def score(problems, samples):
             texts = [s.text for s in samples]
             if reward_model is not None:
-                prompts = [problems[i // args.num_completions].prompt for i in range(len(samples))]
+                prompts = [problems[i // args.group_size].prompt for i in range(len(samples))]
                 scores = reward_model.score([p + t for p, t in zip(prompts, texts)])
             else:
-                scores = [task.reward(t, problems[i // args.num_completions]) for i, t in enumerate(texts)]
-            penalty = [args.missing_eos_penalty * (s.finish_reason != "stop") for s in samples]
-            return torch.tensor(scores) - torch.tensor(penalty, dtype=torch.float32)
+                scores = [task.reward(t, problems[i // args.group_size]) for i, t in enumerate(texts)]
+            ended_with_eos = torch.tensor([s.finish_reason == "stop" for s in samples])
+            return penalize_missing_eos(torch.tensor(scores, dtype=torch.float32), ended_with_eos, args.missing_eos_penalty,
+                                        args.eos_penalty_mode)
 
         def evaluate():
-            result = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens, **sampling)
+            result = common.evaluate(sampler, task, tokenizer, args.eval_problems or None, args.eval_samples, args.max_prompt_tokens,
+                                     args.chat_template, **eval_sampling)
             return {"eval/accuracy": result["eval/pass@1"]}
 
         eval_start = evaluate()
         logger.log(step, eval_start)
-        pending = submit_round()
-        wait_start = time.time()
-        batch = pending | dict(samples=sampler.wait_for(pending["ids"]))
-        learner_wait = time.time() - wait_start
-        if not args.sync and start_round + 1 < args.num_rounds:
-            pending = submit_round()  # GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
+        submit_round()
+        batch = collect()  # Algorithm 1: a first batch y_0 ~ pi_theta_0(x_0)
+        if args.staleness and next_round < args.num_rounds:
+            submit_round()  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
         loop_start = time.time() - totals["wall"]
         for round_index in range(start_round, args.num_rounds):
             last = round_index + 1 == args.num_rounds
             round_start = time.time()
+            if round_index == start_round:  # what the sampler really sees (e.g. the chat template) and answers
+                first = batch["samples"][0]
+                print(f"example: {tokenizer.decode(first.prompt_token_ids)!r} -> {first.text!r}")
 
-            # ---- pairs: best and worst of the K completions of each prompt ----
+            # ---- pairs: best and worst of each prompt's group ----
             train_start = time.time()
             samples, problems = batch["samples"], batch["problems"]
-            rewards = score(problems, samples).view(-1, args.num_completions)
+            rewards = score(problems, samples).view(-1, args.group_size)
             chosen, rejected, keep = select_pairs(rewards)
-            rows = torch.arange(len(rewards))
-            pair_rows = rows[keep]
+            pair_rows = torch.arange(len(rewards))[keep]
             lags = [step - s.version_min for s in samples]
+            # does the learner still hold the weights that generated this batch (sync: every round; async: only the
+            # first one, or after a round without a step)? Then its logprobs must equal the sampler's: charts/logprob_diff
+            fresh = all(s.version_min == s.version_max == step for s in samples)
             # row i of the padded batch is sample i; KL(pi_sampler || pi_init) is estimated on all of them
             ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
                                                              tokenizer.pad_token_id)
             ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
+            mask = cmask[:, 1:].float()
+            prompt_lens = [len(s.prompt_token_ids) for s in samples]
+            sampler_logp = common.sampler_logprob_tensor(samples, prompt_lens, mask.shape[1]).to(device)
             with torch.no_grad():
-                ref_seq = common.token_logprobs(ref_policy, ids, attn, cmask, args.temperature).sum(1)
-            kl = (torch.tensor([sum(s.logprobs) for s in samples], device=device) - ref_seq).mean().item()
-            chosen_rows = pair_rows * args.num_completions + chosen[keep]
-            rejected_rows = pair_rows * args.num_completions + rejected[keep]
+                ref_seq = common.token_logprobs(ref_policy, ids, attn, cmask, **processing).sum(1)
+            kl = ((sampler_logp * mask).sum(1) - ref_seq).mean().item()  # k1: both logprobs of the sampled distribution
+            chosen_rows = pair_rows * args.group_size + chosen[keep]
+            rejected_rows = pair_rows * args.group_size + rejected[keep]
 
             # ---- N DPO steps, one per minibatch of pairs ----
-            losses, accuracies, margins = [], [], []
+            losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = [], [], [], [], 0.0, 0.0
             num_pairs = len(pair_rows)
             for mb in np.array_split(np.arange(num_pairs), args.num_minibatches):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
                 rows_mb = torch.cat([chosen_rows[mb], rejected_rows[mb]]).to(device)
-                logp = common.token_logprobs(policy, ids[rows_mb], attn[rows_mb], cmask[rows_mb], args.temperature).sum(1)
-                ref_mb = ref_seq[rows_mb]
+                token_logp = common.token_logprobs(policy, ids[rows_mb], attn[rows_mb], cmask[rows_mb], **processing)
+                if fresh:  # no step on this batch yet: the sampling weights (~1e-6 in fp32); free, on the pairs' tokens
+                    diff_sum += ((token_logp.detach() - sampler_logp[rows_mb]).abs() * mask[rows_mb]).sum().item()
+                    diff_tokens += mask[rows_mb].sum().item()
+                logp, ref_mb = token_logp.sum(1), ref_seq[rows_mb]
                 loss, logits = dpo_loss(logp[: len(mb)], logp[len(mb):], ref_mb[: len(mb)], ref_mb[len(mb):], args.beta, args.loss_type)
+                loss = loss.mean()
                 optimizer.zero_grad()
-                loss.mean().backward()
+                loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                    # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
+                    optimizer.zero_grad()
+                    totals["nonfinite_skipped"] += 1
+                    continue
                 optimizer.step()
                 step += 1
-                losses.append(loss.mean().item())
+                fresh = False
+                losses.append(loss.item())
+                grad_norms.append(grad_norm.item())
                 accuracies.append((logits > 0).float().mean().item())
                 margins.append(logits.mean().item())
             train_seconds = time.time() - train_start
 
             # ---- the new weights go to the sampler; then the next round's data ----
             wait_start = time.time()
+            push_seconds = generate_seconds = sampler_idle = float("nan")
             if not last:
-                if args.sync:
-                    push_seconds = sampler.push_weights(step)
-                    pending, following = submit_round(), None  # on-policy: generated by the weights just pushed
-                else:
-                    # applied as soon as the round in flight has finished (no batch mixes versions); the
-                    # round after it is queued at once and generates while we receive this one's results
-                    push_seconds = sampler.push_weights(step, when_idle=True)
-                    following = submit_round() if round_index + 2 < args.num_rounds else None
-                next_samples = sampler.wait_for(pending["ids"])
-                round_end = max(s.finished_at for s in next_samples)
-                # the sampler's idle time between two rounds (sync: the whole train step)
-                if args.sync:
-                    sampler_idle = pending["submitted"] - max(s.finished_at for s in batch["samples"])
-                else:
-                    sampler_idle = (following["submitted"] if following else time.time()) - round_end
+                # applied once the round in flight (async) has finished with the old weights: no batch mixes versions
+                push_seconds = sampler.push_weights(step, when_idle=True)
+                newest = None
+                if next_round < args.num_rounds:
+                    submit_round()  # generated by the weights just pushed: the next round (sync) or the one after it (async)
+                    newest = pending[-1]
+                following = collect()
+                generate_seconds = following["finished"] - following["submitted"]
+                if newest is not None:  # the sampler sat idle from the end of the round before `newest` (sync: the train step)
+                    sampler_idle = newest["submitted"] - (batch if args.staleness == 0 else following)["finished"]
             learner_wait = time.time() - wait_start
-            generate_seconds = (round_end - pending["submitted"]) if not last else float("nan")
             totals["wall"] = time.time() - loop_start
             totals["episodes"] += len(samples)
             totals["train"] += train_seconds
@@ -248,32 +337,36 @@ def main():
 
             chosen_r = rewards[pair_rows, chosen[keep]] if num_pairs else torch.zeros(1)
             rejected_r = rewards[pair_rows, rejected[keep]] if num_pairs else torch.zeros(1)
+            mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
             metrics = {
                 "charts/reward": rewards.mean().item(),
-                "charts/accuracy": float(np.mean([task.is_correct(s.text, problems[i // args.num_completions]) for i, s in enumerate(samples)])),
+                "charts/accuracy": float(np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])),
                 "charts/rewards_chosen": chosen_r.mean().item(), "charts/rewards_rejected": rejected_r.mean().item(),
                 "charts/rewards_margin": (chosen_r - rejected_r).mean().item(),
+                "charts/response_length": mask.sum(1).mean().item(),
                 "charts/pairs": num_pairs, "charts/ties_dropped": int((~keep).sum()), "charts/skipped_long_prompts": batch["skipped"],
-                "charts/kl_to_init": kl, "charts/lag_min": min(lags), "charts/lag_max": max(lags),
+                "charts/kl": kl, "charts/lag_min": min(lags), "charts/lag_max": max(lags),
+                "charts/nonfinite_skipped": totals["nonfinite_skipped"],
                 "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / max(totals["wall"], 1e-9),
-                "losses/loss": float(np.mean(losses)) if losses else float("nan"),
-                "losses/dpo_accuracy": float(np.mean(accuracies)) if accuracies else float("nan"),
-                "losses/logits_margin": float(np.mean(margins)) if margins else float("nan"),
+                "losses/loss": mean(losses), "losses/dpo_accuracy": mean(accuracies), "losses/logits_margin": mean(margins),
+                "losses/grad_norm": mean(grad_norms),
                 "time/train_seconds": train_seconds, "time/generate_seconds": generate_seconds,
                 "time/step_seconds": time.time() - round_start, "time/learner_wait_seconds": learner_wait,
-                "time/sampler_wait_seconds": sampler_idle if not last else float("nan"),
-                "time/push_seconds": push_seconds if not last else float("nan"),
+                "time/sampler_wait_seconds": sampler_idle, "time/push_seconds": push_seconds,
             }
+            if diff_tokens:
+                metrics["charts/logprob_diff"] = diff_sum / diff_tokens
             logger.log(step, metrics, echo=False)
             print(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
                   f"acc {metrics['charts/accuracy']:.3f} pairs {num_pairs} ties {metrics['charts/ties_dropped']} "
                   f"dpo_acc {metrics['losses/dpo_accuracy']:.2f} kl {kl:.2f} lag {min(lags)}-{max(lags)} "
                   f"gen {generate_seconds:.2f}s train {train_seconds:.2f}s step {metrics['time/step_seconds']:.2f}s")
             if not last:
-                batch, pending = pending | dict(samples=next_samples), following
+                batch = following
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
-                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
-                                       round=round_index + 1, totals=totals)
+                # the data position of the first round not trained on yet: a round in flight is generated again on resume
+                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step,
+                                       data_position if last else batch["position"], round=round_index + 1, totals=totals)
         if step:
             sampler.push_weights(step)
         eval_end = evaluate()
@@ -283,7 +376,8 @@ def main():
         sampler.close()
 
     mode = "sync" if args.sync else "async"
-    print(f"\nonline DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts x {args.num_completions}")
+    print(f"\nonline DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts "
+          f"x {args.group_size} samples")
     print("| mode | wall (s) | generate (s) | train (s) | episodes/s | accuracy start | accuracy end |\n|---|---|---|---|---|---|---|")
     print(f"| {mode} | {totals['wall']:.1f} | {totals['generate']:.1f} | {totals['train']:.1f} | "
           f"{totals['episodes'] / totals['wall']:.1f} | {eval_start['eval/accuracy']:.3f} | {eval_end['eval/accuracy']:.3f} |")

@@ -6,22 +6,28 @@ groups go to the trainer's queue as they finish and new prompts take their place
 optimizer step the learner pushes its weights in flight: the sampler applies them between two
 decode steps and running sequences continue (on their stale KV cache, or re-prefilled with the
 new weights with --recompute-kv), so one sequence can hold tokens of several policy versions.
-The loss is truncated importance-weighted REINFORCE with a per-prompt mean baseline; when the
-batch's ESS falls below --ess-threshold the step is skipped and the trainer waits for data
-from the current weights (Algorithm 2, lines 20-23).
+The loss is truncated importance-weighted REINFORCE with a per-prompt mean baseline; the
+behaviour policy is the sampler's own logprobs, so the truncated weight also corrects the
+training-inference mismatch. When the batch's ESS falls below --ess-threshold the step is
+skipped and the trainer waits for a batch of data from the current weights (Algorithm 2, lines
+20-23). --max-lag L bounds the lag of trained data: L = 0 makes the pipeline strictly on-policy,
+the same batches as Conventional RL with G = 1.
 
-Conventional RL (--mode conventional --g G): generate B*G sequences with one policy, then take G
-optimizer steps of B sequences, then push the weights; the same loss.
+Conventional RL (--mode conventional --steps-per-rl-step G): generate B*G sequences with one
+policy, shuffle them (whole prompt groups) into G batches of B, take G optimizer steps, then push
+the weights; the same loss.
 
     python pipeline_rl.py --model tiny
-    python pipeline_rl.py --model tiny --mode conventional --g 4
+    python pipeline_rl.py --model tiny --mode conventional --steps-per-rl-step 4
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Literal
 
 import numpy as np
 import torch
@@ -35,21 +41,21 @@ class Args:
     exp_name: str = "pipeline_rl"
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (also seeds every sampling request: a run is reproducible)"""
     track: bool = False
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
-    task: str = "countdown"
+    task: Literal["countdown", "countdown-hub", "gsm8k"] = "countdown"
     """countdown (offline generator), countdown-hub or gsm8k"""
-    placement: str = "auto"
+    placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
 
     # the method
-    mode: str = "pipeline"
+    mode: Literal["pipeline", "conventional"] = "pipeline"
     """pipeline (Algorithm 2) or conventional (Algorithm 1)"""
-    g: int = 4
-    """G: optimizer steps per RL step (conventional mode only)"""
+    steps_per_rl_step: int = 4
+    """the paper's G (conventional mode only; not the group size): optimizer steps per RL step, on B*G sequences generated at once"""
     train_batch_size: int = 64
     """B: sequences per optimizer step (a multiple of --group-size)"""
     gen_batch_size: int = 256
@@ -59,32 +65,39 @@ class Args:
     num_steps: int | None = None
     """optimizer steps [tiny 120; otherwise 1000]"""
     learning_rate: float | None = None
-    """Adam learning rate [tiny 1e-4; otherwise 1e-6]"""
+    """Adam learning rate [tiny 1e-4; otherwise 1e-6 (the paper)]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     micro_batch_size: int = 16
     """sequences per forward/backward, grouped by length (memory and padding only: one optimizer step per B)"""
     is_clip: float = 5.0
-    """c: token importance weights pi/mu are truncated at c"""
+    """c: token importance weights pi/mu are truncated at c (the paper's 5)"""
     ess_threshold: float = 0.5
-    """skip a step whose batch ESS is below this and wait for data from the current weights (0: never)"""
+    """skip a step whose batch ESS is below this and wait for a batch from the current weights (0: never)"""
     recompute_kv: bool = False
     """after a push, re-prefill running sequences with the new weights (default: keep the stale KV cache, as the paper)"""
     background_push: bool = True
     """pipeline mode: send each push from a thread (a snapshot of the weights) and train on meanwhile"""
-    max_lag: int = 0
-    """backpressure: stop admitting prompts while the oldest unused data is this many steps old (0: off)"""
+    max_lag: int | None = None
+    """pipeline mode: train on no data more than this many optimizer steps old; the actor admits prompts
+    accordingly and staler data is dropped and counted (None: no bound; 0: strictly on-policy)"""
     kl_coef: float = 0.0
     """optional KL(pi || pi_ref) penalty (k3 estimator per token)"""
     temperature: float = 1.0
-    """sampling temperature"""
+    """sampling temperature (PipelineRL trains at 1.0); the learner's logprobs use the same"""
+    top_p: float = 1.0
+    """nucleus sampling (PipelineRL trains without one); the learner applies the same nucleus (the logprob contract)"""
     max_new_tokens: int | None = None
     """response length cap [tiny 32; otherwise 1024]"""
+    chat_template: bool = False
+    """wrap prompts in the tokenizer's chat template (instruct models)"""
     long_tail: float = 0.0
     """benchmark workload: if > 0, each prompt's responses are forced to a length drawn from a
     Pareto distribution with this shape (smaller = heavier tail), scale --long-tail-scale, capped at --max-new-tokens"""
     long_tail_scale: int = 8
     """minimum forced length of the long-tailed workload"""
+    data_timeout: float = 1800.0
+    """the trainer raises if, while it waits for a batch, no sequence arrives and no prompt is admitted for this many seconds"""
 
     # evaluation, logging, checkpoints
     eval_problems: int = 200
@@ -97,14 +110,19 @@ class Args:
     """run directory (or checkpoint file) to continue from"""
 
 
+MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a token weight beyond it is as good as infinite, and inf / inf in the ESS is NaN
+MAX_CONSECUTIVE_NONFINITE = 10  # then the data or the model is broken: stop instead of skipping forever
+
+
 def per_prompt_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """A = r - mean of the prompt's group. rewards: [prompts, group]."""
     return rewards - rewards.mean(1, keepdim=True)
 
 
 def token_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Untruncated token importance weights pi/mu (zero off the response)."""
-    return torch.exp(logp - behaviour_logp) * mask
+    """Untruncated token importance weights pi/mu (zero off the response); the log-ratio is
+    capped at MAX_LOG_WEIGHT so that a far off-policy token gives a tiny ESS, not an overflow."""
+    return torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
 
 
 def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
@@ -113,12 +131,19 @@ def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
     return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
 
 
+def importance_weight_stats(weights: torch.Tensor, is_clip: float) -> dict[str, float]:
+    """How much the truncation at c acts: the largest token weight pi/mu and the fraction of
+    tokens whose weight was cut to c. weights: the untruncated weights of the response tokens."""
+    return dict(is_max_ratio=weights.max().item(), is_truncated_fraction=(weights > is_clip).float().mean().item())
+
+
 def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, is_clip: float, kl_coef: float):
     """-mean over tokens of min(c, pi/mu) * A * log pi (+ kl_coef * k3 KL to the reference)."""
+    tokens = mask.sum().clamp(min=1)
     w = token_weights(logp.detach(), behaviour_logp, mask).clamp(max=is_clip)
-    pg = -(w * advantages[:, None] * logp * mask).sum() / mask.sum()
+    pg = -(w * advantages[:, None] * logp * mask).sum() / tokens
     log_ratio = (ref_logp - logp) * mask
-    kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / mask.sum()
+    kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / tokens
     return pg + kl_coef * kl, pg, kl
 
 
@@ -127,19 +152,140 @@ def token_lags(sample: common.Completion, learner_version: int) -> list[int]:
     return [learner_version - v for v, start, end in sample.versions for _ in range(end - start)]
 
 
+def admission(step: int, sampler_version: int, queued_versions: list[int], in_flight: int, args: Args,
+              on_policy_only: bool = False) -> tuple[list[int], int]:
+    """The actor's decision, a pure function of the pipeline's state. Returns (indices of queued
+    groups to drop, number of prompts to admit). queued_versions: the oldest policy version in
+    each group of the trainer queue; in_flight: sequences of the groups not complete yet.
+
+    Drop: a group whose oldest token is more than --max-lag steps behind the learner can never be
+    trained within the bound (its lag only grows), and after an ESS skip only on-policy groups may
+    be trained (Algorithm 2, line 22). Such data is discarded and counted, never left to block.
+    Admit: keep H sequences in flight plus one batch queued (a bounded queue: a faster actor does
+    not pile up stale data). With --max-lag L at most (L + 1) batches are outstanding (in flight
+    or queued) per sampler version, so a prompt admitted now, queued behind everything outstanding,
+    is trained within L steps (one that is overtaken by shorter ones and outlives the bound is
+    dropped); this is how PipelineRL's actor bounds the lag (`max_lag` samples of credit plus one
+    batch more per weight update). Nothing in flight and less than a batch queued always admits a
+    prompt once the sampler holds the learner's weights: the pipeline cannot stall."""
+    oldest_usable = step if on_policy_only else (step - args.max_lag if args.max_lag is not None else None)
+    drop = [i for i, v in enumerate(queued_versions) if oldest_usable is not None and v < oldest_usable]
+    outstanding = in_flight + (len(queued_versions) - len(drop)) * args.group_size
+    limit = args.gen_batch_size + args.train_batch_size
+    if args.max_lag is not None:
+        limit = min(limit, (args.max_lag + 1 - (step - sampler_version)) * args.train_batch_size)
+    return drop, max(0, limit - outstanding) // args.group_size
+
+
+def shuffled_batches(groups: list, groups_per_batch: int, rng: np.random.Generator) -> list[list]:
+    """Conventional RL: split the RL step's groups into batches of B at random (Algorithm 1; the
+    paper shuffles its buffer of B*G samples). Whole prompt groups stay together, as the baseline
+    is per prompt; without the shuffle the first steps would see only the shortest responses,
+    which finish first."""
+    order = rng.permutation(len(groups))
+    return [[groups[i] for i in order[start: start + groups_per_batch]] for start in range(0, len(order), groups_per_batch)]
+
+
+def wait_until(done: Callable[[], bool], pump: Callable[[], int], timeout: float, describe: Callable[[], str]) -> float:
+    """Call pump() (receive, admit; returns how many things happened) until done(). Raises if
+    pump() makes no progress for `timeout` seconds: a clear error, never a silent spin. Returns
+    the seconds waited."""
+    start = last_progress = time.monotonic()
+    while not done():
+        if pump():
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > timeout:
+            raise RuntimeError(f"no sequence arrived and no prompt was admitted for {timeout:.0f}s (--data-timeout): {describe()}")
+    return time.monotonic() - start
+
+
+def train_step(policy, ref_policy, optimizer, samples: list[common.Completion], rewards: torch.Tensor, step: int, args: Args,
+               pad_token_id: int) -> dict:
+    """One optimizer step on B sequences (whole groups, group after group). Returns its stats;
+    stats["outcome"] is "trained", or "low_ess" (ESS below the threshold) or "nonfinite" (a NaN/inf
+    ESS, loss or gradient norm): then the optimizer does not step and the caller pushes nothing."""
+    start = time.time()
+    device = next(policy.parameters()).device
+    advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
+    # micro-batches of similar length: with long-tailed responses one padded batch would cost
+    # B x the longest response; the gradients of the micro-batches add up to the batch's
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].token_ids))
+    total_tokens = sum(len(c.token_ids) for c in samples)
+    processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
+    optimizer.zero_grad()
+    loss_sum = pg_sum = kl_sum = 0.0
+    weights, diff_sum, diff_tokens = [], 0.0, 0
+    for first in range(0, len(order), args.micro_batch_size):
+        rows = order[first: first + args.micro_batch_size]
+        micro = [samples[i] for i in rows]
+        ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in micro], [c.token_ids for c in micro], pad_token_id)
+        ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
+        mask = cmask[:, 1:].float()
+        behaviour = common.sampler_logprob_tensor(micro, [len(c.prompt_token_ids) for c in micro], mask.shape[1]).to(device)
+        logp = common.token_logprobs(policy, ids, attn, cmask, **processing)
+        weights.append(token_weights(logp.detach(), behaviour, mask)[mask.bool()])
+        # sampler vs learner on sequences generated wholly by the learner's current weights (their
+        # KV cache too): the training-inference mismatch alone, ~1e-6 in fp32
+        fresh = torch.tensor([c.version_min == step for c in micro], device=device)
+        diff_sum += ((logp.detach() - behaviour).abs() * mask)[fresh].sum().item()
+        diff_tokens += int(mask[fresh].sum().item())
+        with torch.no_grad():
+            ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, **processing) if ref_policy else logp.detach()
+        loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef)
+        share = mask.sum().item() / total_tokens  # micro-batch means -> the batch's token mean
+        (loss * share).backward()
+        loss_sum, pg_sum, kl_sum = loss_sum + loss.item() * share, pg_sum + pg.item() * share, kl_sum + kl.item() * share
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
+    weights = torch.cat(weights)
+    ess = effective_sample_size(weights, torch.ones_like(weights))
+    lags = [lag for c in samples for lag in token_lags(c, step)]
+    stats = dict(ess=ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
+                 tokens=total_tokens, response_length=total_tokens / len(samples), loss=loss_sum, pg=pg_sum, kl=kl_sum,
+                 grad_norm=grad_norm, **importance_weight_stats(weights, args.is_clip))
+    if diff_tokens:
+        stats["logprob_diff"] = diff_sum / diff_tokens
+    # NaN < threshold is False: a NaN ESS would pass the guard, so non-finite values are caught first
+    if not all(math.isfinite(x) for x in (ess, loss_sum, grad_norm)):
+        outcome = "nonfinite"
+    elif ess < args.ess_threshold:
+        outcome = "low_ess"
+    else:
+        outcome = "trained"
+        optimizer.step()
+    optimizer.zero_grad()
+    return stats | dict(outcome=outcome, train_seconds=time.time() - start)
+
+
 def main():
     args = tyro.cli(Args)
     tiny = args.model == common.TINY
-    args.num_steps = args.num_steps or (120 if tiny else 1000)
-    args.learning_rate = args.learning_rate or (1e-4 if tiny else 1e-6)
-    args.max_new_tokens = args.max_new_tokens or (32 if tiny else 1024)
-    common.check_args(args.mode in ("pipeline", "conventional"), "--mode", "must be pipeline or conventional")
+    if args.num_steps is None:
+        args.num_steps = 120 if tiny else 1000
+    if args.learning_rate is None:
+        args.learning_rate = 1e-4 if tiny else 1e-6
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 32 if tiny else 1024
+    common.check_args(args.num_steps >= 1, "--num-steps", f"must be >= 1, got {args.num_steps}")
+    common.check_args(args.learning_rate > 0, "--learning-rate", f"must be > 0, got {args.learning_rate}")
     common.check_args(args.group_size >= 2, "--group-size", "the per-prompt baseline needs at least 2 samples per prompt")
-    common.check_args(args.train_batch_size % args.group_size == 0, "--train-batch-size",
-                      f"must be a multiple of --group-size ({args.train_batch_size} % {args.group_size} != 0)")
+    common.check_args(args.train_batch_size >= args.group_size and args.train_batch_size % args.group_size == 0, "--train-batch-size",
+                      f"must be a positive multiple of --group-size ({args.train_batch_size} vs {args.group_size})")
     common.check_args(args.gen_batch_size >= args.group_size, "--gen-batch-size", "must hold at least one prompt's group")
-    common.check_args(args.g >= 1 and args.num_steps >= 1, "--g/--num-steps", "must be >= 1")
-    common.check_args(args.is_clip > 0 and 0 <= args.ess_threshold <= 1, "--is-clip/--ess-threshold", "need c > 0 and 0 <= threshold <= 1")
+    common.check_args(args.micro_batch_size >= 1, "--micro-batch-size", f"must be >= 1, got {args.micro_batch_size}")
+    common.check_args(args.steps_per_rl_step >= 1, "--steps-per-rl-step", f"must be >= 1, got {args.steps_per_rl_step}")
+    common.check_args(args.temperature > 0, "--temperature",
+                      "must be > 0: the importance weights need the sampler's logprobs of a sampled distribution (greedy has none)")
+    common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
+    common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    common.check_args(args.is_clip > 0, "--is-clip", f"must be > 0, got {args.is_clip}")
+    common.check_args(0 <= args.ess_threshold <= 1, "--ess-threshold", f"must be in [0, 1], got {args.ess_threshold}")
+    common.check_args(args.max_lag is None or args.max_lag >= 0, "--max-lag", f"must be >= 0, got {args.max_lag}")
+    common.check_args(args.max_grad_norm > 0, "--max-grad-norm", f"must be > 0, got {args.max_grad_norm}")
+    common.check_args(args.kl_coef >= 0, "--kl-coef", f"must be >= 0, got {args.kl_coef}")
+    common.check_args(args.long_tail >= 0 and args.long_tail_scale >= 1, "--long-tail/--long-tail-scale", "need shape >= 0, scale >= 1")
+    common.check_args(args.data_timeout > 0, "--data-timeout", f"must be > 0, got {args.data_timeout}")
+    common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
+    common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
     args.max_prompt_tokens = 64 if tiny else 512
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
@@ -149,19 +295,25 @@ def main():
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
+    common.check_chat_template(tokenizer, args.chat_template)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(args.seed)  # long-tail lengths
+    shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
 
-    step, data_position, totals = 0, 0, dict(samples=0, tokens=0, wait=0.0, wall=0.0, skipped=0, skipped_prompts=0)
+    step, data_position = 0, 0
+    totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
     if args.resume:
         state = common.load_checkpoint(args.resume, policy, optimizer)
-        step, data_position, totals = state["step"], state["data_position"], state["totals"]
+        step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
         print(f"resumed from {args.resume}: step {step}")
+    example = common.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
+    if example:
+        print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
 
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens,
@@ -171,179 +323,186 @@ def main():
         sampler.init_weight_sync(policy, background=args.mode == "pipeline" and args.background_push)
         if step:
             sampler.push_weights(step)
-        problems: dict[int, common.Problem] = {}
-        groups: dict[int, list[common.Completion]] = {}
-        ready: deque[tuple[common.Problem, list[common.Completion]]] = deque()  # the trainer queue
+        sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+        groups: dict[int, list[common.Completion]] = {}  # data position -> the samples finished so far
+        ready: deque[tuple[int, list[common.Completion]]] = deque()  # the trainer queue: (data position, group)
+        on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
+        consecutive = dict(nonfinite=0)
 
         def submit_prompts(count: int) -> None:
-            """Queue `count` prompts, group_size samples each, with the sampler's current weights."""
+            """Send the next `count` prompts, group_size samples each, in one request batch."""
             nonlocal data_position
-            while count > 0:
+            keys, prompts, overrides = [], [], []
+            while len(keys) < count:
                 key = data_position
                 data_position += 1
-                _, prompts, skipped = common.encode_prompts(tokenizer, [task.problem("train", key)], args.max_prompt_tokens)
+                _, ids, skipped = common.encode_prompts(tokenizer, [task.problem("train", key)], args.max_prompt_tokens, args.chat_template)
                 if skipped:  # longer than the context: counted in the log, not sent
                     totals["skipped_prompts"] += 1
                     continue
-                count -= 1
-                problems[key] = task.problem("train", key)
+                keys.append(key)
+                prompts.append(ids[0])
                 groups[key] = []
-                sampling = dict(temperature=args.temperature, max_tokens=args.max_new_tokens)
+                override = {}
                 if args.long_tail:
                     length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail))))
                     # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled
                     # distribution, so the sampler's logprobs would no longer be the policy's
-                    sampling |= dict(ignore_eos=True, max_tokens=length)
-                sampler.submit(prompts, n=args.group_size, tags=[key], **sampling)
+                    override = dict(ignore_eos=True, max_tokens=length)
+                overrides.append(override)
+            if keys:
+                # seed: the sampler adds each request's id (a counter), so a run's samples are reproducible
+                sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides, seed=(args.seed & 0x7FFFFFFF) << 32, **sampling)
 
-        def top_up() -> None:
-            """Actor: keep H sequences in flight plus one training batch queued in the engine, so it
-            never runs dry, counting finished sequences the trainer has not taken yet (a bounded
-            trainer queue: a faster actor waits instead of piling up stale data); nothing new while
-            the oldest unused data is --max-lag steps old."""
-            backpressure = args.max_lag and oldest_ready_lag() >= args.max_lag
-            outstanding = len(sampler.pending) + len(ready) * args.group_size
-            target = args.gen_batch_size + args.train_batch_size
-            if not backpressure and outstanding < target:
-                submit_prompts((target - outstanding) // args.group_size)
-
-        def receive(timeout: float) -> None:
+        def receive(timeout: float) -> int:
             """File finished samples; a prompt's group goes to the trainer queue once all of it is done."""
-            for c in sampler.poll(timeout=timeout):
+            finished = sampler.poll(timeout=timeout)
+            for c in finished:
                 key, _ = c.tag
                 groups[key].append(c)
                 if len(groups[key]) == args.group_size:
-                    ready.append((problems.pop(key), groups.pop(key)))
+                    ready.append((key, sorted(groups.pop(key), key=lambda s: s.tag[1])))
+            return len(finished)
 
-        def oldest_ready_lag() -> int:
-            return max((step - min(c.version_min for c in g) for _, g in ready), default=0)
+        def queued() -> int:
+            return len(ready) * args.group_size
 
-        def take_batch():
-            """B sequences (whole groups) from the trainer queue, oldest first."""
-            batch = [ready.popleft() for _ in range(args.train_batch_size // args.group_size)]
-            return [p for p, _ in batch], [c for _, g in batch for c in g]
+        def describe() -> str:
+            return (f"{queued()} of {args.train_batch_size} sequences queued, {len(sampler.pending)} in flight, learner step {step}, "
+                    f"sampler version {sampler.version}, --max-lag {args.max_lag}")
 
-        def train_step(batch_problems, samples):
-            """One optimizer step on B sequences, unless the batch's ESS is below the threshold."""
-            nonlocal step
-            train_start = time.time()
+        def pump(timeout: float) -> int:
+            """The actor's side (pipeline mode): receive, drop stale groups, admit prompts. Returns how
+            many sequences arrived plus prompts were admitted."""
+            received = receive(timeout)
+            # in flight: every admitted group not complete yet, its finished samples included
+            drop, admit = admission(step, sampler.version, [min(c.version_min for c in g) for _, g in ready],
+                                    len(groups) * args.group_size, args, on_policy_only)
+            for i in reversed(drop):
+                del ready[i]
+            totals["stale_dropped"] += len(drop) * args.group_size
+            submit_prompts(admit)
+            if not (received or admit or groups) and queued() < args.train_batch_size:
+                if sampler.version < step:  # admission waits for the learner's weights to land in the sampler
+                    sampler.wait_for_push()
+                    return 1
+                raise RuntimeError(f"the pipeline stalled: {describe()}")  # admission() rules this out; never spin
+            return received + admit
+
+        def take_groups(count: int) -> list[tuple[int, list[common.Completion]]]:
+            return [ready.popleft() for _ in range(count)]
+
+        def train_on(batch: list[tuple[int, list[common.Completion]]]) -> dict:
+            # in data order, so the micro-batches do not depend on which group finished first
+            batch = sorted(batch, key=lambda kg: kg[0])
+            batch_problems = [task.problem("train", key) for key, _ in batch]
+            samples = [c for _, g in batch for c in g]
             rewards = torch.tensor([task.reward(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)])
-            advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
-            # micro-batches of similar length: with long-tailed responses one padded batch would cost
-            # B x the longest response; gradients of the micro-batches add up to the batch's
-            order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].token_ids))
-            total_tokens = sum(len(c.token_ids) for c in samples)
-            losses, weights = [], []
-            for start in range(0, len(order), args.micro_batch_size):
-                rows = order[start: start + args.micro_batch_size]
-                micro = [samples[i] for i in rows]
-                ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in micro], [c.token_ids for c in micro],
-                                                                 tokenizer.pad_token_id)
-                ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
-                mask = cmask[:, 1:].float()
-                behaviour = common.sampler_logprob_tensor(micro, [len(c.prompt_token_ids) for c in micro], mask.shape[1]).to(device)
-                logp = common.token_logprobs(policy, ids, attn, cmask, args.temperature)
-                weights.append(token_weights(logp.detach(), behaviour, mask)[mask.bool()])
-                with torch.no_grad():
-                    ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, args.temperature) if ref_policy else logp.detach()
-                loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef)
-                share = mask.sum().item() / total_tokens
-                losses.append((loss * share, pg.item() * share, kl.item() * share))
-            weights = torch.cat(weights)
-            ess = effective_sample_size(weights, torch.ones_like(weights))
-            lags = [lag for c in samples for lag in token_lags(c, step)]
-            stats = dict(ess=ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
-                         tokens=total_tokens)
-            if ess < args.ess_threshold:
-                return stats | dict(skipped=True)
-            loss, pg, kl = sum(l for l, _, _ in losses), sum(p for _, p, _ in losses), sum(k for _, _, k in losses)
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            optimizer.step()
-            step += 1
-            accuracy = float(np.mean([task.is_correct(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)]))
-            return stats | dict(skipped=False, loss=loss.item(), pg=pg, kl=kl, grad_norm=grad_norm.item(), accuracy=accuracy,
-                                train_seconds=time.time() - train_start)
+            stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id)
+            stats["accuracy"] = float(np.mean([task.is_correct(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)]))
+            return stats
+
+        def skipped(stats: dict) -> bool:
+            """Count a step that did not train; True if so (nothing is pushed or checkpointed then)."""
+            nonlocal on_policy_only
+            if stats["outcome"] == "low_ess":
+                totals["skipped"] += 1
+                on_policy_only = True
+            elif stats["outcome"] == "nonfinite":
+                totals["nonfinite"] += 1
+                consecutive["nonfinite"] += 1
+                print(f"step {step + 1}: non-finite ESS {stats['ess']:.3g} / loss {stats['loss']:.3g} / grad norm "
+                      f"{stats['grad_norm']:.3g}: skipped ({totals['nonfinite']} so far)")
+                logger.log(step, {"charts/nonfinite_skipped": totals["nonfinite"]}, echo=False)
+                if consecutive["nonfinite"] >= MAX_CONSECUTIVE_NONFINITE:
+                    raise RuntimeError(f"{MAX_CONSECUTIVE_NONFINITE} batches in a row gave a non-finite ESS, loss or gradient")
+            else:
+                consecutive["nonfinite"] = 0
+                on_policy_only = False
+            return stats["outcome"] != "trained"
 
         def log_step(stats, push_seconds, wait_seconds):
-            totals["samples"] += args.train_batch_size
+            totals["episodes"] += args.train_batch_size
             totals["tokens"] += stats["tokens"]
             totals["wall"] = time.time() - loop_start
             metrics = {
                 "charts/reward": stats["reward"], "charts/accuracy": stats["accuracy"], "charts/ess": stats["ess"],
                 "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"], "charts/lag_max": stats["lag_max"],
-                "charts/in_flight": len(sampler.pending), "charts/skipped_steps": totals["skipped"],
-                "charts/skipped_long_prompts": totals["skipped_prompts"],
-                "charts/samples_per_second": totals["samples"] / totals["wall"], "charts/tokens_per_second": totals["tokens"] / totals["wall"],
+                "charts/is_max_ratio": stats["is_max_ratio"], "charts/is_truncated_fraction": stats["is_truncated_fraction"],
+                "charts/response_length": stats["response_length"], "charts/in_flight": len(sampler.pending),
+                "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"],
+                "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
+                "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
+                "charts/tokens_per_second": totals["tokens"] / totals["wall"],
                 "losses/loss": stats["loss"], "losses/pg": stats["pg"], "losses/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
                 "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
             }
+            if "logprob_diff" in stats:  # absent when no sequence of the batch was generated wholly by the current weights
+                metrics["charts/logprob_diff"] = stats["logprob_diff"]
             logger.log(step, metrics, echo=False)
             if step % 10 == 0 or step == args.num_steps:
                 print(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
                       f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {len(sampler.pending)} "
-                      f"samples/s {metrics['charts/samples_per_second']:.1f} skipped {totals['skipped']}")
+                      f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
+                      f"dropped {totals['stale_dropped']}")
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):
                 common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position, totals=totals)
 
-        eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                     temperature=args.temperature, max_tokens=args.max_new_tokens)
+        def evaluate():
+            return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                   args.chat_template, **sampling)
+
+        eval_start = evaluate()
         logger.log(step, eval_start)
         loop_start = time.time() - totals["wall"]
+        groups_per_batch = args.train_batch_size // args.group_size
         while step < args.num_steps:
             if args.mode == "pipeline":
-                wait_start = time.time()
-                top_up()
-                receive(timeout=0.0)
-                while len(ready) * args.group_size < args.train_batch_size:
-                    receive(timeout=0.1)
-                    top_up()
-                wait_seconds = time.time() - wait_start
+                # ---- actor: refill, file what finished; the trainer waits for B usable sequences ----
+                pump(0.0)
+                wait_seconds = wait_until(lambda: queued() >= args.train_batch_size, lambda: pump(0.1), args.data_timeout, describe)
                 totals["wait"] += wait_seconds
                 # ---- trainer: one step on the B oldest sequences, then an in-flight weight push ----
-                stats = train_step(*take_batch())
-                if stats["skipped"]:
-                    totals["skipped"] += 1
-                    # wait for data from the current weights: drop queued groups that started before them
-                    while ready and min(c.version_min for c in ready[0][1]) < step:
-                        ready.popleft()
+                stats = train_on(take_groups(groups_per_batch))
+                if skipped(stats):
                     continue
+                step += 1
                 push_seconds = sampler.push_weights(step, recompute_kv=args.recompute_kv, background=args.background_push)
                 log_step(stats, push_seconds, wait_seconds)
             else:
-                # ---- Conventional RL: B*G sequences from one policy, then G steps, then push ----
-                wait_start = time.time()
-                submit_prompts(args.train_batch_size * args.g // args.group_size)
-                while len(ready) * args.group_size < args.train_batch_size * args.g:
-                    receive(timeout=0.5)
-                wait_seconds = time.time() - wait_start
+                # ---- Conventional RL: B*G sequences from one policy, shuffled into G batches, G steps, push ----
+                steps_now = min(args.steps_per_rl_step, args.num_steps - step)
+                submit_prompts(groups_per_batch * steps_now)
+                wait_seconds = wait_until(lambda: queued() >= args.train_batch_size * steps_now, lambda: receive(0.5),
+                                          args.data_timeout, describe)
                 totals["wait"] += wait_seconds
-                for _ in range(min(args.g, args.num_steps - step)):
-                    stats = train_step(*take_batch())
-                    if stats["skipped"]:
-                        totals["skipped"] += 1
-                        continue
-                    log_step(stats, 0.0, wait_seconds)
+                batches = shuffled_batches(list(ready), groups_per_batch, shuffle_rng)
                 ready.clear()
+                for batch in batches:
+                    stats = train_on(batch)
+                    if skipped(stats):
+                        continue
+                    step += 1
+                    log_step(stats, 0.0, wait_seconds)
                 push_seconds = sampler.push_weights(step)
         sampler.wait_for_push()
         sampler.abort(list(sampler.pending))
-        eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   temperature=args.temperature, max_tokens=args.max_new_tokens)
+        eval_end = evaluate()
         logger.log(step, eval_end)
         memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
     finally:
         sampler.close()
 
-    label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.g})"
+    label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
     rows = [r for r in common.read_metrics(logger.dir) if "charts/ess" in r]
     print(f"\n{label}: {args.num_steps} steps of {args.train_batch_size} sequences")
-    print("| method | wall (s) | samples/s | tokens/s | mean ESS | mean token lag | learner wait (s) | skipped | accuracy start -> end |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| {label} | {totals['wall']:.1f} | {totals['samples'] / totals['wall']:.1f} | {totals['tokens'] / totals['wall']:.0f} | "
+    print("| method | wall (s) | episodes/s | tokens/s | mean ESS | mean token lag | learner wait (s) | skipped | dropped | "
+          "accuracy start -> end |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {label} | {totals['wall']:.1f} | {totals['episodes'] / totals['wall']:.1f} | {totals['tokens'] / totals['wall']:.0f} | "
           f"{np.mean([r['charts/ess'] for r in rows]):.3f} | {np.mean([r['charts/lag_mean'] for r in rows]):.2f} | {totals['wait']:.1f} | "
-          f"{totals['skipped']} | {eval_start['eval/pass@1']:.3f} -> {eval_end['eval/pass@1']:.3f} |")
+          f"{totals['skipped'] + totals['nonfinite']} | {totals['stale_dropped']} | "
+          f"{eval_start['eval/pass@1']:.3f} -> {eval_end['eval/pass@1']:.3f} |")
     print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
     logger.close()
 

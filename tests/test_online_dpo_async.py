@@ -1,8 +1,13 @@
-"""Online DPO: losses and pair selection by hand; sync/async lag from the real sampler's versions."""
+"""Online DPO: losses, pair selection and the missing-EOS penalty by hand; defaults and flag
+checks; sync/async lag from the real sampler's versions; async at staleness 0 = sync; non-finite
+steps skipped; the logprob contract on the realistic fixture."""
 
+import json
 import math
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +17,7 @@ import common
 import online_dpo_async as dpo
 
 ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--num-prompts", "8", "--eval-problems", "4", "--eval-samples", "1"]
 
 
 def test_dpo_and_ipo_losses_by_hand():
@@ -35,44 +41,173 @@ def test_pair_selection_and_ties():
     assert chosen[keep].tolist() == [1, 2, 1] and rejected[keep].tolist() == [2, 0, 0]
 
 
-def _run(*flags, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "online_dpo_async.py"), *flags], cwd=ROOT, capture_output=True,
+def test_missing_eos_penalty_replaces_or_subtracts_by_hand():
+    scores = torch.tensor([1.0, 1.0, 0.1, 0.0, -0.5])
+    eos = torch.tensor([True, False, False, True, False])
+    # replace (the paper's code): a completion without EOS scores -penalty, whatever it said
+    assert dpo.penalize_missing_eos(scores, eos, 1.0, "replace").tolist() == [1.0, -1.0, -1.0, 0.0, -1.0]
+    # subtract (TRL): its score minus the penalty
+    assert torch.allclose(dpo.penalize_missing_eos(scores, eos, 1.0, "subtract"), torch.tensor([1.0, 0.0, -0.9, 0.0, -1.5]))
+    # the difference that matters: a correct but truncated answer is never preferred to a finished one
+    chosen, rejected, keep = dpo.select_pairs(dpo.penalize_missing_eos(torch.tensor([[1.0, 0.0]]), torch.tensor([[False, True]]),
+                                                                       1.0, "replace"))
+    assert keep.tolist() == [True] and (chosen.item(), rejected.item()) == (1, 0)
+    assert dpo.penalize_missing_eos(torch.tensor([2.0]), torch.tensor([False]), 1.0, "subtract").item() == 1.0  # still the best
+    assert dpo.parse_args([]).eos_penalty_mode == "replace"
+
+
+def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
+    """Resolved from the command line without the Hub (the dataset is loaded later, in main)."""
+    gsm8k = dpo.parse_args(["--model", "some/model", "--task", "gsm8k"])
+    # Table 10: 4 completions per prompt, beta 0.05, T 0.7; evaluation: greedy pass@1 on the whole test set
+    assert (gsm8k.group_size, gsm8k.beta, gsm8k.temperature, gsm8k.top_p) == (4, 0.05, 0.7, 1.0)
+    assert (gsm8k.eval_decoding, gsm8k.eval_problems, gsm8k.eval_samples) == ("greedy", 0, 1)
+    tldr_like = dpo.parse_args(["--model", "some/model"])
+    assert (tldr_like.group_size, tldr_like.beta, tldr_like.temperature) == (2, 0.1, 0.7)
+    assert (tldr_like.eval_decoding, tldr_like.eval_problems, tldr_like.eval_samples) == ("sample", 50, 4)
+    tiny = dpo.parse_args([])
+    assert (tiny.group_size, tiny.temperature, tiny.staleness, tiny.sync) == (4, 1.0, 1, False)
+    explicit = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--group-size", "2", "--beta", "0.1",
+                               "--eval-decoding", "sample", "--eval-problems", "100"])
+    assert (explicit.group_size, explicit.beta, explicit.eval_decoding, explicit.eval_problems, explicit.eval_samples) == \
+        (2, 0.1, "sample", 100, 4)
+    assert (dpo.parse_args(["--sync"]).staleness, dpo.parse_args(["--staleness", "0"]).sync) == (0, True)
+
+
+def _run(*flags, cwd=ROOT, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "online_dpo_async.py"), *flags], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
 
 
+def _run_dir(out, cwd=ROOT) -> Path:
+    assert out.returncode == 0, out.stderr[-3000:]
+    return Path(cwd) / out.stdout.split("run directory: ")[1].split()[0]
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--temperature", "0"], "--temperature"), (["--temperature", "-0.5"], "--temperature"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"), (["--eval-samples", "0"], "--eval-samples"),
+    (["--group-size", "1"], "--group-size"), (["--top-p", "0"], "--top-p"), (["--sync", "--staleness", "1"], "--sync"),
+    (["--eval-problems", "0"], "--eval-problems"),  # the countdown generator has no whole test split
+    (["--eval-decoding", "greedy", "--eval-samples", "4"], "--eval-samples"),
+])
+def test_bad_flags_are_rejected_before_anything_starts(flags, flag):
+    start = time.time()
+    out = _run(*flags, timeout=120)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1  # one line that names the flag
+    assert out.stderr.startswith(f"error: {flag}:") and "Traceback" not in out.stderr and "run directory" not in out.stdout
+    assert time.time() - start < 60  # refused at parse time, before any model or sampler
+
+
+@pytest.mark.parametrize("flags, flag", [(["--loss-type", "kto"], "--loss-type"), (["--eos-penalty-mode", "clip"], "--eos-penalty-mode"),
+                                         (["--num-completions", "4"], "--num-completions")])
+def test_choice_flags_and_the_old_name_are_refused_by_the_parser(flags, flag):
+    out = _run(*flags, timeout=120)
+    assert out.returncode != 0 and flag in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("mode, minibatches", [("async", 1), ("sync", 1), ("async", 2)])
-def test_short_run_and_lag_from_sampler_versions(mode, minibatches):
+def test_short_run_and_lag_from_sampler_versions(mode, minibatches, tmp_path):
     flags = ["--exp-name", f"pytest_dpo_{mode}", "--num-rounds", "3", "--num-prompts", "16", "--eval-problems", "8",
              "--eval-samples", "2", "--num-minibatches", str(minibatches)] + (["--sync"] if mode == "sync" else [])
-    out = _run(*flags)
-    assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = _run_dir(_run(*flags, cwd=tmp_path), tmp_path)
     rounds = [r for r in common.read_metrics(run_dir) if "charts/lag_min" in r]
     assert len(rounds) == 3 and (run_dir / "checkpoint.pt").exists()
     lags = [(r["charts/lag_min"], r["charts/lag_max"]) for r in rounds]
     steps = [0] + [r["step"] for r in rounds]
     if mode == "sync":
         assert lags == [(0, 0)] * 3  # generated by exactly the weights being trained
+        # the learner holds the sampling weights every round: its logprobs are the sampler's
+        assert all(r["charts/logprob_diff"] < 1e-4 for r in rounds if r["charts/pairs"])
     else:  # the learner is one round (its N steps) ahead of every batch after the first
         assert lags == [(0, 0)] + [(steps[i] - steps[i - 1],) * 2 for i in (1, 2)]
         assert steps[1] == minibatches  # (a round whose prompts all tie takes no step)
+        assert "charts/logprob_diff" not in rounds[1] and rounds[1]["charts/lag_min"] > 0  # only where the weights are the sampler's
     assert all(r["charts/pairs"] + r["charts/ties_dropped"] == 16 * minibatches for r in rounds)
+    assert all("charts/kl" in r and "charts/kl_to_init" not in r and r["charts/nonfinite_skipped"] == 0 for r in rounds)
 
 
-def test_resume_continues_from_the_checkpoint():
+def test_async_at_staleness_zero_reproduces_sync(tmp_path):
+    """The asynchronous loop with the next round submitted only after the push is the synchronous
+    schedule: on a fixed seed, the same sampled tokens (the same rewards, lengths, pairs), the same
+    losses and the same final weights."""
+    flags = ["--num-rounds", "3", *SMALL, "--seed", "3"]
+    sync_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_sync", "--sync", cwd=tmp_path), tmp_path)
+    lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path), tmp_path)
+    sync_rows, lag0_rows = common.read_metrics(sync_dir), common.read_metrics(lag0_dir)
+    assert len(sync_rows) == len(lag0_rows) == 5  # eval, 3 rounds, eval
+    assert sum(r.get("charts/pairs", 0) for r in sync_rows) > 0 and all(r.get("charts/lag_max", 0) == 0 for r in lag0_rows)
+    for a, b in zip(sync_rows, lag0_rows):
+        keys = {k for k in a if not k.startswith("time/") and k not in ("wall", "charts/episodes_per_second")}
+        assert keys == {k for k in b if not k.startswith("time/") and k not in ("wall", "charts/episodes_per_second")}
+        for k in keys:
+            assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-7, nan_ok=True), k
+    sync_weights = torch.load(sync_dir / "checkpoint.pt", weights_only=False)["model"]
+    lag0_weights = torch.load(lag0_dir / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.allclose(sync_weights[n], lag0_weights[n], atol=1e-6) for n in sync_weights)
+
+
+def test_resume_continues_from_the_checkpoint(tmp_path):
     flags = ["--exp-name", "pytest_dpo_resume", "--num-prompts", "16", "--eval-problems", "8", "--eval-samples", "2"]
-    out = _run(*flags, "--num-rounds", "2")
-    assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = out.stdout.split("run directory: ")[1].split()[0]
-    resumed = _run(*flags, "--num-rounds", "3", "--resume", run_dir)
+    run_dir = _run_dir(_run(*flags, "--num-rounds", "2", cwd=tmp_path), tmp_path)
+    resumed = _run(*flags, "--num-rounds", "3", "--resume", str(run_dir), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed_step = int(resumed.stdout.split("resumed from")[1].split("step ")[1].split()[0])
     assert resumed_step >= 1 and "round 1/" not in resumed.stdout and "round 2/" not in resumed.stdout
     assert f"round 3/3 step {resumed_step + 1}" in resumed.stdout or f"round 3/3 step {resumed_step}:" in resumed.stdout  # a tied round takes no step
 
 
-def test_bad_flags_are_rejected_at_start():
-    out = _run("--num-completions", "1")
-    assert out.returncode != 0 and "error: --num-completions" in out.stderr
-    out = _run("--loss-type", "kto")
-    assert out.returncode != 0 and "error: --loss-type" in out.stderr
+def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
+    """A NaN loss skips the optimizer step, is counted and logged, and neither the pushed nor the
+    saved weights change."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import online_dpo_async as dpo
+        real = dpo.dpo_loss
+        def poisoned(*a, **k):
+            loss, logits = real(*a, **k)
+            return loss * float("nan"), logits
+        dpo.dpo_loss = poisoned
+        sys.argv = ["online_dpo_async.py", "--exp-name", "pytest_dpo_nan", "--num-rounds", "3", "--num-minibatches", "2",
+                    *{SMALL!r}]
+        if __name__ == "__main__":
+            dpo.main()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run_dir = _run_dir(out, tmp_path)
+    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    # every minibatch that holds a pair attempts a step (2 minibatches: min(pairs, 2) a round); all are skipped
+    attempted = [sum(min(r["charts/pairs"], 2) for r in rounds[: i + 1]) for i in range(3)]
+    assert [r["charts/nonfinite_skipped"] for r in rounds] == attempted and attempted[-1] >= 1
+    assert [r["step"] for r in rounds] == [0, 0, 0]
+    assert all(math.isnan(r["losses/loss"]) for r in rounds)  # no step taken: no loss to report
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    initial = common.load_policy(tiny_path, "cpu").state_dict()
+    assert all(torch.equal(saved["model"][name], initial[name]) for name in initial)
+    assert saved["optimizer"]["state"] == {} and saved["totals"]["nonfinite_skipped"] == rounds[-1]["charts/nonfinite_skipped"]
+
+
+def test_chat_template_needs_a_tokenizer_that_has_one():
+    out = _run("--chat-template", "--num-rounds", "1", timeout=300)  # the tiny model's tokenizer has none
+    assert out.returncode != 0 and "error: --chat-template" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("extra", [["--chat-template"], ["--sync", "--top-p", "0.9"]], ids=["paper-sampling-chat", "sync-top-p"])
+def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, extra):
+    """The path users run: byte-level BPE with pad == eos, a bf16 checkpoint, the non-tiny defaults
+    shrunk by flags; the paper's sampling (T 0.7, full distribution) or a nucleus that really cuts.
+    The learner's logprobs of the sampler's tokens equal the sampler's, and at the initial
+    weights the KL to the reference (the same distribution kind) is zero."""
+    flags = ["--model", realistic_path, "--exp-name", "pytest_dpo_real", "--num-rounds", "2", "--group-size", "4",
+             "--max-new-tokens", "48", *SMALL, *extra]
+    out = _run(*flags, cwd=tmp_path)
+    run_dir = _run_dir(out, tmp_path)
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["temperature"], args["top_p"]) == ((0.7, 1.0) if "--top-p" not in extra else (0.7, 0.9))
+    if "--chat-template" in extra:  # the prompt went through the ChatML template
+        assert "<|im_start|>user\\n" in out.stdout.split("example: ")[1].splitlines()[0]
+    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    assert len(rounds) == 2 and abs(rounds[0]["charts/kl"]) < 1e-3
+    diffs = [r["charts/logprob_diff"] for r in rounds if "charts/logprob_diff" in r]
+    assert diffs and all(d <= 1e-4 for d in diffs)

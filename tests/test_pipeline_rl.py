@@ -1,11 +1,17 @@
-"""PipelineRL: loss/ESS/lag by hand, in-flight weight updates on the real sampler, both modes
-from the command line."""
+"""PipelineRL: loss/ESS/lag by hand, the actor's admission rule on scripted states, in-flight
+weight updates on the real sampler, both modes from the command line, zero-lag parity with
+Conventional RL, the realistic fixture."""
 
+import json
+import math
+import random
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,6 +38,16 @@ def test_advantages_ess_and_truncated_is_loss_by_hand():
     loss.backward()
     assert logp.grad[0, 1].item() == pytest.approx(-5 / 5)  # truncated weight times advantage, per token
     assert logp.grad[0, 2].item() == 0.0
+
+
+def test_importance_weight_stats_by_hand():
+    w = torch.tensor([0.5, 1.0, 5.0, 7.0, 2.0])  # c = 5: only 7 is cut (5 is at the clamp, not beyond it)
+    stats = prl.importance_weight_stats(w, is_clip=5.0)
+    assert stats["is_max_ratio"] == 7.0 and stats["is_truncated_fraction"] == pytest.approx(1 / 5)
+    assert prl.importance_weight_stats(torch.ones(4), 5.0) == {"is_max_ratio": 1.0, "is_truncated_fraction": 0.0}
+    # a far off-policy token: a tiny ESS, not inf / inf = NaN
+    far = prl.token_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2))
+    assert far[0, 0].item() == pytest.approx(math.exp(prl.MAX_LOG_WEIGHT)) and 0 < prl.effective_sample_size(far, torch.ones(1, 2)) < 0.6
 
 
 def test_token_lags_follow_version_spans():
@@ -94,8 +110,153 @@ def test_in_flight_weight_update(tiny_path, tokenizer, sampler, recompute_kv):
         assert diff > 1e-3
 
 
+
+
+# ---- the actor's admission rule (--max-lag), on scripted states ----
+
+def _args(**kw):
+    return prl.Args(**{"train_batch_size": 64, "gen_batch_size": 128, "group_size": 4} | kw)
+
+
+def test_admission_replays_the_max_lag_stall():
+    """The reported stall (H=128, B=64, --max-lag 1): nothing in flight, 48 < B sequences queued,
+    the oldest already 1 step old. The old rule ("no prompt while the oldest queued data is
+    --max-lag old") admitted nothing and the trainer waited forever; now prompts are admitted."""
+    args = _args(max_lag=1)
+    drop, admit = prl.admission(step=5, sampler_version=5, queued_versions=[4] * 12, in_flight=0, args=args)
+    assert drop == [] and admit * args.group_size >= args.train_batch_size - 48
+    # data beyond the bound can never be trained: dropped (and counted by the caller), never blocking
+    drop, admit = prl.admission(step=5, sampler_version=5, queued_versions=[3, 4, 3, 5], in_flight=0, args=args)
+    assert drop == [0, 2] and admit > 0
+    # a push on its way: wait for it (the trainer blocks on it), then admit
+    assert prl.admission(step=5, sampler_version=4, queued_versions=[], in_flight=64, args=args)[1] == 0
+    # --max-lag 0: one batch per weight version, admitted only once the sampler holds the learner's weights
+    on_policy = _args(max_lag=0)
+    assert prl.admission(3, 3, [], 0, on_policy) == ([], 16)
+    assert prl.admission(3, 3, [3] * 4, 48, on_policy) == ([], 0)
+    assert prl.admission(4, 3, [], 0, on_policy) == ([], 0)
+    # no bound: H in flight plus one batch queued; after an ESS skip only on-policy groups are kept
+    assert prl.admission(7, 7, [], 0, _args()) == ([], 48)
+    assert prl.admission(7, 7, [6, 7, 2], 100, _args(), on_policy_only=True) == ([0, 2], (192 - 104) // 4)
+
+
+def _simulate(args, steps, seed, push_delay=2):
+    """A scripted pipeline: each admitted group takes a heavy-tailed number of ticks to generate,
+    the trainer takes B sequences (oldest first) as soon as they are queued, and each push lands
+    push_delay ticks after its step. Returns the lags of the trained groups and how many were dropped."""
+    rng = random.Random(seed)
+    step = sampler_version = tick = dropped = 0
+    push_at, in_flight, queue, lags = None, [], [], []
+    while step < steps:
+        tick += 1
+        assert tick < 200_000, f"stalled at step {step}"
+        if push_at is not None and tick >= push_at:
+            sampler_version, push_at = step, None
+        queue += [v for t, v in in_flight if t <= tick]
+        in_flight = [(t, v) for t, v in in_flight if t > tick]
+        drop, admit = prl.admission(step, sampler_version, queue, len(in_flight) * args.group_size, args)
+        dropped += len(drop)
+        queue = [v for i, v in enumerate(queue) if i not in set(drop)]
+        in_flight += [(tick + int(rng.paretovariate(1.2)), sampler_version) for _ in range(admit)]
+        if not in_flight and len(queue) * args.group_size < args.train_batch_size:
+            assert push_at is not None, "nothing in flight, no batch queued, nothing admitted: a stall"
+        if len(queue) * args.group_size >= args.train_batch_size:
+            batch, queue = queue[:args.train_batch_size // args.group_size], queue[args.train_batch_size // args.group_size:]
+            lags += [step - v for v in batch]
+            step, push_at = step + 1, tick + push_delay
+    return lags, dropped
+
+
+@pytest.mark.parametrize("max_lag", [None, 0, 1, 3])
+def test_admission_bounds_the_lag_and_never_stalls(max_lag):
+    lags, dropped = _simulate(_args(max_lag=max_lag), steps=300, seed=0)
+    if max_lag is not None:
+        assert max(lags) <= max_lag
+    if max_lag == 0:
+        assert set(lags) == {0} and dropped == 0  # strictly on-policy: nothing generated is wasted
+    if max_lag == 1:
+        assert dropped > 0  # the long tail outlived the bound: dropped, and the run went on
+
+
+def test_wait_until_has_a_deadline():
+    with pytest.raises(RuntimeError, match="no sequence arrived.*3 of 8 queued"):
+        prl.wait_until(lambda: False, lambda: 0, timeout=0.2, describe=lambda: "3 of 8 queued")
+    progress = iter([1, 1, 1, 0])
+    assert prl.wait_until(lambda: next(progress, None) is None, lambda: 1, timeout=0.2, describe=str) < 0.2
+
+
+def test_conventional_batches_are_shuffled_whole_groups():
+    """Algorithm 1 splits a shuffled buffer: the groups arrive shortest first (completion order),
+    the G batches must not follow that order; whole groups stay together; reproducible."""
+    groups = [(key, [key] * 4) for key in range(16)]  # group `key` has responses of length key
+    first_is_shortest = 0
+    for seed in range(20):
+        batches = prl.shuffled_batches(groups, 4, np.random.default_rng(seed))
+        assert sorted(g[0] for b in batches for g in b) == list(range(16)) and all(len(b) == 4 for b in batches)
+        means = [np.mean([g[0] for g in b]) for b in batches]
+        first_is_shortest += means[0] == min(means)
+        assert batches == prl.shuffled_batches(groups, 4, np.random.default_rng(seed))
+    assert first_is_shortest <= 10  # ~1 in 4 at random; always, in completion order
+
+
+# ---- one optimizer step on the tiny model: the guards ----
+
+def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
+    """A NaN ESS (poisoned sampler logprob) or a NaN loss (poisoned reward) must not step the
+    optimizer: NaN < threshold is False, so the ESS guard alone lets a NaN through."""
+    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(2)]
+    responses = [tokenizer(text)["input_ids"] for text in ["1+2=3", "4*5", "7-1=6 ok", "9"]]
+    args = prl.Args(group_size=2, micro_batch_size=3, top_p=0.9, temperature=0.8, ess_threshold=0.5)
+    policy = common.load_policy(tiny_path, "cpu")
+    ids, attn, cmask = common.pad_prompt_completions([prompts[i // 2] for i in range(4)], responses, tokenizer.pad_token_id)
+    with torch.no_grad():  # behaviour = the learner's own logprobs: exactly on-policy
+        own = common.token_logprobs(policy, ids, attn, cmask, 0.8, top_p=0.9)
+
+    def samples(offset=0.0):
+        out = []
+        for i, r in enumerate(responses):
+            start = len(prompts[i // 2]) - 1
+            logprobs = [v - offset * (t % 2) for t, v in enumerate(own[i, start: start + len(r)].tolist())]
+            out.append(common.Completion(str(i), prompts[i // 2], r, logprobs, "stop", [(0, 0, len(r))], tag=(i // 2, i % 2)))
+        return out
+
+    def step(batch, rewards, **kw):
+        model = common.load_policy(tiny_path, "cpu")
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        before = [p.detach().clone() for p in model.parameters()]
+        stats = prl.train_step(model, None, optimizer, batch, torch.tensor(rewards), 0, prl.Args(**vars(args) | kw), tokenizer.pad_token_id)
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        return stats, changed, optimizer
+
+    stats, changed, _ = step(samples(), [1.0, 0.0, 0.0, 1.0])
+    assert stats["outcome"] == "trained" and changed and stats["ess"] == pytest.approx(1.0, abs=1e-6)
+    assert stats["logprob_diff"] < 1e-6 and stats["is_max_ratio"] == pytest.approx(1.0, abs=1e-5) and stats["is_truncated_fraction"] == 0
+
+    poisoned = samples()
+    poisoned[2].logprobs[1] = float("nan")
+    stats, changed, optimizer = step(poisoned, [1.0, 0.0, 0.0, 1.0])
+    assert math.isnan(stats["ess"]) and stats["outcome"] == "nonfinite" and not changed
+    assert optimizer.state_dict()["state"] == {}  # Adam never stepped: no moments from a NaN gradient
+
+    stats, changed, _ = step(samples(), [1.0, float("nan"), 0.0, 1.0])
+    assert math.isfinite(stats["ess"]) and math.isnan(stats["loss"]) and stats["outcome"] == "nonfinite" and not changed
+
+    # every other token 1 nat less likely under the sampler: weights e and 1, ESS ~0.82, half cut at c = 2
+    stats, changed, _ = step(samples(offset=1.0), [1.0, 0.0, 0.0, 1.0], ess_threshold=0.9, is_clip=2.0)
+    assert stats["outcome"] == "low_ess" and not changed and 0.7 < stats["ess"] < 0.9
+    assert stats["is_max_ratio"] == pytest.approx(math.e, rel=1e-4) and 0.3 < stats["is_truncated_fraction"] < 0.7
+
+
+# ---- from the command line ----
+
 def _run(*flags, timeout=600):
     return subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(out):
+    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    return run_dir, [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
 
 
 SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--gen-batch-size", "16", "--eval-problems", "8", "--eval-samples", "2"]
@@ -103,13 +264,22 @@ SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--gen-batch-size", "16
 
 @pytest.mark.parametrize("mode", ["pipeline", "conventional"])
 def test_short_run_exits_0(mode):
-    out = _run("--exp-name", f"pytest_prl_{mode}", "--mode", mode, "--g", "2", *SMALL)
+    """Pipeline mode with --max-lag 1 and H = 2B (the setting that could stall) finishes with every
+    trained token at most 1 step old; conventional G=2 trains its second step one step off-policy."""
+    extra = ["--max-lag", "1", "--gen-batch-size", "32"] if mode == "pipeline" else ["--steps-per-rl-step", "2"]
+    out = _run("--exp-name", f"pytest_prl_{mode}", "--mode", mode, *SMALL, *extra)
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rows = [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
+    run_dir, rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and (run_dir / "checkpoint.pt").exists()
-    if mode == "conventional":  # G=2: the second step of each RL step trains one step off-policy
+    assert [r["charts/episodes"] for r in rows] == [16, 32, 48, 64] and all(r["charts/episodes_per_second"] > 0 for r in rows)
+    assert all(r["charts/is_max_ratio"] >= 1.0 - 1e-3 and 0 <= r["charts/is_truncated_fraction"] <= 1 for r in rows)
+    if mode == "pipeline":
+        assert all(r["charts/lag_max"] <= 1 for r in rows)
+        assert rows[0]["charts/logprob_diff"] < 1e-4  # step 1: all of it from the initial weights
+    else:  # G=2: the second step of each RL step trains one step off-policy
         assert [r["charts/lag_max"] for r in rows] == [0, 1, 0, 1]
+        assert [("charts/logprob_diff" in r) for r in rows] == [True, False, True, False]
+        assert all(r["charts/logprob_diff"] < 1e-4 for r in rows if "charts/logprob_diff" in r)
     assert "| PipelineRL" in out.stdout or "| Conventional RL (G=2)" in out.stdout
 
 
@@ -118,12 +288,100 @@ def test_ess_guard_skips_stale_batches():
     before the last push are skipped and the trainer waits for fresh data, yet the run finishes."""
     out = _run("--exp-name", "pytest_prl_ess", "--ess-threshold", "0.9999", *SMALL)
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rows = [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
+    _, rows = _rows(out)
     assert all(r["charts/ess"] >= 0.9999 for r in rows)  # only (near) on-policy batches were trained on
     assert rows[-1]["charts/skipped_steps"] > 0  # after each in-flight push the stale batches were skipped
 
 
-def test_bad_flags_are_rejected():
-    out = _run("--train-batch-size", "10", "--group-size", "4")
-    assert out.returncode != 0 and "error: --train-batch-size" in out.stderr
+def test_zero_lag_pipeline_reproduces_conventional_g1():
+    """--max-lag 0 degenerates PipelineRL to generate B, train one step, push: the same batches,
+    rewards and losses as Conventional RL with G=1 on the same seed (per-request sampling seeds,
+    batches in data order), and the in-flight push never meets a running sequence."""
+    flags = ["--num-steps", "3", "--train-batch-size", "8", "--group-size", "4", "--gen-batch-size", "8", "--eval-problems", "4",
+             "--eval-samples", "2", "--seed", "2"]
+    pipeline = _run("--exp-name", "pytest_prl_parity_pipeline", "--mode", "pipeline", "--max-lag", "0", *flags)
+    assert pipeline.returncode == 0, pipeline.stderr[-3000:]
+    conventional = _run("--exp-name", "pytest_prl_parity_conventional", "--mode", "conventional", "--steps-per-rl-step", "1", *flags)
+    assert conventional.returncode == 0, conventional.stderr[-3000:]
+    (_, a), (_, b) = _rows(pipeline), _rows(conventional)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
+    assert all(r["charts/lag_max"] == 0 and r["charts/stale_dropped"] == 0 for r in a)
+    assert all(r["losses/grad_norm"] > 0 for r in a)  # every step moves the weights (seed 2): the later batches test that too
+    for ra, rb in zip(a, b):
+        for key in ["charts/reward", "charts/accuracy", "charts/response_length", "charts/episodes", "charts/ess", "charts/logprob_diff",
+                    "charts/is_max_ratio", "losses/loss", "losses/pg", "losses/grad_norm"]:
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
+    evals = [[r["eval/pass@1"] for r in common.read_metrics(d) if "eval/pass@1" in r] for d in (_rows(pipeline)[0], _rows(conventional)[0])]
+    assert evals[0] == evals[1]
+
+
+def test_nonfinite_step_is_skipped_counted_and_never_pushed():
+    """A NaN loss on the first batch: no optimizer step, no push, no checkpoint of it; counted,
+    logged, and the run goes on."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import common, pipeline_rl as prl
+        real_loss, real_push, calls = prl.truncated_is_loss, common.Sampler.push_weights, []
+        def poisoned(*a, **k):
+            calls.append(1)
+            loss, pg, kl = real_loss(*a, **k)
+            return (loss * float("nan") if len(calls) == 1 else loss), pg, kl
+        def push(self, version, *a, **k):
+            print("PUSH", version, flush=True)
+            return real_push(self, version, *a, **k)
+        prl.truncated_is_loss, common.Sampler.push_weights = poisoned, push
+        sys.argv = ["pipeline_rl.py", "--exp-name", "pytest_prl_nan", "--num-steps", "2", "--train-batch-size", "8",
+                    "--gen-batch-size", "8", "--eval-problems", "4", "--eval-samples", "1"]
+        prl.main()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir, rows = _rows(out)
+    assert [line for line in out.stdout.splitlines() if line.startswith("PUSH")] == ["PUSH 1", "PUSH 2"]
+    assert [r["step"] for r in rows] == [1, 2] and [r["charts/nonfinite_skipped"] for r in rows] == [1, 1]
+    skip_rows = [r for r in common.read_metrics(run_dir) if "charts/ess" not in r and "charts/nonfinite_skipped" in r]
+    assert [(r["step"], r["charts/nonfinite_skipped"]) for r in skip_rows] == [(0, 1)]
+
+
+def test_realistic_model_with_top_p_and_chat_template(realistic_path):
+    """The path users run: BPE tokenizer with pad == eos, bf16 checkpoint, ChatML template, the
+    non-tiny defaults shrunk by flags, temperature 1.0 (PipelineRL's) and top-p 0.95: the learner's
+    logprobs of freshly generated sequences equal the sampler's."""
+    out = _run("--model", realistic_path, "--exp-name", "pytest_prl_real", "--num-steps", "2", "--train-batch-size", "8",
+               "--group-size", "4", "--gen-batch-size", "8", "--micro-batch-size", "8", "--max-new-tokens", "48",
+               "--eval-problems", "4", "--eval-samples", "2", "--temperature", "1.0", "--top-p", "0.95", "--chat-template")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run_dir, rows = _rows(out)
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["learning_rate"], args["top_p"], args["chat_template"]) == (1e-6, 0.95, True)
+    assert "<|im_start|>user" in out.stdout.split("first training prompt")[1].splitlines()[0]
+    assert [r["step"] for r in rows] == [1, 2]
+    diffs = [r["charts/logprob_diff"] for r in rows if "charts/logprob_diff" in r]
+    assert diffs and max(diffs) <= 1e-4
+
+
+@pytest.mark.parametrize("flags, flag", [
+    (["--num-steps", "0"], "--num-steps"), (["--learning-rate", "0"], "--learning-rate"),
+    (["--micro-batch-size", "0"], "--micro-batch-size"), (["--train-batch-size", "0"], "--train-batch-size"),
+    (["--train-batch-size", "-8"], "--train-batch-size"), (["--train-batch-size", "10", "--group-size", "4"], "--train-batch-size"),
+    (["--temperature", "0"], "--temperature"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
+    (["--steps-per-rl-step", "0"], "--steps-per-rl-step"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-lag", "-1"], "--max-lag"), (["--chat-template"], "--chat-template")])  # the tiny tokenizer has no template
+def test_bad_flags_are_one_line_errors_before_the_sampler_starts(monkeypatch, flags, flag):
+    def never(*a, **k):
+        raise AssertionError("got past the argument checks")
+
+    monkeypatch.setattr(common, "start_sampler", never)
+    monkeypatch.setattr(common, "load_policy", never)
+    monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        prl.main()
+    assert str(exit_info.value.code).startswith(f"error: {flag}:")
+
+
+def test_bad_flags_are_rejected_from_the_command_line():
+    start = time.monotonic()
+    out = _run("--temperature", "0", timeout=120)
+    assert out.returncode != 0 and "error: --temperature: must be > 0" in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - start < 60  # before any model or sampler is loaded
