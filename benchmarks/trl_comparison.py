@@ -41,7 +41,7 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
   log pi_old recomputed by the learner (exactly 1 at num_iterations = 1). Same gradient at K = 1.
   TRL pays one extra no-grad forward per step for log pi_old; ours takes the sampler's logprobs.
 - Online DPO: TRL always samples 2 completions per prompt (hard-coded), so ours runs with
-  `--num-completions 2` (its tiny default is 4). Ties: TRL keeps tied pairs (chosen = the first
+  `--group-size 2` (its tiny default is 4). Ties: TRL keeps tied pairs (chosen = the first
   completion when rewards are equal) and trains on every prompt; ours drops prompts whose
   completions tie, so it trains on fewer pairs per step.
 - Online DPO timing: ours is asynchronous (generates step t+1 while training on step t, one step
@@ -112,7 +112,7 @@ class Args:
     dpo_prompts: int = 32
     """online DPO prompts per step"""
     dpo_completions: int = 2
-    """online DPO completions per prompt: TRL always samples 2, so ours gets --num-completions 2"""
+    """online DPO completions per prompt: TRL always samples 2, so ours gets --group-size 2"""
     dpo_temperature: float = 1.0
     """online DPO sampling temperature (ours' tiny default)"""
     learning_rate: float = 1e-4
@@ -466,7 +466,7 @@ def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[s
     if w.method == "rloo":
         return ["--k", "1", "--group-size", str(w.completions), "--top-p", "1.0", *shared,
                 "--exp-name", "trl_cmp_rloo", *(args.ours_rloo_extra if rloo_extra is None else rloo_extra).split()]
-    return ["--num-completions", str(w.completions), *shared, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
+    return ["--group-size", str(w.completions), *shared, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
 
 
 # --------------------------------------------------------------------------------------
