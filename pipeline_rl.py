@@ -327,7 +327,7 @@ def main():
         groups: dict[int, list[common.Completion]] = {}  # data position -> the samples finished so far
         ready: deque[tuple[int, list[common.Completion]]] = deque()  # the trainer queue: (data position, group)
         on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
-        consecutive = dict(nonfinite=0)
+        nonfinite_in_a_row = 0
 
         def submit_prompts(count: int) -> None:
             """Send the next `count` prompts, group_size samples each, in one request batch."""
@@ -336,8 +336,8 @@ def main():
             while len(keys) < count:
                 key = data_position
                 data_position += 1
-                _, ids, skipped = common.encode_prompts(tokenizer, [task.problem("train", key)], args.max_prompt_tokens, args.chat_template)
-                if skipped:  # longer than the context: counted in the log, not sent
+                _, ids, too_long = common.encode_prompts(tokenizer, [task.problem("train", key)], args.max_prompt_tokens, args.chat_template)
+                if too_long:  # longer than the context: counted in the log, not sent
                     totals["skipped_prompts"] += 1
                     continue
                 keys.append(key)
@@ -404,20 +404,20 @@ def main():
 
         def skipped(stats: dict) -> bool:
             """Count a step that did not train; True if so (nothing is pushed or checkpointed then)."""
-            nonlocal on_policy_only
+            nonlocal on_policy_only, nonfinite_in_a_row
             if stats["outcome"] == "low_ess":
                 totals["skipped"] += 1
                 on_policy_only = True
             elif stats["outcome"] == "nonfinite":
                 totals["nonfinite"] += 1
-                consecutive["nonfinite"] += 1
+                nonfinite_in_a_row += 1
                 print(f"step {step + 1}: non-finite ESS {stats['ess']:.3g} / loss {stats['loss']:.3g} / grad norm "
                       f"{stats['grad_norm']:.3g}: skipped ({totals['nonfinite']} so far)")
                 logger.log(step, {"charts/nonfinite_skipped": totals["nonfinite"]}, echo=False)
-                if consecutive["nonfinite"] >= MAX_CONSECUTIVE_NONFINITE:
+                if nonfinite_in_a_row >= MAX_CONSECUTIVE_NONFINITE:
                     raise RuntimeError(f"{MAX_CONSECUTIVE_NONFINITE} batches in a row gave a non-finite ESS, loss or gradient")
             else:
-                consecutive["nonfinite"] = 0
+                nonfinite_in_a_row = 0
                 on_policy_only = False
             return stats["outcome"] != "trained"
 

@@ -41,14 +41,14 @@ class Args:
 
 
 def run(mode: str, args: Args) -> dict:
-    flags = ["--mode", mode, "--g", str(args.g), "--num-steps", str(args.num_steps), "--seed", str(args.seed),
+    flags = ["--mode", mode, "--steps-per-rl-step", str(args.g), "--num-steps", str(args.num_steps), "--seed", str(args.seed),
              "--exp-name", f"prl_bench_{mode}", "--eval-problems", "50", *args.workload.split()]
     out = subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
     rows = [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
-    return dict(mode=mode, rows=rows, sps=rows[-1]["charts/samples_per_second"], tps=rows[-1]["charts/tokens_per_second"],
+    return dict(mode=mode, rows=rows, sps=rows[-1]["charts/episodes_per_second"], tps=rows[-1]["charts/tokens_per_second"],
                 ess=np.mean([r["charts/ess"] for r in rows]), lag=np.mean([r["charts/lag_mean"] for r in rows]),
                 start=rows[0]["wall"])
 

@@ -264,10 +264,11 @@ SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--gen-batch-size", "16
 
 @pytest.mark.parametrize("mode", ["pipeline", "conventional"])
 def test_short_run_exits_0(mode):
-    """Pipeline mode with --max-lag 1 and H = 2B (the setting that could stall) finishes with every
-    trained token at most 1 step old; conventional G=2 trains its second step one step off-policy."""
+    """Pipeline mode with --max-lag 1 and H = 2B finishes with every trained token at most 1 step
+    old (the old backpressure stalled in exactly this setting after step 3, with a token lag of 2
+    already at step 3); conventional G=2 trains its second step one step off-policy."""
     extra = ["--max-lag", "1", "--gen-batch-size", "32"] if mode == "pipeline" else ["--steps-per-rl-step", "2"]
-    out = _run("--exp-name", f"pytest_prl_{mode}", "--mode", mode, *SMALL, *extra)
+    out = _run("--exp-name", f"pytest_prl_{mode}", "--mode", mode, *SMALL, *extra, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir, rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and (run_dir / "checkpoint.pt").exists()
