@@ -41,6 +41,8 @@ import tyro
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+import common
+
 COUNTERS = ("charts/episodes", "charts/samples")  # cumulative sample counters, first found wins
 X_LABELS = dict(wall="wall-clock seconds since run start", step="learner step", samples="training samples (cumulative)")
 
@@ -62,21 +64,9 @@ class Args:
 
 
 def load_run(run_dir: str | Path) -> tuple[list[dict], dict]:
-    """The rows of run_dir/metrics.jsonl and its args.json ({} when absent). A partly written last
-    line (a run still logging) is ignored."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise SystemExit(f"error: {run_dir}: no metrics.jsonl (not a run directory?)")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = []
-    for i, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i + 1 < len(lines):
-                raise SystemExit(f"error: {path}: line {i + 1} is not JSON") from None
+    """The rows of run_dir/metrics.jsonl (common.read_metrics) and its args.json ({} when absent)."""
     args_path = Path(run_dir) / "args.json"
-    return rows, (json.loads(args_path.read_text()) if args_path.is_file() else {})
+    return common.read_metrics(run_dir), (json.loads(args_path.read_text()) if args_path.is_file() else {})
 
 
 def wall_axis(rows: list[dict]) -> list[float]:

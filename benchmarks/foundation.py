@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import common  # noqa: E402
+import tiny_model  # noqa: E402
 
 
 @dataclass
@@ -86,14 +87,14 @@ def random_50m(directory):
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
                          tie_word_embeddings=True, torch_dtype="float32")
     Qwen2ForCausalLM(config).save_pretrained(directory)
-    common.load_tokenizer(str(common.tiny_model_path())).save_pretrained(directory)
+    common.load_tokenizer(str(tiny_model.tiny_model_path())).save_pretrained(directory)
     return str(directory)
 
 
 def main():
     args = tyro.cli(Args)
     common.limit_cpu_threads()
-    tiny = str(common.tiny_model_path())
+    tiny = str(tiny_model.tiny_model_path())
     tokenizer = common.load_tokenizer(tiny)
     task = common.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]

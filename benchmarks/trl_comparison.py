@@ -89,6 +89,7 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import tiny_model  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 MAX_PROMPT_TOKENS = 64  # what our scripts use with --model tiny (and so with the 50M model run as `tiny`)
@@ -507,7 +508,7 @@ def build_50m() -> str:
     longer than the char tokenizer's context). Deterministic; cached."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tiny = common.tiny_model_path()
+    tiny = tiny_model.tiny_model_path()
     path = M50_CACHE / tiny.name
     if (path / "config.json").exists():
         return str(path)
@@ -628,7 +629,7 @@ def main():
     started = time.time()
     print(f"TRL {trl_version}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    tiny = str(common.tiny_model_path())
+    tiny = str(tiny_model.tiny_model_path())
     workdir = Path(tempfile.mkdtemp(prefix="trl_comparison_"))
     shared = dict(learning_rate=args.learning_rate, max_new_tokens=args.max_new_tokens, seed=args.seed)
     rloo = Workload("rloo", tiny, args.rloo_steps, args.rloo_prompts, args.rloo_completions, args.rloo_temperature,

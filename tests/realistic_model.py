@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import common
+import tiny_model
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2.5's template, shortened: ChatML turns, a generation prompt for the assistant
@@ -118,5 +119,5 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
 
 
 def realistic_model_path(config: RealisticConfig = RealisticConfig(), log=print) -> Path:
-    return common.cached_build(common.CACHE_DIR / f"realistic-qwen2-{config.key()}",
+    return tiny_model.cached_build(common.CACHE_DIR / f"realistic-qwen2-{config.key()}",
                                lambda path: build_realistic_model(path, config, log=log))

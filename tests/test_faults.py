@@ -209,6 +209,7 @@ def test_two_runs_building_a_model_build_it_once(tmp_path):
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        import tiny_model
 
         def build(path):
             def write(tmp):
@@ -219,7 +220,7 @@ def test_two_runs_building_a_model_build_it_once(tmp_path):
                 f.write("built\\n")
             common.replace_atomically(write, path)
 
-        print(common.cached_build(Path({str(tmp_path / "cache" / "model")!r}), build))
+        print(tiny_model.cached_build(Path({str(tmp_path / "cache" / "model")!r}), build))
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(3)]
     outputs = [p.communicate(timeout=60)[0] for p in procs]

@@ -65,7 +65,9 @@ def test_vllm_nccl_and_ipc_transfer_types_build_from_the_installed_vllm():
     ipc = IPCTrainerInitInfo(rank=0, packed=True)
     assert ipc.backend == "ipc" and ipc.packed
     IPCWeightTransferUpdateInfo(names=["w"], dtype_names=["bfloat16"], shapes=[[2, 2]], ipc_handles={})
-    common.register_gloo_engine()
+    import gloo_transfer
+
+    gloo_transfer.register()
     assert {"nccl", "ipc", "gloo"} <= set(WeightTransferTrainerFactory._registry)
     for backend in ("nccl", "ipc", "gloo"):
         engine_cls = WeightTransferTrainerFactory._registry[backend]()

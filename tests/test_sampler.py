@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import common
+import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,10 +44,10 @@ def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer
 
 
 def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
-    config = common.TinyConfig(sft_steps=8)
-    a = common.build_tiny_model(tmp_path / "a", config, log=lambda *_: None)
-    b = common.build_tiny_model(tmp_path / "b", config, log=lambda *_: None)
-    c = common.build_tiny_model(tmp_path / "c", common.TinyConfig(sft_steps=8, seed=1), log=lambda *_: None)
+    config = tiny_model.TinyConfig(sft_steps=8)
+    a = tiny_model.build_tiny_model(tmp_path / "a", config, log=lambda *_: None)
+    b = tiny_model.build_tiny_model(tmp_path / "b", config, log=lambda *_: None)
+    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=8, seed=1), log=lambda *_: None)
     ma, mb, mc = (common.load_policy(str(p), "cpu") for p in (a, b, c))
     for (name, pa), pb, pc in zip(ma.named_parameters(), mb.parameters(), mc.parameters()):
         assert torch.equal(pa, pb), name
@@ -224,7 +225,7 @@ def test_dead_learner_takes_the_sampler_down(tiny_path):
 
 
 def test_bad_model_path_is_one_clear_line(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "common.py"), "--model", str(tmp_path / "missing")],
+    out = subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--model", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]

@@ -1,6 +1,7 @@
 import pytest
 
-from common import CountdownTask, countdown_reward, encode_prompts, gsm8k_reward, make_task, safe_arithmetic
+from common import encode_prompts
+from tasks import CountdownTask, countdown_reward, gsm8k_reward, make_task, safe_arithmetic
 
 NUMS, TARGET = [3, 5, 7], 22
 
@@ -100,7 +101,7 @@ def test_last_answer_pairs_tags_like_tinyzeros_regex():
     import random
     import re
 
-    from common import last_answer
+    from tasks import last_answer
 
     regex = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
     rng = random.Random(0)

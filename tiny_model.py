@@ -1,0 +1,174 @@
+"""The built-in tiny model (`--model tiny`): a 0.8M-parameter Qwen2 with tied embeddings, like
+Qwen2.5-0.5B, and a character tokenizer, briefly supervised on the offline Countdown generator so
+that it starts with some success and RL has room to improve it. Built on first use, cached in
+common.CACHE_DIR, the same for a given seed everywhere. `cached_build` is the cache's rule (also
+used by the tests' realistic fixture)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import common
+import vllm_sampler
+
+TINY_SPECIAL = ["<pad>", "<eos>", "<unk>"]
+TINY_ADDED = ["<answer>", "</answer>"]
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    """The built-in model: a small Qwen2 (tied embeddings, like Qwen2.5-0.5B) with a character
+    tokenizer, briefly supervised on the offline Countdown generator."""
+
+    seed: int = 0
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_position_embeddings: int = 128
+    sft_steps: int = 450
+    sft_batch_size: int = 64
+    sft_lr: float = 2e-3
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _tiny_tokenizer():
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL)}
+    for c in "\n" + "".join(chr(i) for i in range(32, 127)):
+        vocab[c] = len(vocab)
+    # BPE with no merges splits text into single characters; Fuse joins them back on decode
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True) for t in TINY_SPECIAL])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_ADDED])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log=print) -> Path:
+    """Build, briefly fine-tune and save the tiny model as a normal HF directory. Deterministic
+    for a given config on a given machine (one CPU thread, fixed seeds)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        common.set_seed(config.seed)
+        tokenizer = _tiny_tokenizer()
+        model_config = Qwen2Config(
+            vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
+        )
+        model = Qwen2ForCausalLM(model_config)
+        task = common.CountdownTask(seed=config.seed, **common.TINY_TASK)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
+        start = time.time()
+        for step in range(config.sft_steps):
+            problems = [task.problem("train", step * config.sft_batch_size + i) for i in range(config.sft_batch_size)]
+            prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+            completions = [tokenizer(task.completion_text(p))["input_ids"] + [tokenizer.eos_token_id] for p in problems]
+            input_ids, attention_mask, completion_mask = common.pad_prompt_completions(prompts, completions, tokenizer.pad_token_id)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+            labels = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, -100)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            if step % 50 == 0 or step == config.sft_steps - 1:
+                log(f"[tiny model] sft step {step + 1}/{config.sft_steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
+
+        common.replace_atomically(write, out_dir)  # a half-built model is never picked up from the cache
+    finally:
+        torch.set_num_threads(threads)
+    return out_dir
+
+
+def tiny_model_path(config: TinyConfig = TinyConfig(), log=print) -> Path:
+    """The cached tiny model, built on first use (about 2 minutes on 2 cores)."""
+    return cached_build(common.CACHE_DIR / f"tiny-qwen2-{config.key()}", lambda path: build_tiny_model(path, config, log=log),
+                        lambda: log(f"building the tiny model into {common.CACHE_DIR} (once; cached afterwards)"))
+
+
+def cached_build(path: Path, build, announce=lambda: None) -> Path:
+    """Build a model directory into the cache once: under a file lock, so that runs started
+    together build it once (the others wait, then find it); the build writes a temporary
+    directory and renames it, so a half-built model is never picked up."""
+    import fcntl
+
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").exists():
+            announce()
+            build(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# `python tiny_model.py`: build the tiny model (cached), start the sampler, sample, push weights
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SmokeArgs:
+    model: str = common.TINY
+    """`tiny` (built-in, offline) or an HF model directory / Hub id"""
+    num_prompts: int = 128
+    """held-out Countdown prompts to sample"""
+    placement: str = "auto"
+    """sampler placement: cpu, colocate (learner's GPU, ipc), separate (own GPU, nccl), auto"""
+
+
+def smoke(args: SmokeArgs) -> None:
+    common.limit_cpu_threads()
+    path = common.resolve_model(args.model)
+    tokenizer = common.load_tokenizer(path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy = common.load_policy(path, device)
+    task = common.make_task("countdown", seed=0, tiny_prompts=args.model == common.TINY)
+    problems, prompts, skipped = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.num_prompts)], 96)
+    with vllm_sampler.start_sampler(path, placement=args.placement) as sampler:
+        sampler.init_weight_sync(policy)
+        start = time.perf_counter()
+        samples = sampler.generate(prompts, n=1, temperature=1.0, max_tokens=48)
+        seconds = time.perf_counter() - start
+        accuracy = np.mean([task.is_correct(s.text, p) for s, p in zip(samples, problems)])
+        tokens = sum(len(s.token_ids) for s in samples)
+        push = sampler.push_weights(version=1)
+        after = sampler.generate(prompts[:8], n=1, temperature=1.0, max_tokens=48)
+        print(f"model {path}\nsampled {len(samples)} completions ({tokens} tokens, {tokens / seconds:.0f} tok/s), "
+              f"skipped {skipped} long prompts\nheld-out accuracy at T=1: {accuracy:.3f}\n"
+              f"weight push: {push:.3f}s, versions after push: {sorted({s.version_max for s in after})}\n"
+              f"example: {problems[0].prompt!r} -> {samples[0].text!r}")
+
+
+if __name__ == "__main__":
+    import tyro
+
+    smoke(tyro.cli(SmokeArgs))

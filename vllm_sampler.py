@@ -1,0 +1,790 @@
+"""The sampler: a vLLM engine in a process of its own, its learner-side handle `Sampler`, and
+weight sync from the learner. What every script relies on (the sampler contract):
+
+- **Requests.** `submit(prompts, n, tags, **sampling)` queues n samples per prompt (token ids in)
+  and returns request ids at once; they stay in `pending` until finished. A `Completion` carries
+  the prompt and response token ids, the sampler's logprob of each sampled token (of the
+  distribution actually sampled: after temperature, top-k, top-p), the finish reason, the
+  policy-version spans `(version, start, end)` over its tokens, the caller's `tag` unchanged, and
+  `finished_at` (the sampler's clock when it was produced). `poll` returns what has finished (and
+  streamed chunks of `stream_every` tokens); `wait_for(ids)` blocks for those ids only.
+- **When a push takes effect.** `push_weights(version)` is applied between two decode steps:
+  running sequences continue with the new weights on top of the KV cache the old ones computed
+  (an in-flight update, as PipelineRL), so one completion can carry several versions. Variants:
+  `recompute_kv=True` re-prefills running sequences with the new weights; `when_idle=True` waits
+  until every running request has finished with the old weights (no completion mixes versions);
+  `background=True` sends a snapshot from a thread while training goes on (one push in flight).
+- **Pause.** `pause()` stops decoding and keeps running sequences and their KV cache; new requests
+  queue; `resume()` continues them.
+- **Failure.** Every wait has a deadline and watches the process and its heartbeat: a dead,
+  stopped or frozen sampler is a `SamplerError` in the learner within seconds, never a hang; the
+  sampler process ends as soon as the learner is gone.
+
+Placement: "cpu" (vLLM's CPU backend, weights through our gloo engine, `gloo_transfer.py`),
+"colocate" (the learner's GPU, CUDA IPC), "separate" (its own GPU, NCCL). One code path; the
+backends differ only in the weight transfer. The process drives an in-process `LLMEngine` step by
+step (started in ~3 s on CPU instead of ~20 s for `AsyncLLM`), so commands land between steps.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class SamplerError(RuntimeError):
+    """The sampler process failed, died or stopped answering."""
+
+
+@dataclass
+class Completion:
+    """One sampled response as the sampler returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # sampler's processed logprob of each sampled token
+    finish_reason: str | None  # "stop" (EOS), "length", "abort"
+    versions: list[tuple[int, int, int]]  # (policy version, start, end) spans over token_ids
+    text: str = ""
+    tag: Any = None  # the caller's label, returned unchanged (e.g. (prompt index, sample index))
+    finished: bool = True  # False for a streamed chunk (only the new tokens)
+    finished_at: float = 0.0  # time.time() in the sampler when this was produced
+
+    @property
+    def version_min(self) -> int:
+        return min(v for v, _, _ in self.versions) if self.versions else 0
+
+    @property
+    def version_max(self) -> int:
+        return max(v for v, _, _ in self.versions) if self.versions else 0
+
+
+@dataclass
+class SamplerConfig:
+    model: str
+    placement: str = "auto"  # "cpu", "colocate" (learner's GPU, ipc), "separate" (own GPU, nccl), "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    dtype: str = "auto"  # "auto": bfloat16 on a GPU (half the KV and weight traffic, fast kernels), float32 on CPU
+    kv_cache_bytes: int = 256 * 2**20  # CPU only
+    gpu_memory_utilization: float | None = None  # GPU only; None: 0.3 when sharing the learner's GPU, 0.85 on its own
+    max_num_seqs: int = 256
+    startup_timeout: float = 300.0
+    call_timeout: float = 120.0
+    silence_timeout: float = 15.0  # no heartbeat for this long: the sampler is stopped or frozen (SamplerError)
+    in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
+
+
+def sampler_cuda_device(placement: str, visible: str | None, device_count: int) -> str | None:
+    """CUDA_VISIBLE_DEVICES for the sampler process: the learner's own device ("colocate") or the
+    next one ("separate"), picked from the devices the learner can see, so that a
+    CUDA_VISIBLE_DEVICES the user set (indices, UUIDs or MIG ids) is honoured: the literal "0"/"1"
+    would be another GPU (separate) or a UUID mismatch for IPC handles (colocate)."""
+    if placement == "cpu":
+        return None
+    devices = [d.strip() for d in visible.split(",") if d.strip()] if visible else [str(i) for i in range(device_count)]
+    wanted = 0 if placement == "colocate" else 1
+    if len(devices) <= wanted:
+        raise SystemExit(f"error: --placement: {placement} needs {wanted + 1} visible GPU(s), found {len(devices)}")
+    return devices[wanted]
+
+
+def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
+    """vLLM EngineArgs for the sampler, by placement. Pure, so each placement is unit-tested.
+    - logprobs of the distribution actually sampled (the logprob contract);
+    - async scheduling off: vLLM turns it on by default on CUDA (vllm/config/vllm.py, the
+      `async_scheduling is None` branch of VllmConfig.__post_init__), and then `step()` returns
+      while the next batch still runs (vllm/v1/engine/core.py, step_with_batch_queue); our loop
+      applies weight updates between two step() calls, which would race that batch (and one
+      token per running sequence would carry the wrong version label). Off, step() returns with
+      the device idle, as vLLM's own pause does by synchronising first;
+    - CUDA graphs on a GPU (enforce_eager only on CPU): the layerwise reload copies new weights
+      into the original storages, which keeps captured graphs valid
+      (vllm/model_executor/model_loader/reload/layerwise.py, "preserves cudagraph refs");
+    - bf16 weights on a GPU unless asked, fp32 on CPU (exact comparisons with the learner)."""
+    on_gpu = placement != "cpu"
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    settings: dict[str, Any] = dict(
+        model=config.model, seed=config.seed, dtype=dtype, max_model_len=config.max_model_len,
+        enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=False, async_scheduling=False,
+    )
+    if on_gpu:
+        utilization = config.gpu_memory_utilization
+        settings["gpu_memory_utilization"] = utilization if utilization is not None else (0.3 if placement == "colocate" else 0.85)
+    else:
+        settings["kv_cache_memory_bytes"] = config.kv_cache_bytes
+    return settings
+
+
+def resolve_placement(placement: str) -> str:
+    if placement != "auto":
+        return placement
+    gpus = torch.cuda.device_count()
+    return "cpu" if gpus == 0 else ("separate" if gpus >= 2 else "colocate")
+
+
+def weight_backend(placement: str) -> str:
+    return {"cpu": "gloo", "colocate": "ipc", "separate": "nccl"}[placement]
+
+
+def peak_rss_mib() -> float:
+    """Peak resident memory of this process in MiB (getrusage reports KiB on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str | None) -> None:
+    """Entry point of the spawned sampler process: owns an in-process vLLM engine and drives it
+    step by step, so that commands (new requests, weight updates, pause) are applied between
+    two decode steps and results stream back as soon as they exist."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: ~2.5 s start, not ~20 s
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cuda_device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
+    outbox = _Outbox(conn)
+    threading.Thread(target=_heartbeat, args=(outbox, parent_pid), name="heartbeat", daemon=True).start()
+    try:
+        SamplerServer(config, conn, parent_pid, outbox).serve()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the learner is gone: nothing to report to
+    except BaseException:
+        outbox.send(("fatal", None, traceback.format_exc()))
+    finally:
+        closing = threading.Thread(target=outbox.flush, kwargs={"block": True}, daemon=True)
+        closing.start()
+        closing.join(timeout=5)  # a learner that stopped reading must not keep us alive
+        import multiprocessing.util
+
+        # unlink the named semaphores vLLM and tqdm made here (os._exit skips it, and the learner's
+        # resource tracker then warns about "leaked semaphore objects" at the end of every run)
+        multiprocessing.util._run_finalizers(0)
+        os._exit(0)  # skip vLLM's atexit handlers, which can block on a dead peer
+
+
+class _Outbox:
+    """Messages from the sampler to the learner. A learner busy training does not read the
+    pipe; once the pipe is full, a plain send would stall the decode loop (it cost async DPO
+    ~40% of its overlap). So messages are sent only while the pipe can take them and wait here
+    otherwise; the loop flushes them between decode steps."""
+
+    def __init__(self, conn):
+        self.conn, self.pending, self.lock = conn, [], threading.Lock()
+
+    def send(self, message) -> None:
+        self.pending.append(message)
+        self.flush()
+
+    def flush(self, block: bool = False) -> None:
+        import select
+
+        while self.pending:
+            if not block and not select.select([], [self.conn], [], 0)[1]:
+                return
+            with self.lock:
+                self.conn.send(self.pending.pop(0))
+
+    def try_send(self, message) -> None:
+        """Send now if the pipe can take it and nobody else is sending; else drop it."""
+        import select
+
+        if self.lock.acquire(blocking=False):
+            try:
+                if select.select([], [self.conn], [], 0)[1]:
+                    self.conn.send(message)
+            finally:
+                self.lock.release()
+
+
+HEARTBEAT_SECONDS = 1.0
+
+
+def _heartbeat(outbox: _Outbox, parent_pid: int) -> None:
+    """A thread of the sampler process: tells the learner every second that the process runs
+    (a stopped or frozen process sends nothing: the learner's silence deadline catches it, even
+    mid-generation or while the engine is being built), and ends the process as soon as the
+    learner is gone (also while the engine is still being built)."""
+    while True:
+        time.sleep(HEARTBEAT_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        try:
+            outbox.try_send(("alive", None, None))
+        except OSError:
+            os._exit(0)
+
+
+class SamplerServer:
+    """The sampler process's loop: between two engine steps, apply every command that arrived
+    (a dispatch table: `COMMANDS` names the method for each), then step, then send what finished."""
+
+    COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause", "resume": "resume",
+                "weights_init": "weights_init", "weights_start": "weights_start", "weights_update": "weights_update",
+                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "weight_load_path": "weight_load_path", "shutdown": "shutdown"}
+
+    def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
+        import logging
+
+        import gloo_transfer
+        from vllm import EngineArgs, LLMEngine
+        from vllm.config import WeightTransferConfig
+
+        gloo_transfer.register()
+        if config.placement == "cpu":
+            torch.set_num_threads(1)
+            if config.in_place_updates:
+                gloo_transfer.keep_cpu_linear_weights()
+        # Every push logs "RotaryEmbedding / ParallelLMHead: Failed to load weights": the rotary cache
+        # is not a parameter and a tied lm_head arrives as embed_tokens. Expected, so not shown.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: "Failed to load weights" not in record.getMessage())
+        self.engine = LLMEngine.from_engine_args(EngineArgs(
+            **engine_settings(config, config.placement), weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement))))
+        self.conn, self.parent_pid, self.outbox = conn, parent_pid, outbox
+        self.paused = self.updating = False
+        self.streaming: dict[str, list] = {}  # request id -> [chunk size, tokens, logprobs, tokens sent, text pieces]
+        self.tags: dict[str, Any] = {}
+        self.deferred = None  # a weight update asked to wait until every running request has finished
+
+    # -- commands: each returns the value acknowledged to the learner --
+    def add(self, requests) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        for request_id, prompt_ids, params, stream_every, tag in requests:
+            # FINAL_ONLY builds an output once per request, as LLM.generate does; building cumulative
+            # outputs every step costs ~15% throughput. Streamed requests use DELTA.
+            kind = RequestOutputKind.DELTA if stream_every else RequestOutputKind.FINAL_ONLY
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(**params, output_kind=kind))
+            self.tags[request_id] = tag
+            if stream_every:
+                self.streaming[request_id] = [stream_every, [], [], 0, []]
+
+    def abort(self, request_ids) -> None:
+        self.engine.abort_request(list(request_ids))
+
+    def set_stream_every(self, chunk_tokens) -> None:  # every streamed request, running ones too
+        for state in self.streaming.values():
+            state[0] = chunk_tokens
+
+    def pause(self, _) -> None:
+        self.paused = True
+
+    def resume(self, _) -> None:
+        self.paused = False
+
+    def weights_init(self, init_info) -> None:
+        self.engine.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
+
+    def weights_start(self, _) -> None:
+        self.updating = True  # no decode step until finish: in between, the model is half loaded
+        self.engine.collective_rpc("start_weight_update")
+
+    def weights_update(self, update_info) -> None:
+        self.engine.collective_rpc("update_weights", kwargs={"update_info": update_info})
+
+    def weights_finish(self, payload) -> None:
+        version, recompute_kv = payload
+        self.engine.collective_rpc("finish_weight_update")
+        self.engine.set_weight_version(str(version))
+        if recompute_kv:  # preempt running sequences: they re-prefill with the new weights
+            self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.updating = False
+
+    def num_unfinished(self, _) -> int:
+        return self.engine.get_num_unfinished_requests()
+
+    def peak_rss(self, _) -> float:
+        return peak_rss_mib()
+
+    def weight_load_path(self, _) -> str:
+        import gloo_transfer
+
+        return self.engine.collective_rpc(gloo_transfer.weight_load_path)[0]
+
+    def shutdown(self, _) -> None:
+        raise EOFError
+
+    # -- the loop --
+    def handle(self, message) -> None:
+        command, call_id, payload = message
+        try:
+            if command not in self.COMMANDS:
+                raise ValueError(f"unknown sampler command {command!r}")
+            result = getattr(self, self.COMMANDS[command])(payload)
+        except EOFError:
+            self.outbox.send(("ack", call_id, None))
+            raise
+        except Exception:
+            self.outbox.send(("error", None, traceback.format_exc()))
+            return
+        if call_id is not None:
+            self.outbox.send(("ack", call_id, result))
+
+    def busy(self) -> bool:
+        return not self.paused and not self.updating and self.engine.has_unfinished_requests()
+
+    def serve(self) -> None:
+        import select
+
+        self.outbox.send(("ready", None, None))
+        while True:
+            self.outbox.flush()
+            if self.deferred is not None and not self.engine.has_unfinished_requests():
+                self.handle(self.deferred)
+                self.deferred = None
+            if not self.busy() and self.deferred is None:  # idle: wake up for a command, or when the learner can take results
+                select.select([self.conn], [self.conn] if self.outbox.pending else [], [], 1.0)
+            # every pending command before the next decode step (none behind a deferred update)
+            while self.deferred is None and self.conn.poll(0):
+                message = self.conn.recv()
+                if message[0] == "weights_start" and message[2] and not self.paused and self.engine.has_unfinished_requests():
+                    self.deferred = message  # when_idle: after the running requests
+                    break
+                self.handle(message)
+            if os.getppid() != self.parent_pid:
+                raise EOFError  # orphaned: the learner died without closing the pipe
+            if self.busy():
+                results = [c for output in self.engine.step() for c in self.completions(output)]
+                if results:
+                    self.outbox.send(("out", None, results))
+
+    def completions(self, output) -> list[Completion]:
+        """What one engine output yields for the learner: a finished Completion, or for a streamed
+        request a chunk once it has `stream_every` new tokens."""
+        rid, c = output.request_id, output.outputs[0]
+        token_ids = list(c.token_ids)
+        logprobs = [pos[tok].logprob for tok, pos in zip(c.token_ids, c.logprobs)] if c.logprobs else []
+        text, out = c.text, []
+        if rid in self.streaming:  # DELTA: c holds only the new tokens and text
+            state = self.streaming[rid]
+            every, tokens, lps, sent, pieces = state
+            tokens += token_ids
+            lps += logprobs
+            pieces.append(c.text)
+            if output.finished:
+                token_ids, logprobs, text = tokens, lps, "".join(pieces)
+            elif len(tokens) - sent >= every:
+                out.append(Completion(rid, [], tokens[sent:], lps[sent:], None, [], "", self.tags[rid], finished=False,
+                                      finished_at=time.time()))
+                state[3] = len(tokens)
+        if output.finished:
+            self.streaming.pop(rid, None)
+            out.append(Completion(rid, list(output.prompt_token_ids), token_ids, logprobs, c.finish_reason,
+                                  version_spans(c, len(token_ids)), text, self.tags.pop(rid, None), finished_at=time.time()))
+        return out
+
+
+def version_spans(output, num_tokens: int) -> list[tuple[int, int, int]]:
+    """vLLM's weight_versions spans as (policy version, start, end); vLLM labels the weights it
+    started with "default": that is policy version 0."""
+    spans = [(s.version, s.start, s.end) for s in output.weight_versions or []] or [("default", 0, num_tokens)]
+    return [(0 if v == "default" else int(v), start, end) for v, start, end in spans]
+
+
+class Sampler:
+    """Learner-side handle on the sampler process. Implements vLLM's 4-method weight-sync
+    client protocol (init / start / update / finish) over the control pipe, so vLLM's own
+    trainer engines (nccl, ipc) and our gloo engine drive the transfer the same way.
+
+    Every wait has a timeout and checks that the process is alive: a dead or stuck sampler is a
+    SamplerError in the learner within seconds, never a hang."""
+
+    def __init__(self, config: SamplerConfig):
+        self.config = config
+        self.placement = resolve_placement(config.placement)
+        self.config.placement = self.placement
+        self.process = None
+        self.conn = None
+        self._lock = threading.RLock()  # receiving, and the state it fills (_outputs, _acks); sending never waits on it
+        # Messages go out through a sender thread: if the sampler stops reading, the pipe fills and
+        # only that thread blocks; the learner's deadline on the answer fires.
+        self._outgoing: queue.SimpleQueue | None = None
+        self._send_error: BaseException | None = None
+        self._call_ids = iter(range(1, 1 << 62))
+        self._acks: dict[int, Any] = {}
+        self._outputs: list[Completion] = []
+        self._request_ids = iter(range(1 << 62))
+        self.pending: set[str] = set()
+        self.version = 0
+        self._weight_engine = None
+
+    # -- lifecycle --
+    def start(self) -> "Sampler":
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self._outgoing = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name="sampler-send", daemon=True).start()
+        self._last_heard = time.monotonic()
+        cuda_device = sampler_cuda_device(self.placement, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device),
+                                   name="vllm-sampler", daemon=False)
+        self.process.start()
+        child.close()
+        _LIVE_SAMPLERS.add(self)
+        self._wait(lambda: self._ready, self.config.startup_timeout, "start")
+        return self
+
+    _ready = False
+
+    def close(self) -> None:
+        """Stop the sampler process; safe to call twice and from error paths."""
+        if self.process is None:
+            return
+        try:
+            if self.process.is_alive():
+                self._send(("shutdown", None, None))
+                self.process.join(5)
+        except Exception:
+            pass
+        if self._outgoing is not None:
+            self._outgoing.put(None)  # ends the sender thread
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self.process = None
+        _LIVE_SAMPLERS.discard(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- plumbing --
+    def _send(self, message) -> None:
+        if self._send_error is not None:
+            raise SamplerError(f"the sampler stopped taking messages ({self._send_error!r})")
+        self._outgoing.put(message)
+
+    def _send_loop(self) -> None:
+        while (message := self._outgoing.get()) is not None:
+            try:
+                self.conn.send(message)
+            except Exception as e:  # the sampler is gone; the next wait says how
+                self._send_error = e
+                return
+
+    def _exit_code(self):
+        self.process.join(1)  # reap it first: before that, exitcode is None
+        return self.process.exitcode
+
+    def _receive(self, timeout: float) -> None:
+        """Receive at most one message within `timeout` seconds and file it."""
+        if self.process is None:
+            raise SamplerError("the sampler is not running")
+        if not self.conn.poll(timeout):
+            if not self.process.is_alive():
+                raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above")
+            silent = time.monotonic() - self._last_heard
+            if silent > self.config.silence_timeout:
+                raise SamplerError(f"the sampler process (pid {self.process.pid}) is alive but has not answered for {silent:.0f}s "
+                                   "(stopped, frozen or swapped out?)")
+            return
+        try:
+            kind, call_id, payload = self.conn.recv()
+        except (EOFError, ConnectionResetError, OSError) as e:
+            raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above") from e
+        self._last_heard = time.monotonic()
+        if kind == "alive":
+            return
+        if kind == "ready":
+            self._ready = True
+        elif kind == "out":
+            for c in payload:
+                if c.finished:
+                    self.pending.discard(c.request_id)
+            self._outputs += payload
+        elif kind == "ack":
+            self._acks[call_id] = payload
+        elif kind in ("error", "fatal"):
+            raise SamplerError(f"the sampler failed:\n{payload}")
+
+    def _wait(self, done, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise SamplerError(f"the sampler did not answer {what!r} within {timeout:.0f}s")
+            with self._lock:
+                if not done():
+                    self._receive(min(0.5, max(0.0, deadline - time.monotonic())))
+
+    def _call(self, command: str, payload: Any = None, timeout: float | None = None) -> Any:
+        call_id = next(self._call_ids)
+        self._send((command, call_id, payload))
+        self._wait(lambda: call_id in self._acks, timeout or self.config.call_timeout, command)
+        return self._acks.pop(call_id)
+
+    # -- generation --
+    def submit(self, prompts: list[list[int]], n: int = 1, tags: list[Any] | None = None, stream_every: int = 0,
+               per_prompt: list[dict] | None = None, **sampling) -> list[str]:
+        """Queue n samples of each prompt (token ids) without waiting. `sampling` are vLLM
+        SamplingParams fields (temperature, top_p, max_tokens, ...), `per_prompt` optional
+        overrides of them for each prompt. With stream_every=C the sampler also returns
+        unfinished chunks of at least C new tokens. Returns request ids."""
+        sampling = {"logprobs": 0, **sampling}
+        requests, ids = [], []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                rid = str(next(self._request_ids))
+                tag = tags[i] if tags is not None else (i, j)
+                if tags is not None and n > 1:
+                    tag = (tags[i], j)
+                params = dict(sampling, **(per_prompt[i] if per_prompt else {}))
+                if params.get("seed") is not None:
+                    # distinct but reproducible per sample; a per-prompt seed stays independent of submission order
+                    explicit = bool(per_prompt) and per_prompt[i].get("seed") is not None
+                    params["seed"] = params["seed"] + (j if explicit else int(rid))
+                requests.append((rid, list(prompt), params, stream_every, tag))
+                ids.append(rid)
+        self._send(("add", None, requests))
+        self.pending.update(ids)
+        return ids
+
+    def poll(self, timeout: float = 0.0, min_items: int = 1) -> list[Completion]:
+        """Return what the sampler has sent so far (finished completions and streamed chunks),
+        waiting up to `timeout` seconds for at least `min_items`."""
+        deadline = time.monotonic() + timeout
+        while len(self._outputs) < min_items:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            with self._lock:
+                if len(self._outputs) < min_items:  # another thread may have received them meanwhile
+                    self._receive(min(left, 0.5))
+        with self._lock:
+            self._receive(0)
+            out, self._outputs = self._outputs, []
+        return out
+
+    def wait_for(self, request_ids: list[str], timeout: float = 3600.0) -> list[Completion]:
+        """Block until these requests have finished; returns them in the same order. Other
+        finished completions that arrive meanwhile stay queued for a later poll()."""
+        wanted = set(request_ids)
+        got: dict[str, Completion] = {}
+        keep: list[Completion] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(got) < len(wanted):
+                if time.monotonic() > deadline:
+                    raise SamplerError(f"generation did not finish within {timeout:.0f}s")
+                for c in self.poll(timeout=1.0):
+                    if c.finished and c.request_id in wanted:
+                        got[c.request_id] = c
+                    else:
+                        keep.append(c)
+        finally:
+            self._outputs = keep + self._outputs
+        return [got[i] for i in request_ids]
+
+    def generate(self, prompts: list[list[int]], n: int = 1, timeout: float = 3600.0, **sampling) -> list[Completion]:
+        """Blocking: n samples per prompt, returned in prompt-major order (tag = (prompt, sample))."""
+        return self.wait_for(self.submit(prompts, n=n, **sampling), timeout)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop these requests; whatever they generated is discarded."""
+        self._send(("abort", None, list(request_ids)))
+        self.pending.difference_update(request_ids)
+
+    def set_stream_every(self, chunk_tokens: int) -> None:
+        """Change the chunk size of every streamed request, including those already running."""
+        self._call("stream_every", int(chunk_tokens))
+
+    def pause(self) -> None:
+        """Stop decoding; running sequences and their KV stay, new requests queue."""
+        self._call("pause")
+
+    def resume(self) -> None:
+        self._call("resume")
+
+    def num_unfinished(self) -> int:
+        return self._call("num_unfinished")
+
+    def peak_rss_mib(self) -> float:
+        """The sampler process's peak resident memory."""
+        return self._call("peak_rss")
+
+    def weight_load_path(self) -> str:
+        """How the CPU sampler loads a push: "in place" (fast) or "layerwise" (vLLM's reload);
+        after init_weight_sync."""
+        return self._call("weight_load_path")
+
+    # -- weight sync: vLLM's VLLMWeightSyncClient protocol --
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._call("weights_init", init_info)
+
+    def start_weight_update(self) -> None:
+        # when_idle: the sampler applies the update once its running requests have finished, so
+        # the call waits as long as generation may take
+        self._call("weights_start", self._when_idle, timeout=3600.0 if self._when_idle else None)
+
+    def update_weights(self, update_info) -> None:
+        self._call("weights_update", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self._next_version
+        self._call("weights_finish", (version, self._recompute_kv))
+
+    _next_version = 0
+    _recompute_kv = False
+    _when_idle = False
+
+    def init_weight_sync(self, model: torch.nn.Module, background: bool = False) -> None:
+        """Open the torch.distributed group between the learner (rank 0) and the vLLM worker
+        (rank 1) with the backend for this placement. `background`: pushes may run in a thread
+        (push_weights(background=True)); they send a snapshot of the weights kept in a second copy
+        of the model, so that training can go on while the sampler loads them."""
+        import gloo_transfer
+
+        gloo_transfer.register()
+        self._model, self._snapshot = model, None
+        if background:
+            import copy
+
+            self._snapshot = copy.deepcopy(model).requires_grad_(False)
+            model = self._snapshot
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        backend = weight_backend(self.placement)
+        if backend == "gloo":
+            info = gloo_transfer.GlooTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=0)  # loopback: a local sampler
+        elif backend == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            from vllm.utils.network_utils import get_open_port
+
+            # vLLM's NCCL trainer takes a port, not a bound socket: a free one, bound again by its store
+            info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=get_open_port(), world_size=2)
+        else:
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            info = IPCTrainerInitInfo(rank=0, packed=True)  # one handle for a packed buffer, not one per tensor
+        try:
+            self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
+        except SamplerError:
+            raise
+        except Exception as e:
+            raise SamplerError(f"weight sync could not start: {e}") from e
+
+    def push_weights(self, version: int, recompute_kv: bool = False, when_idle: bool = False, background: bool = False) -> float:
+        """Send the learner's current weights and label them `version`. The sampler applies them
+        between two decode steps: running sequences continue with the new weights on top of
+        their old KV cache, or re-prefill with them when recompute_kv. With when_idle the sampler
+        first finishes every running request with the old weights (the call returns once the
+        update is in: requests submitted afterwards are generated by `version` only). With
+        background (needs init_weight_sync(model, background=True)) the weights are copied into
+        the snapshot and sent from a thread: the call returns at once and training goes on; one
+        push is in flight at most (the next one, or wait_for_push(), waits for it). Returns the
+        seconds this call took."""
+        if self._weight_engine is None:
+            raise RuntimeError("call init_weight_sync(model) before push_weights")
+        if background and self._snapshot is None:
+            raise RuntimeError("push_weights(background=True) needs init_weight_sync(model, background=True)")
+        start = time.perf_counter()
+        self.wait_for_push()
+        if self._snapshot is not None:  # the engine sends from the snapshot: bring it up to date
+            with torch.no_grad():
+                for mine, theirs in zip(self._snapshot.parameters(), self._model.parameters()):
+                    mine.copy_(theirs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copy must be done before another thread sends it
+        if not background:
+            self._send_weights(version, recompute_kv, when_idle)
+            return time.perf_counter() - start
+
+        def push():
+            try:
+                self._send_weights(version, recompute_kv, when_idle)
+            except BaseException as e:  # re-raised in the learner's thread by the next call
+                self._push_error = e
+
+        self._push_thread = threading.Thread(target=push, name="weight-push", daemon=True)
+        self._push_thread.start()
+        return time.perf_counter() - start
+
+    def _watched(self, transfer) -> None:
+        """Run a weight transfer in a thread and watch the sampler meanwhile. A NCCL broadcast to a
+        dead peer never returns (it has no timeout), and cannot be interrupted; the watchdog turns a
+        dead or silent sampler into a SamplerError in the learner instead of a hang (the stuck
+        thread is left behind; the run is over anyway)."""
+        error: list[BaseException] = []
+
+        def run():
+            try:
+                transfer()
+            except BaseException as e:
+                error.append(e)
+
+        thread = threading.Thread(target=run, name="weight-transfer", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 4 * self.config.call_timeout
+        while thread.is_alive():
+            thread.join(0.5)
+            if not thread.is_alive():
+                break
+            if not self.process.is_alive():
+                raise SamplerError(f"the sampler process died during a weight push (exit code {self._exit_code()})")
+            if time.monotonic() - self._last_heard > self.config.silence_timeout:
+                with self._lock:  # nobody received for a while: look for a heartbeat ourselves
+                    self._receive(0.5)
+            if time.monotonic() > deadline:
+                raise SamplerError(f"a weight push did not finish within {4 * self.config.call_timeout:.0f}s")
+        if error:
+            raise error[0]
+
+    _push_thread: threading.Thread | None = None
+    _push_error: BaseException | None = None
+    _snapshot = None
+
+    def wait_for_push(self) -> None:
+        """Wait until a background push has landed; raise its error if it failed."""
+        if self._push_thread is not None:
+            # every wait inside the push has its own deadline; this one bounds them all
+            self._push_thread.join(timeout=4 * self.config.call_timeout)
+            if self._push_thread.is_alive():
+                raise SamplerError(f"a background weight push did not finish within {4 * self.config.call_timeout:.0f}s")
+            self._push_thread = None
+        if self._push_error is not None:
+            error, self._push_error = self._push_error, None
+            raise error
+
+    def _send_weights(self, version: int, recompute_kv: bool, when_idle: bool) -> None:
+        self._next_version, self._recompute_kv, self._when_idle = version, recompute_kv, when_idle
+        try:
+            self._watched(self._weight_engine.send_weights)
+        except SamplerError:
+            raise
+        except Exception as e:  # a broken group usually means the sampler died: say why if it told us
+            deadline = time.monotonic() + 5
+            while self.process is not None and self.process.is_alive() and time.monotonic() < deadline:
+                self._receive(0.5)
+            self._receive(0.5)
+            raise SamplerError(f"weight push failed: {e}") from e
+        self.version = version
+
+
+_LIVE_SAMPLERS: set[Sampler] = set()  # closed at exit, whatever path the learner takes out
+atexit.register(lambda: [s.close() for s in list(_LIVE_SAMPLERS)])
+
+
+def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0, **kwargs) -> Sampler:
+    """Start the sampler process and wait until its engine is ready."""
+    return Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
+
