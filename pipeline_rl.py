@@ -1,5 +1,6 @@
-"""PipelineRL with in-flight weight updates (papers/pipelinerl-inflight-weight-updates.txt,
-Algorithm 2), and Conventional RL (Algorithm 1) in the same script for the paper's comparison.
+"""PipelineRL with in-flight weight updates (Algorithm 2), and Conventional RL (Algorithm 1) in the
+same script for the paper's comparison. Paper: Piché et al., "PipelineRL: Faster On-policy
+Reinforcement Learning for Long Sequence Generation", arXiv:2509.19128.
 
 PipelineRL: the actor (the vLLM sampler) keeps H sequences in flight and never stops; finished
 groups go to the trainer's queue as they finish and new prompts take their place. After every
@@ -34,6 +35,8 @@ import torch
 import tyro
 
 import common
+import tasks
+import vllm_sampler
 
 
 @dataclass
@@ -89,6 +92,8 @@ class Args:
     """nucleus sampling (PipelineRL trains without one); the learner applies the same nucleus (the logprob contract)"""
     max_new_tokens: int | None = None
     """response length cap [tiny 32; otherwise 1024]"""
+    max_prompt_tokens: int | None = None
+    """prompt budget: longer prompts are skipped and counted [tiny 64; otherwise 512]"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
     long_tail: float = 0.0
@@ -147,7 +152,7 @@ def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, is_clip:
     return pg + kl_coef * kl, pg, kl
 
 
-def token_lags(sample: common.Completion, learner_version: int) -> list[int]:
+def token_lags(sample: vllm_sampler.Completion, learner_version: int) -> list[int]:
     """Lag of every response token: the learner's version minus the version that produced it."""
     return [learner_version - v for v, start, end in sample.versions for _ in range(end - start)]
 
@@ -199,7 +204,7 @@ def wait_until(done: Callable[[], bool], pump: Callable[[], int], timeout: float
     return time.monotonic() - start
 
 
-def train_step(policy, ref_policy, optimizer, samples: list[common.Completion], rewards: torch.Tensor, step: int, args: Args,
+def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Completion], rewards: torch.Tensor, step: int, args: Args,
                pad_token_id: int) -> dict:
     """One optimizer step on B sequences (whole groups, group after group). Returns its stats;
     stats["outcome"] is "trained", or "low_ess" (ESS below the threshold) or "nonfinite" (a NaN/inf
@@ -265,6 +270,8 @@ def main():
         args.learning_rate = 1e-4 if tiny else 1e-6
     if args.max_new_tokens is None:
         args.max_new_tokens = 32 if tiny else 1024
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = 64 if tiny else 512
     common.check_args(args.num_steps >= 1, "--num-steps", f"must be >= 1, got {args.num_steps}")
     common.check_args(args.learning_rate > 0, "--learning-rate", f"must be > 0, got {args.learning_rate}")
     common.check_args(args.group_size >= 2, "--group-size", "the per-prompt baseline needs at least 2 samples per prompt")
@@ -286,7 +293,7 @@ def main():
     common.check_args(args.data_timeout > 0, "--data-timeout", f"must be > 0, got {args.data_timeout}")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
     common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
-    args.max_prompt_tokens = 64 if tiny else 512
+    common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", f"must be >= 1, got {args.max_prompt_tokens}")
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     common.set_seed(args.seed)
@@ -296,10 +303,11 @@ def main():
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny)
+    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     policy = common.load_policy(model_path, device)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
     rng = np.random.default_rng(args.seed)  # long-tail lengths
@@ -315,8 +323,8 @@ def main():
     if example:
         print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
 
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
-                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                    max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256)
     try:
         # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
@@ -324,8 +332,8 @@ def main():
         if step:
             sampler.push_weights(step)
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
-        groups: dict[int, list[common.Completion]] = {}  # data position -> the samples finished so far
-        ready: deque[tuple[int, list[common.Completion]]] = deque()  # the trainer queue: (data position, group)
+        groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far
+        ready: deque[tuple[int, list[vllm_sampler.Completion]]] = deque()  # the trainer queue: (data position, group)
         on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
         nonfinite_in_a_row = 0
 
@@ -389,10 +397,10 @@ def main():
                 raise RuntimeError(f"the pipeline stalled: {describe()}")  # admission() rules this out; never spin
             return received + admit
 
-        def take_groups(count: int) -> list[tuple[int, list[common.Completion]]]:
+        def take_groups(count: int) -> list[tuple[int, list[vllm_sampler.Completion]]]:
             return [ready.popleft() for _ in range(count)]
 
-        def train_on(batch: list[tuple[int, list[common.Completion]]]) -> dict:
+        def train_on(batch: list[tuple[int, list[vllm_sampler.Completion]]]) -> dict:
             # in data order, so the micro-batches do not depend on which group finished first
             batch = sorted(batch, key=lambda kg: kg[0])
             batch_problems = [task.problem("train", key) for key, _ in batch]
@@ -446,7 +454,8 @@ def main():
                       f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
                       f"dropped {totals['stale_dropped']}")
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):
-                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position, totals=totals)
+                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
+                                       hf_model=policy, tokenizer=tokenizer, totals=totals)
 
         def evaluate():
             return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
@@ -489,7 +498,7 @@ def main():
         sampler.abort(list(sampler.pending))
         eval_end = evaluate()
         logger.log(step, eval_end)
-        memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
+        memory = common.peak_memory_mib(sampler)
     finally:
         sampler.close()
 
