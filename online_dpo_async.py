@@ -78,6 +78,17 @@ class Args:
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
 
+    # learner memory: how the numbers are computed, not what they are
+    micro_batch_tokens: int = 8192
+    """token budget of one forward/backward: pairs (and, for the reference, sequences) sorted by length are packed into
+    micro-batches of at most this many padded tokens (rows x longest row; a longer pair goes alone); the gradients
+    accumulate to exactly the minibatch's"""
+    autocast_bf16: bool = False
+    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay fp32.
+    The logprobs are then bf16-accurate (see charts/logprob_diff)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
+
     # evaluation, logging, checkpoints
     eval_decoding: Literal["greedy", "sample"] | None = None
     """greedy: one greedy completion per problem (the paper's GSM8K pass@1); sample: as in training [gsm8k greedy; sample]"""
@@ -137,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     common.check_args(args.eval_problems >= 1 or (args.eval_problems == 0 and args.task in FIXED_TEST_SPLIT), "--eval-problems",
                       f"must be >= 1, or 0 (the whole test split) for {' or '.join(FIXED_TEST_SPLIT)}; got {args.eval_problems}")
     common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
+    common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
     return args
 
 
@@ -168,6 +180,67 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return (h - 1 / (2 * beta)) ** 2, beta * h
 
 
+def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1) -> list[list[int]]:
+    """Token-budget micro-batches: the items' indices sorted by length, packed in that order so that
+    each micro-batch's padded size (its rows x its longest length) stays within max_tokens; an item
+    longer than that forms a micro-batch of its own. rows_per_item: rows each item adds (a pair: 2)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: item i is its batch's longest
+        if batches and (len(batches[-1]) + 1) * rows_per_item * lengths[i] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def autocast(device: torch.device, enabled: bool):
+    """--autocast-bf16: matrix products of the forward in bf16; parameters, gradients and Adam stay fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+@torch.no_grad()
+def sequence_logprobs(model, ids, attn, cmask, lengths: list[int], args: Args) -> torch.Tensor:
+    """log pi(y | x) of every row of the right-padded batch (the sum over its completion tokens), in
+    token-budget micro-batches, each cut to its longest row: the reference's forward. lengths: each
+    row's prompt + completion length. Returns [rows]."""
+    out = torch.zeros(len(lengths), device=ids.device)
+    for rows in micro_batches(lengths, args.micro_batch_tokens):
+        width = lengths[rows[-1]]
+        with autocast(ids.device, args.autocast_bf16):
+            out[rows] = common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
+                                              temperature=args.temperature, top_p=args.top_p).sum(1)
+    return out
+
+
+def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, rejected_rows, ref_seq, args: Args, sampler_logp=None):
+    """The DPO loss of one minibatch of pairs (its mean over the pairs) and its gradient, accumulated
+    over micro-batches of whole pairs within --micro-batch-tokens: each micro-batch's summed per-pair
+    loss is divided by the minibatch's number of pairs, so the accumulated gradient is exactly the
+    mean's. chosen_rows, rejected_rows: [pairs] rows of the right-padded batch; ref_seq: [rows] the
+    reference's sequence logprobs. Returns (mean loss, beta h [pairs], and, with sampler_logp, the sum of
+    |learner - sampler| token logprobs over the pairs' completion tokens and their count)."""
+    n, device = len(chosen_rows), ids.device
+    chosen_rows, rejected_rows = chosen_rows.to(device), rejected_rows.to(device)
+    pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
+    losses, margins = torch.zeros(n, device=device), torch.zeros(n, device=device)
+    diff_sum = diff_tokens = 0.0
+    for pairs in micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2):
+        k, width = len(pairs), pair_lengths[pairs[-1]]
+        rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])  # the chosen k, then their rejected k
+        with autocast(device, args.autocast_bf16):
+            token_logp = common.token_logprobs(policy, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
+                                               temperature=args.temperature, top_p=args.top_p)
+        logp, ref = token_logp.sum(1), ref_seq[rows]
+        loss, margin = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], args.beta, args.loss_type)
+        (loss.sum() / n).backward()
+        losses[pairs], margins[pairs] = loss.detach(), margin.detach()
+        if sampler_logp is not None:
+            mask = cmask[rows, 1:width].float()
+            diff_sum += ((token_logp.detach() - sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
+            diff_tokens += mask.sum().item()
+    return losses.mean(), margins, (diff_sum, diff_tokens)
+
+
 def main():
     args = parse_args()
     args.prompts_per_round = args.num_prompts * args.num_minibatches
@@ -182,6 +255,9 @@ def main():
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
     policy = common.load_policy(model_path, device)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
@@ -207,8 +283,8 @@ def main():
         # ("CPU Generator does not use offset"). The sampler's engine seed (--seed) already makes the tokens
         # reproducible for the same schedule of requests (the sync / --staleness 0 parity test).
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
-        # the logprob contract: every learner logprob (policy, reference) is of the distribution the sampler sampled
-        processing = dict(temperature=args.temperature, top_p=args.top_p)
+        # the logprob contract: every learner logprob (policy, reference) is of the distribution the sampler sampled,
+        # args.temperature and args.top_p (sequence_logprobs, dpo_backward)
         eval_sampling = dict(temperature=0.0, max_tokens=args.max_new_tokens) if args.eval_decoding == "greedy" else sampling
         pending: deque[dict] = deque()  # rounds submitted to the sampler and not yet trained on, oldest first
         next_round = start_round
@@ -277,9 +353,9 @@ def main():
             ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
             mask = cmask[:, 1:].float()
             prompt_lens = [len(s.prompt_token_ids) for s in samples]
+            lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
             sampler_logp = common.sampler_logprob_tensor(samples, prompt_lens, mask.shape[1]).to(device)
-            with torch.no_grad():
-                ref_seq = common.token_logprobs(ref_policy, ids, attn, cmask, **processing).sum(1)
+            ref_seq = sequence_logprobs(ref_policy, ids, attn, cmask, lengths, args)
             kl = ((sampler_logp * mask).sum(1) - ref_seq).mean().item()  # k1: both logprobs of the sampled distribution
             chosen_rows = pair_rows * args.group_size + chosen[keep]
             rejected_rows = pair_rows * args.group_size + rejected[keep]
@@ -290,16 +366,12 @@ def main():
             for mb in np.array_split(np.arange(num_pairs), args.num_minibatches):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
-                rows_mb = torch.cat([chosen_rows[mb], rejected_rows[mb]]).to(device)
-                token_logp = common.token_logprobs(policy, ids[rows_mb], attn[rows_mb], cmask[rows_mb], **processing)
-                if fresh:  # no step on this batch yet: the sampling weights (~1e-6 in fp32); free, on the pairs' tokens
-                    diff_sum += ((token_logp.detach() - sampler_logp[rows_mb]).abs() * mask[rows_mb]).sum().item()
-                    diff_tokens += mask[rows_mb].sum().item()
-                logp, ref_mb = token_logp.sum(1), ref_seq[rows_mb]
-                loss, logits = dpo_loss(logp[: len(mb)], logp[len(mb):], ref_mb[: len(mb)], ref_mb[len(mb):], args.beta, args.loss_type)
-                loss = loss.mean()
                 optimizer.zero_grad()
-                loss.backward()
+                # micro-batches of whole pairs within --micro-batch-tokens; the gradient accumulates to the minibatch mean's
+                loss, logits, (mb_diff, mb_tokens) = dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb],
+                                                                  ref_seq, args, sampler_logp if fresh else None)
+                # fresh: no step on this batch yet, the sampling weights (~1e-6 in fp32); free, on the pairs' tokens
+                diff_sum, diff_tokens = diff_sum + mb_diff, diff_tokens + mb_tokens
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                     # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on

@@ -80,7 +80,18 @@ class Args:
     num_minibatches: int = 1
     """minibatches per epoch: optimizer steps per iteration = epochs x minibatches"""
     micro_batch_size: int = 16
-    """sequences per forward/backward, grouped by length (memory and padding only)"""
+    """at most this many sequences per forward/backward, grouped by length (memory and padding only); the downstream
+    models' prefill takes this many sequences at a time"""
+    micro_batch_tokens: int = 8192
+    """token budget of one forward/backward of the update (actor and critic) and of TIS's forward: sequences sorted by
+    length are packed into micro-batches of at most this many padded tokens (rows x longest row; a longer sequence goes
+    alone) and at most --micro-batch-size rows; the gradients accumulate to exactly the minibatch's"""
+    autocast_bf16: bool = False
+    """run the learner's forwards (actor, critic, reference, reward model) under bf16 autocast; the trained weights,
+    gradients and Adam stay in --dtype. The logprobs are then bf16-accurate (see charts/logprob_diff)"""
+    gradient_checkpointing: bool = False
+    """actor and critic recompute each decoder layer in the backward pass instead of keeping its activations
+    (less memory, ~1/3 more compute)"""
     learning_rate: float | None = None
     """Adam learning rate for actor and critic [tiny 1e-4; otherwise 3e-6, TRL's]"""
     max_grad_norm: float = 1.0
@@ -354,8 +365,11 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
                 # token j's logprob comes from the hidden state at j - 1: the previous chunk's last one
                 before = h if p.last_hidden is None else torch.cat([p.last_hidden[None], h])
                 targets = torch.tensor(t[1:] if p.last_hidden is None else t, device=h.device)
-                logits = common.sampling_logits(model.lm_head(before[:-1]).float(), targets, temperature, top_p)
-                chosen = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+                per_chunk = max(1, common.LOGIT_CHUNK_BYTES // (4 * model.lm_head.weight.shape[0]))  # no [tokens, V] fp32 copy
+                chosen = torch.cat([
+                    torch.log_softmax(common.sampling_logits(model.lm_head(before[j: j + per_chunk]).float(), targets[j: j + per_chunk],
+                                                             temperature, top_p), dim=-1).gather(-1, targets[j: j + per_chunk, None]).squeeze(-1)
+                    for j in range(0, len(targets), per_chunk)])
                 p.per_token.append(torch.cat([chosen.new_zeros(1), chosen]) if p.last_hidden is None else chosen)
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
@@ -382,6 +396,24 @@ def scored(r: Rollout, name: str, model) -> torch.Tensor:
     return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
 
+def micro_batches(lengths: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """Token-budget micro-batches: the indices sorted by length, packed in that order so that each
+    micro-batch's padded size (its rows x its longest length) stays within max_tokens and it has at
+    most max_rows rows; a sequence longer than max_tokens forms a micro-batch of its own."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: i is its batch's longest
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * lengths[i] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def autocast(device: torch.device, enabled: bool):
+    """--autocast-bf16: matrix products of the forward in bf16; the trained weights, gradients and Adam keep --dtype."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def critic_values(critic, input_ids, attention_mask, completion_mask):
     """V(s_t) for every completion token's state, laid out like common.token_logprobs' output."""
     hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -389,19 +421,69 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
 
 
 @torch.no_grad()
-def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batch_size: int, **processing) -> list[torch.Tensor]:
+def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batch_size: int, max_tokens: int | None = None,
+                     bf16: bool = False, **processing) -> list[torch.Tensor]:
     """The learner's logprob of every response token under `processing` (the sampler's temperature
-    and top-p), one no-grad forward in micro-batches of similar length: TIS's pi_old."""
+    and top-p), one no-grad forward in micro-batches of similar length (at most micro_batch_size rows
+    and max_tokens padded tokens; bf16: under bf16 autocast): TIS's pi_old."""
     out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
     device = next(policy.parameters()).device
-    order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens)
-    for start in range(0, len(order), micro_batch_size):
-        rows = order[start: start + micro_batch_size]
+    for rows in micro_batches([r.num_tokens for r in batch], max_tokens or 2**62, micro_batch_size):
         ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
-        logp = common.token_logprobs(policy, ids.to(device), attn.to(device), cmask.to(device), **processing).cpu()
+        with autocast(device, bf16):
+            logp = common.token_logprobs(policy, ids.to(device), attn.to(device), cmask.to(device), **processing).cpu()
         for row, i in enumerate(rows):
             plen = len(batch[i].prompt)
             out[i] = logp[row, plen - 1: plen - 1 + len(batch[i].response)]
+    return out
+
+
+def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str, torch.Tensor], args: Args, pad_token_id: int,
+                 diff: bool = False) -> dict[str, float]:
+    """The PPO loss (Eq. 2 + vf_coef x the clipped value loss, token means over the minibatch) and its
+    gradient for the minibatch `minibatch` (indices into batch), accumulated over micro-batches of
+    similar length (--micro-batch-tokens, --micro-batch-size): each micro-batch's token-mean losses are
+    weighted by its share of the minibatch's response tokens, so the accumulated gradient is exactly the
+    minibatch's. data: [B, T] response-aligned tensors old_logp, advantages, values, returns, and
+    weights (TIS), sampler_logp and fresh (1 on tokens the current weights sampled) when used.
+    Returns token-weighted sums over the micro-batches (divide by `tokens` for means) of pg, vf,
+    clipfrac, approx_kl and entropy, whether every loss was finite, and with `diff` the sum of
+    |learner - sampler| logprobs over the fresh tokens and their count."""
+    device = next(policy.parameters()).device
+    lengths = [len(r.response) for r in batch]
+    minibatch_tokens = sum(lengths[i] for i in minibatch)
+    out = dict(pg=0.0, vf=0.0, clipfrac=0.0, approx_kl=0.0, entropy=0.0, tokens=0.0, loss_is_finite=True, diff_sum=0.0, diff_count=0.0)
+    # micro-batches of similar length: long-tailed responses would pad everything to the longest
+    for micro in micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, args.micro_batch_size):
+        rows = [minibatch[j] for j in micro]
+        ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
+        ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
+        starts, width = [len(batch[i].prompt) - 1 for i in rows], ids.shape[1] - 1
+        put = lambda x: layout([x[i, :lengths[i]] for i in rows], starts, width).to(device)  # noqa: E731
+        mask = cmask[:, 1:].float()
+        with autocast(device, args.autocast_bf16):
+            logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, temperature=args.temperature,
+                                                  top_p=args.top_p)
+            # the entropy is only logged: detached at once, or the backward's recomputation of every logit chunk would keep
+            # the entropy's own saved tensors alive (~2 x a chunk of fp32 logits per chunk) until the micro-batch ends
+            entropy = entropy.detach()
+            values_pred = critic_values(critic, ids, attn, cmask)
+        pg, vf, extra = ppo_losses(logp, put(data["old_logp"]), put(data["advantages"]), values_pred, put(data["values"]),
+                                   put(data["returns"]), mask, args.clip_coef, args.vf_clip,
+                                   tis_weights=put(data["weights"]) if data.get("weights") is not None else None)
+        tokens = mask.sum()
+        loss = (pg + args.vf_coef * vf) * tokens / minibatch_tokens
+        out["loss_is_finite"] = out["loss_is_finite"] and bool(torch.isfinite(loss))
+        loss.backward()
+        n = tokens.item()
+        for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
+                     ("entropy", entropy.sum() / tokens)):
+            out[k] += v.item() * n
+        out["tokens"] += n
+        if diff:
+            on = put(data["fresh"]) * mask
+            out["diff_sum"] += ((logp.detach() - put(data["sampler_logp"])).abs() * on).sum().item()
+            out["diff_count"] += on.sum().item()
     return out
 
 
@@ -445,6 +527,7 @@ def main():
     common.check_args(args.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)")
     common.check_args(0 < args.top_p <= 1, "--top-p", "must be in (0, 1]")
     common.check_args(args.tis_cap is None or args.tis_cap > 0, "--tis-cap", "must be > 0 (or left out: off)")
+    common.check_args(args.micro_batch_size >= 1 and args.micro_batch_tokens >= 1, "--micro-batch-size/--micro-batch-tokens", "must be >= 1")
     if args.chunk_tune_every:
         common.check_args(args.chunk_tune_every > len(args.chunk_candidates), "--chunk-tune-every",
                           f"must exceed the number of candidates ({len(args.chunk_candidates)})")
@@ -462,6 +545,9 @@ def main():
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
     policy, critic, ref_policy, reward_model = load_models(model_path, device, getattr(torch, args.dtype), args.reward_model)
+    if args.gradient_checkpointing:  # active in train mode only: the update's; the critic's prefill keeps its KV cache in eval
+        policy.gradient_checkpointing_enable()
+        critic.gradient_checkpointing_enable()
     downstream = dict(critic=critic, ref=ref_policy)
     if reward_model is not None:
         common.check_args(common.load_tokenizer(args.reward_model, "--reward-model").get_vocab() == tokenizer.get_vocab(), "--reward-model",
@@ -531,7 +617,8 @@ def main():
 
         def score(rollouts: list[Rollout]) -> None:
             for name, model in downstream.items():
-                prefill(name, model, rollouts, args.temperature, args.micro_batch_size, top_p=args.top_p)
+                with autocast(device, args.autocast_bf16):
+                    prefill(name, model, rollouts, args.temperature, args.micro_batch_size, top_p=args.top_p)
 
         eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                      chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
@@ -597,6 +684,7 @@ def main():
                 ref_logp[i, :n] = scored(r, "ref", ref_policy).cpu()
                 values[i, :n] = scored(r, "critic", critic).cpu()
                 fresh[i, :n] = torch.tensor([float(v == version) for v in token_versions[i]])  # sampled by the current weights
+                r.prefix.clear()  # what the downstream models gave is read: free the batch's KV caches before the update
             lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
             tis = {}
             if args.tis_cap is None:
@@ -604,7 +692,8 @@ def main():
             else:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
                 policy.eval()
                 old_logp = torch.zeros((B, T))
-                for i, row in enumerate(learner_logprobs(policy, batch, tokenizer.pad_token_id, args.micro_batch_size, **processing)):
+                for i, row in enumerate(learner_logprobs(policy, batch, tokenizer.pad_token_id, args.micro_batch_size, args.micro_batch_tokens,
+                                                         args.autocast_bf16, **processing)):
                     old_logp[i, :lengths[i]] = row
                 weights, tis = tis_weights(old_logp, sampler_logp, resp_mask, args.tis_cap)
                 diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
@@ -615,48 +704,29 @@ def main():
             returns = advantages + values
             advantages = whiten(advantages, resp_mask)
 
-            policy.train()
+            learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy")}
             total_tokens = sum(lengths)
             parameters = list(learner.parameters())
+            data = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=weights,
+                        sampler_logp=sampler_logp, fresh=fresh)
             for epoch in range(args.num_ppo_epochs):
                 for m, minibatch in enumerate(np.array_split(np.random.permutation(B), args.num_minibatches)):
                     optimizer.zero_grad()
-                    minibatch_tokens = sum(lengths[i] for i in minibatch)
-                    loss_is_finite = True
-                    if args.tis_cap is None and epoch == 0 and m == 0:  # no step yet: the learner's logprobs at the sampler's weights
-                        diff_sum = diff_count = 0.0
-                    # micro-batches of similar length: long-tailed responses would pad everything to the longest
-                    order = sorted(minibatch, key=lambda i: len(batch[i].tokens))
-                    for start in range(0, len(order), args.micro_batch_size):
-                        rows = order[start: start + args.micro_batch_size]
-                        micro = [batch[i] for i in rows]
-                        ids, attn, cmask = common.pad_prompt_completions([r.prompt for r in micro], [r.response for r in micro],
-                                                                         tokenizer.pad_token_id)
-                        ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
-                        starts, width = [len(r.prompt) - 1 for r in micro], ids.shape[1] - 1
-                        put = lambda x: layout([x[i, :lengths[i]] for i in rows], starts, width).to(device)  # noqa: E731
-                        mask = cmask[:, 1:].float()
-                        logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, **processing)
-                        values_pred = critic_values(critic, ids, attn, cmask)
-                        pg, vf, extra = ppo_losses(logp, put(old_logp), put(advantages), values_pred, put(values), put(returns), mask,
-                                                   args.clip_coef, args.vf_clip, tis_weights=None if weights is None else put(weights))
-                        share = mask.sum() / minibatch_tokens
-                        loss = (pg + args.vf_coef * vf) * share
-                        loss_is_finite = loss_is_finite and bool(torch.isfinite(loss))
-                        loss.backward()
-                        for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
-                                     ("entropy", (entropy.sum() / mask.sum()))):
-                            stats[k].append(v.item() * mask.sum().item() / total_tokens)
-                        if args.tis_cap is None and epoch == 0 and m == 0:
-                            on = put(fresh) * mask
-                            diff_sum += ((logp.detach() - put(sampler_logp)).abs() * on).sum().item()
-                            diff_count += on.sum().item()
+                    # no step yet: the learner's logprobs at the sampler's weights (without TIS: with it, measured above)
+                    first = args.tis_cap is None and epoch == 0 and m == 0
+                    out = ppo_backward(policy, critic, batch, minibatch.tolist(), data, args, tokenizer.pad_token_id, diff=first)
+                    for k in stats:
+                        stats[k].append(out[k] / total_tokens)
+                    if first:
+                        diff_sum, diff_count = out["diff_sum"], out["diff_count"]
+                    loss_is_finite = out["loss_is_finite"]
                     stepped, grad_norm = guarded_step(optimizer, parameters, args.max_grad_norm, loss_is_finite)
                     if stepped:
                         version += 1
                     else:  # NaN/inf loss or gradient: this step is dropped, the weights and Adam's moments stay finite
                         totals["nonfinite_skipped"] += 1
+            critic.eval()
             train_seconds = time.time() - train_start
             # carried sequences continue exactly under the new policy; no push if every step was skipped
             push_seconds = sampler.push_weights(version, recompute_kv=True) if version != sampler.version else 0.0

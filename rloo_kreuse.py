@@ -94,8 +94,16 @@ class Args:
     """checkpoint every N rounds (0: only at the end)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from"""
-    minibatch_size: int = 64
-    """sequences per forward pass when computing the loss (memory only: gradients accumulate)"""
+
+    # learner memory: how the numbers are computed, not what they are
+    micro_batch_tokens: int = 8192
+    """token budget of one forward/backward: sequences sorted by length are packed into micro-batches of at most this
+    many padded tokens (rows x longest row; a longer sequence goes alone); the gradients accumulate to exactly the batch's"""
+    autocast_bf16: bool = False
+    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay fp32.
+    The logprobs are then bf16-accurate (see charts/logprob_diff)"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
 
 
 PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50,
@@ -141,7 +149,7 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, args, tis=Non
     logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated
     mismatch weights (--tis-cap) at the level of the method's weights ([N] per sequence, [N, T] per
     token) or None. Returns (loss, stats)."""
-    tis = torch.ones_like(advantages) if tis is None else tis
+    tis = 1.0 if tis is None else tis  # (a [N] tensor of ones broke --iw-level token: [N, T] x [N])
     seq_logp = (logp * mask).sum(1)
     if args.ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
@@ -179,6 +187,61 @@ def truncated_mismatch_weights(learner_logp, sampler_logp, mask, level: str, cap
     return ratio.clamp(max=cap), stats
 
 
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Token-budget micro-batches: the rows sorted by length, packed in that order so that each
+    micro-batch's padded size (its rows x its longest length) stays within max_tokens; a row longer
+    than that forms a micro-batch of its own."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: row i is its batch's longest
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def micro_logprobs(model, ids, attn, cmask, lengths: list[int], rows: list[int], args, **kw) -> torch.Tensor:
+    """common.token_logprobs of the micro-batch `rows` of the right-padded batch, cut to its longest row
+    ([rows, width - 1]), under the sampler's processing (the logprob contract) and --autocast-bf16."""
+    width = lengths[rows[-1]]
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=args.autocast_bf16):  # weights and Adam stay fp32
+        return common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width], temperature=args.temperature,
+                                     top_p=args.top_p, **kw)
+
+
+@torch.no_grad()
+def batch_logprobs(model, ids, attn, cmask, lengths: list[int], micro: list[list[int]], args) -> torch.Tensor:
+    """Token logprobs of every row, in micro-batches, laid out like the batch ([N, T - 1])."""
+    out = torch.zeros(cmask[:, 1:].shape, device=ids.device)
+    for rows in micro:
+        logp = micro_logprobs(model, ids, attn, cmask, lengths, rows, args)
+        out[rows, :logp.shape[1]] = logp
+    return out
+
+
+def rloo_backward(policy, ids, attn, cmask, lengths: list[int], micro: list[list[int]], old_logp, ref_logp, advantages, tis, args,
+                  sampler_logp=None):
+    """One of the K steps' loss (Eq. 4 over the whole batch) and its gradient, accumulated over the
+    micro-batches: each micro-batch's mean loss is weighted by its share of the rows, so the gradient
+    is exactly the batch mean's. Returns (loss, stats, importance weights [N] in micro-batch order,
+    and with sampler_logp the sum of |learner - sampler| token logprobs over the completion tokens)."""
+    mask = cmask[:, 1:].float()
+    loss, stats, weights, diff_sum = 0.0, {}, [], 0.0
+    for rows in micro:
+        logp, entropy = micro_logprobs(policy, ids, attn, cmask, lengths, rows, args, with_entropy=True)
+        cut = lambda x: x[rows, :logp.shape[1]]  # noqa: E731  (the micro-batch's rows and width)
+        if sampler_logp is not None:
+            diff_sum += ((logp.detach() - cut(sampler_logp)).abs() * cut(mask)).sum().item()
+        mb_loss, mb_stats = rloo_loss(logp, cut(old_logp), cut(ref_logp), entropy, cut(mask), advantages[rows], args,
+                                      None if tis is None else (tis[rows] if tis.dim() == 1 else cut(tis)))
+        share = len(rows) / len(lengths)
+        (mb_loss * share).backward()  # micro-batch means add up to the batch mean
+        loss = loss + mb_loss.detach() * share
+        stats = {k: stats.get(k, 0.0) + v.detach() * share for k, v in mb_stats.items() if k != "w"}
+        weights.append(mb_stats["w"])
+    return loss, stats, torch.cat(weights), diff_sum
+
+
 def ess(weights: torch.Tensor) -> float:
     """Normalised effective sample size (sum w)^2 / (N sum w^2), in (0, 1]."""
     return (weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())).item()
@@ -204,7 +267,7 @@ def main():
                       "cannot be combined with --overlap: the learner no longer holds the sampling weights")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
-    common.check_args(args.minibatch_size >= 1, "--minibatch-size", "must be >= 1")
+    common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
     args.recompute_old_logprobs = args.recompute_old_logprobs or args.tis_cap is not None
     args.tis_level = "sequence" if args.ppo_clip is not None else args.iw_level
@@ -221,6 +284,9 @@ def main():
     task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     policy = common.load_policy(model_path, device)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     logger = common.RunLogger(run_name, args, track=args.track)
@@ -284,16 +350,13 @@ def main():
             input_ids, attention_mask, completion_mask = input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
             mask = completion_mask[:, 1:].float()
             sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
-            minibatches = [slice(i, min(i + args.minibatch_size, len(samples))) for i in range(0, len(samples), args.minibatch_size)]
-            processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
-
-            def logprobs(model, mb, **kw):
-                return common.token_logprobs(model, input_ids[mb], attention_mask[mb], completion_mask[mb], **processing, **kw)
-
-            with torch.no_grad():
-                ref_logp = torch.cat([logprobs(ref_policy, mb) for mb in minibatches])
-                # log pi_theta0: the sampler's logprobs, or the learner's own recomputation (--recompute-old-logprobs, --tis-cap)
-                old_logp = torch.cat([logprobs(policy, mb) for mb in minibatches]) if args.recompute_old_logprobs else sampler_logp
+            lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+            micro = micro_batches(lengths, args.micro_batch_tokens)  # each cut to its longest row: rows are right-padded
+            # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
+            ref_logp = batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args)
+            # log pi_theta0: the sampler's logprobs, or the learner's own recomputation (--recompute-old-logprobs, --tis-cap)
+            old_logp = (batch_logprobs(policy, input_ids, attention_mask, completion_mask, lengths, micro, args)
+                        if args.recompute_old_logprobs else sampler_logp)
             tis, mismatch = None, {}
             if args.tis_cap is not None:
                 tis, tis_stats = truncated_mismatch_weights(old_logp, sampler_logp, mask, args.tis_level, args.tis_cap)
@@ -312,18 +375,12 @@ def main():
             iw_means, ess_values, round_start_step = [], [], step
             for k_step in range(args.k):
                 optimizer.zero_grad()
-                weights = []
-                for mb in minibatches:
-                    logp, entropy = logprobs(policy, mb, with_entropy=True)
-                    if k_step == 0 and fresh:
-                        # the first thing to look at when training goes wrong: at fresh weights it is ~1e-6 in fp32
-                        diff_sum += ((logp.detach() - sampler_logp[mb]).abs() * mask[mb]).sum().item()
-                    loss, stats = rloo_loss(logp, old_logp[mb], ref_logp[mb], entropy, mask[mb], advantages[mb], args,
-                                            None if tis is None else tis[mb])
-                    (loss * (mb.stop - mb.start) / len(samples)).backward()  # minibatches add up to the batch mean
-                    weights.append(stats["w"])
+                # at k-step 1 with fresh weights, |learner - sampler| logprobs: the first thing to look at when training
+                # goes wrong (~1e-6 in fp32)
+                loss, stats, weights, diff = rloo_backward(policy, input_ids, attention_mask, completion_mask, lengths, micro, old_logp,
+                                                           ref_logp, advantages, tis, args, sampler_logp if k_step == 0 and fresh else None)
+                diff_sum += diff
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                weights = torch.cat(weights)
                 if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                     # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
                     optimizer.zero_grad()
