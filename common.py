@@ -260,6 +260,27 @@ def _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy):
     return chosen, -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1)  # excluded tokens: 0 * -inf -> 0
 
 
+def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None) -> list[list[int]]:
+    """Token-budget micro-batches: the items' indices sorted by length, packed in that order so that
+    each micro-batch's padded size (its rows x its longest length) stays within max_tokens (and it
+    has at most max_rows items); an item longer than that forms a micro-batch of its own.
+    rows_per_item: rows each item adds (a DPO pair: 2). Bounds the learner's activation memory by
+    the budget, whatever the batch size (gradients accumulate over the micro-batches)."""
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: item i is its batch's longest
+        if batches and (max_rows is None or len(batches[-1]) < max_rows) \
+                and (len(batches[-1]) + 1) * rows_per_item * lengths[i] <= max_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def autocast(device: torch.device, enabled: bool):
+    """--autocast-bf16: the forward's matrix products in bf16; parameters, gradients and Adam keep their dtype."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], width: int) -> torch.Tensor:
     """The sampler's per-token logprobs laid out like token_logprobs' output."""
     out = torch.zeros((len(samples), width), dtype=torch.float32)

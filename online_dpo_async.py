@@ -1,4 +1,5 @@
-"""Asynchronous off-policy online DPO (papers/asynchronous-rlhf-online-dpo.txt, Algorithm 1).
+"""Asynchronous off-policy online DPO (Algorithm 1). Paper: Noukhovitch et al., "Asynchronous RLHF:
+Faster and More Efficient Off-Policy RL for Language Models", arXiv:2410.18252.
 
 Each round, the sampler draws a group of completions per prompt (`--group-size`); the best and
 worst by reward form a preference pair (ties are dropped and counted) and the learner takes N DPO
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 import tyro
 
 import common
+import tasks
+import vllm_sampler
 
 
 @dataclass
@@ -180,22 +183,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return (h - 1 / (2 * beta)) ** 2, beta * h
 
 
-def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1) -> list[list[int]]:
-    """Token-budget micro-batches: the items' indices sorted by length, packed in that order so that
-    each micro-batch's padded size (its rows x its longest length) stays within max_tokens; an item
-    longer than that forms a micro-batch of its own. rows_per_item: rows each item adds (a pair: 2)."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: item i is its batch's longest
-        if batches and (len(batches[-1]) + 1) * rows_per_item * lengths[i] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def autocast(device: torch.device, enabled: bool):
-    """--autocast-bf16: matrix products of the forward in bf16; parameters, gradients and Adam stay fp32."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 @torch.no_grad()
@@ -204,9 +191,9 @@ def sequence_logprobs(model, ids, attn, cmask, lengths: list[int], args: Args) -
     token-budget micro-batches, each cut to its longest row: the reference's forward. lengths: each
     row's prompt + completion length. Returns [rows]."""
     out = torch.zeros(len(lengths), device=ids.device)
-    for rows in micro_batches(lengths, args.micro_batch_tokens):
+    for rows in common.micro_batches(lengths, args.micro_batch_tokens):
         width = lengths[rows[-1]]
-        with autocast(ids.device, args.autocast_bf16):
+        with common.autocast(ids.device, args.autocast_bf16):
             out[rows] = common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
                                               temperature=args.temperature, top_p=args.top_p).sum(1)
     return out
@@ -224,10 +211,10 @@ def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, reje
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
     losses, margins = torch.zeros(n, device=device), torch.zeros(n, device=device)
     diff_sum = diff_tokens = 0.0
-    for pairs in micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2):
+    for pairs in common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2):
         k, width = len(pairs), pair_lengths[pairs[-1]]
         rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])  # the chosen k, then their rejected k
-        with autocast(device, args.autocast_bf16):
+        with common.autocast(device, args.autocast_bf16):
             token_logp = common.token_logprobs(policy, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
                                                temperature=args.temperature, top_p=args.top_p)
         logp, ref = token_logp.sum(1), ref_seq[rows]
@@ -260,7 +247,8 @@ def main():
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     reward_model = common.RewardModel(args.reward_model, device=str(device)) if args.reward_model else None
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
@@ -273,7 +261,7 @@ def main():
         totals |= state["totals"]
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     try:
         sampler.init_weight_sync(policy)
@@ -321,7 +309,7 @@ def main():
         def evaluate():
             result = common.evaluate(sampler, task, tokenizer, args.eval_problems or None, args.eval_samples, args.max_prompt_tokens,
                                      args.chat_template, **eval_sampling)
-            return {"eval/accuracy": result["eval/pass@1"]}
+            return {"eval/pass@1": result["eval/pass@1"]}
 
         eval_start = evaluate()
         logger.log(step, eval_start)
@@ -343,7 +331,7 @@ def main():
             rewards = score(problems, samples).view(-1, args.group_size)
             chosen, rejected, keep = select_pairs(rewards)
             pair_rows = torch.arange(len(rewards))[keep]
-            lags = [step - s.version_min for s in samples]
+            lags = [step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]  # per token
             # does the learner still hold the weights that generated this batch (sync: every round; async: only the
             # first one, or after a round without a step)? Then its logprobs must equal the sampler's: charts/logprob_diff
             fresh = all(s.version_min == s.version_max == step for s in samples)
@@ -417,7 +405,7 @@ def main():
                 "charts/rewards_margin": (chosen_r - rejected_r).mean().item(),
                 "charts/response_length": mask.sum(1).mean().item(),
                 "charts/pairs": num_pairs, "charts/ties_dropped": int((~keep).sum()), "charts/skipped_long_prompts": batch["skipped"],
-                "charts/kl": kl, "charts/lag_min": min(lags), "charts/lag_max": max(lags),
+                "charts/kl": kl, "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags),
                 "charts/nonfinite_skipped": totals["nonfinite_skipped"],
                 "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / max(totals["wall"], 1e-9),
                 "losses/loss": mean(losses), "losses/dpo_accuracy": mean(accuracies), "losses/logits_margin": mean(margins),
@@ -438,12 +426,13 @@ def main():
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 # the data position of the first round not trained on yet: a round in flight is generated again on resume
                 common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step,
-                                       data_position if last else batch["position"], round=round_index + 1, totals=totals)
+                                       data_position if last else batch["position"], hf_model=policy, tokenizer=tokenizer,
+                                       round=round_index + 1, totals=totals)
         if step:
             sampler.push_weights(step)
         eval_end = evaluate()
         logger.log(step, eval_end)
-        memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
+        memory = common.peak_memory_mib(sampler)
     finally:
         sampler.close()
 
@@ -452,7 +441,7 @@ def main():
           f"x {args.group_size} samples")
     print("| mode | wall (s) | generate (s) | train (s) | episodes/s | accuracy start | accuracy end |\n|---|---|---|---|---|---|---|")
     print(f"| {mode} | {totals['wall']:.1f} | {totals['generate']:.1f} | {totals['train']:.1f} | "
-          f"{totals['episodes'] / totals['wall']:.1f} | {eval_start['eval/accuracy']:.3f} | {eval_end['eval/accuracy']:.3f} |")
+          f"{totals['episodes'] / totals['wall']:.1f} | {eval_start['eval/pass@1']:.3f} | {eval_end['eval/pass@1']:.3f} |")
     print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
     logger.close()
 

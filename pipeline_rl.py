@@ -72,7 +72,13 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     micro_batch_size: int = 16
-    """sequences per forward/backward, grouped by length (memory and padding only: one optimizer step per B)"""
+    """at most this many sequences per forward/backward, grouped by length (memory and padding only: one step per B)"""
+    micro_batch_tokens: int = 8192
+    """and at most this many padded tokens (rows x longest row) per forward/backward; a longer sequence goes alone"""
+    autocast_bf16: bool = False
+    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay fp32"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
     is_clip: float = 5.0
     """c: token importance weights pi/mu are truncated at c (the paper's 5)"""
     ess_threshold: float = 0.5
@@ -214,27 +220,27 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
     # micro-batches of similar length: with long-tailed responses one padded batch would cost
     # B x the longest response; the gradients of the micro-batches add up to the batch's
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].token_ids))
+    lengths = [len(c.prompt_token_ids) + len(c.token_ids) for c in samples]
     total_tokens = sum(len(c.token_ids) for c in samples)
     processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
     optimizer.zero_grad()
     loss_sum = pg_sum = kl_sum = 0.0
     weights, diff_sum, diff_tokens = [], 0.0, 0
-    for first in range(0, len(order), args.micro_batch_size):
-        rows = order[first: first + args.micro_batch_size]
+    for rows in common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size):
         micro = [samples[i] for i in rows]
         ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in micro], [c.token_ids for c in micro], pad_token_id)
         ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
         mask = cmask[:, 1:].float()
         behaviour = common.sampler_logprob_tensor(micro, [len(c.prompt_token_ids) for c in micro], mask.shape[1]).to(device)
-        logp = common.token_logprobs(policy, ids, attn, cmask, **processing)
+        with common.autocast(device, args.autocast_bf16):
+            logp = common.token_logprobs(policy, ids, attn, cmask, **processing)
         weights.append(token_weights(logp.detach(), behaviour, mask)[mask.bool()])
         # sampler vs learner on sequences generated wholly by the learner's current weights (their
         # KV cache too): the training-inference mismatch alone, ~1e-6 in fp32
         fresh = torch.tensor([c.version_min == step for c in micro], device=device)
         diff_sum += ((logp.detach() - behaviour).abs() * mask)[fresh].sum().item()
         diff_tokens += int(mask[fresh].sum().item())
-        with torch.no_grad():
+        with torch.no_grad(), common.autocast(device, args.autocast_bf16):
             ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, **processing) if ref_policy else logp.detach()
         loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef)
         share = mask.sum().item() / total_tokens  # micro-batch means -> the batch's token mean
@@ -279,6 +285,7 @@ def main():
                       f"must be a positive multiple of --group-size ({args.train_batch_size} vs {args.group_size})")
     common.check_args(args.gen_batch_size >= args.group_size, "--gen-batch-size", "must hold at least one prompt's group")
     common.check_args(args.micro_batch_size >= 1, "--micro-batch-size", f"must be >= 1, got {args.micro_batch_size}")
+    common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
     common.check_args(args.steps_per_rl_step >= 1, "--steps-per-rl-step", f"must be >= 1, got {args.steps_per_rl_step}")
     common.check_args(args.temperature > 0, "--temperature",
                       "must be > 0: the importance weights need the sampler's logprobs of a sampled distribution (greedy has none)")
@@ -306,6 +313,9 @@ def main():
     task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     policy = common.load_policy(model_path, device)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     logger = common.RunLogger(run_name, args, track=args.track)

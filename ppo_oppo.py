@@ -1,4 +1,5 @@
-"""PPO with OPPO's pipeline overlap (papers/oppo-pipeline-overlap-ppo.txt, Algorithm 1, Eq. 1-4).
+"""PPO with OPPO's pipeline overlap (Algorithm 1, Eq. 1-4). Paper: Yan et al., "OPPO: Accelerating
+PPO-based RLHF via Pipeline Overlap", arXiv:2509.25762.
 
 PPO: the actor (the vLLM sampler) generates; the critic (a value head on the policy architecture),
 the frozen reference and the reward (the task's verifier, or a reward model) score; GAE (Eq. 1)
@@ -46,6 +47,8 @@ import tyro
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
+import tasks
+import vllm_sampler
 
 
 @dataclass
@@ -293,11 +296,11 @@ class Rollout:
 
     request_id: str
     key: int  # index of its problem in the train split
-    problem: common.Problem
+    problem: tasks.Problem
     prompt: list[int]
     admitted: int  # the iteration its prompt was submitted in
     response: list[int] = field(default_factory=list)  # tokens streamed so far; all of them once finished
-    final: common.Completion | None = None
+    final: vllm_sampler.Completion | None = None
     prefix: dict[str, Prefix] = field(default_factory=dict)
 
     @property
@@ -396,22 +399,6 @@ def scored(r: Rollout, name: str, model) -> torch.Tensor:
     return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
 
-def micro_batches(lengths: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:
-    """Token-budget micro-batches: the indices sorted by length, packed in that order so that each
-    micro-batch's padded size (its rows x its longest length) stays within max_tokens and it has at
-    most max_rows rows; a sequence longer than max_tokens forms a micro-batch of its own."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: i is its batch's longest
-        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * lengths[i] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def autocast(device: torch.device, enabled: bool):
-    """--autocast-bf16: matrix products of the forward in bf16; the trained weights, gradients and Adam keep --dtype."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def critic_values(critic, input_ids, attention_mask, completion_mask):
@@ -428,9 +415,9 @@ def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batc
     and max_tokens padded tokens; bf16: under bf16 autocast): TIS's pi_old."""
     out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
     device = next(policy.parameters()).device
-    for rows in micro_batches([r.num_tokens for r in batch], max_tokens or 2**62, micro_batch_size):
+    for rows in common.micro_batches([r.num_tokens for r in batch], max_tokens or 2**62, max_rows=micro_batch_size):
         ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
-        with autocast(device, bf16):
+        with common.autocast(device, bf16):
             logp = common.token_logprobs(policy, ids.to(device), attn.to(device), cmask.to(device), **processing).cpu()
         for row, i in enumerate(rows):
             plen = len(batch[i].prompt)
@@ -454,14 +441,14 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
     minibatch_tokens = sum(lengths[i] for i in minibatch)
     out = dict(pg=0.0, vf=0.0, clipfrac=0.0, approx_kl=0.0, entropy=0.0, tokens=0.0, loss_is_finite=True, diff_sum=0.0, diff_count=0.0)
     # micro-batches of similar length: long-tailed responses would pad everything to the longest
-    for micro in micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, args.micro_batch_size):
+    for micro in common.micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, max_rows=args.micro_batch_size):
         rows = [minibatch[j] for j in micro]
         ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
         ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
         starts, width = [len(batch[i].prompt) - 1 for i in rows], ids.shape[1] - 1
         put = lambda x: layout([x[i, :lengths[i]] for i in rows], starts, width).to(device)  # noqa: E731
         mask = cmask[:, 1:].float()
-        with autocast(device, args.autocast_bf16):
+        with common.autocast(device, args.autocast_bf16):
             logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, temperature=args.temperature,
                                                   top_p=args.top_p)
             # the entropy is only logged: detached at once, or the backward's recomputation of every logit chunk would keep
@@ -556,7 +543,8 @@ def main():
     processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution, everywhere
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
     optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    task = common.make_task(args.task, args.seed, tiny_prompts=tiny)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny)
+    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     logger = common.RunLogger(run_name, args, track=args.track)
     print(f"run directory: {logger.dir}")
     rng = np.random.default_rng(args.seed)
@@ -572,7 +560,7 @@ def main():
         delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta)
     try:
         sampler.init_weight_sync(policy)
@@ -617,7 +605,7 @@ def main():
 
         def score(rollouts: list[Rollout]) -> None:
             for name, model in downstream.items():
-                with autocast(device, args.autocast_bf16):
+                with common.autocast(device, args.autocast_bf16):
                     prefill(name, model, rollouts, args.temperature, args.micro_batch_size, top_p=args.top_p)
 
         eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
@@ -757,11 +745,11 @@ def main():
                 "charts/carried_in_batch": sum(a > 0 for a in ages),
                 # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
                 "charts/resumed_in_batch": sum(len({v for v, _, _ in r.final.versions}) > 1 for r in batch),
-                "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
+                "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
                 # mean |sampler - learner| logprob over the tokens the current weights sampled: the numerical mismatch
                 "charts/logprob_diff": diff_sum / diff_count if diff_count else float("nan"),
                 "charts/nonfinite_skipped": totals["nonfinite_skipped"],
-                "charts/episodes": totals["samples"], "charts/samples_per_second": totals["samples"] / totals["wall"],
+                "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"],
                 "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "losses/policy": sum(stats["pg"]) / args.num_ppo_epochs, "losses/value": sum(stats["vf"]) / args.num_ppo_epochs,
@@ -782,14 +770,15 @@ def main():
                       f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
                       f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
             if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):
-                common.save_checkpoint(logger.dir / "checkpoint.pt", learner, optimizer, version, data_position, iteration=iteration,
+                common.save_checkpoint(logger.dir / "checkpoint.pt", learner, optimizer, version, data_position,
+                                       hf_model=policy, tokenizer=tokenizer, iteration=iteration,
                                        totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
                                        carried_keys=[r.key for r in buffer.values()])
         sampler.abort(list(sampler.pending))
         eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                    chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
         logger.log(version, eval_end)
-        memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
+        memory = common.peak_memory_mib(sampler)
     finally:
         sampler.close()
 

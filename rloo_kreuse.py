@@ -1,4 +1,5 @@
-"""RLOO with off-policy K-reuse (papers/rloo-k-reuse.txt).
+"""RLOO with off-policy K-reuse. Paper: Bharani, "Systems-Aware Off-Policy RLOO: Amortizing Sampling
+Cost via K-Reuse" (Stanford CS224R final report, 2025).
 
 Each sampling round draws G responses for each of P prompts from the vLLM sampler, then takes K
 gradient steps on that one batch, correcting for the policy drift with importance weights
@@ -21,6 +22,8 @@ import torch
 import tyro
 
 import common
+import tasks
+import vllm_sampler
 
 
 @dataclass
@@ -187,24 +190,12 @@ def truncated_mismatch_weights(learner_logp, sampler_logp, mask, level: str, cap
     return ratio.clamp(max=cap), stats
 
 
-def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Token-budget micro-batches: the rows sorted by length, packed in that order so that each
-    micro-batch's padded size (its rows x its longest length) stays within max_tokens; a row longer
-    than that forms a micro-batch of its own."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):  # ascending: row i is its batch's longest
-        if batches and (len(batches[-1]) + 1) * lengths[i] <= max_tokens:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
 
 def micro_logprobs(model, ids, attn, cmask, lengths: list[int], rows: list[int], args, **kw) -> torch.Tensor:
     """common.token_logprobs of the micro-batch `rows` of the right-padded batch, cut to its longest row
     ([rows, width - 1]), under the sampler's processing (the logprob contract) and --autocast-bf16."""
     width = lengths[rows[-1]]
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=args.autocast_bf16):  # weights and Adam stay fp32
+    with common.autocast(ids.device, args.autocast_bf16):  # weights and Adam stay fp32
         return common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width], temperature=args.temperature,
                                      top_p=args.top_p, **kw)
 
@@ -281,7 +272,7 @@ def main():
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
-    task = common.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     policy = common.load_policy(model_path, device)
     if args.gradient_checkpointing:
@@ -299,7 +290,7 @@ def main():
         start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     try:
         sampler.init_weight_sync(policy)
@@ -331,7 +322,7 @@ def main():
         eval_start = evaluate()
         logger.log(step, eval_start)
         pending = submit_round()
-        loop_start = time.perf_counter() - timing["wall"]
+        loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
         for round_index in range(start_round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start = time.perf_counter()
@@ -351,7 +342,7 @@ def main():
             mask = completion_mask[:, 1:].float()
             sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
             lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-            micro = micro_batches(lengths, args.micro_batch_tokens)  # each cut to its longest row: rows are right-padded
+            micro = common.micro_batches(lengths, args.micro_batch_tokens)  # each cut to its longest row: rows are right-padded
             # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
             ref_logp = batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args)
             # log pi_theta0: the sampler's logprobs, or the learner's own recomputation (--recompute-old-logprobs, --tis-cap)
@@ -400,15 +391,17 @@ def main():
                 pending = submit_round()
             timing["wall"] = time.perf_counter() - loop_start
 
-            lags = [round_start_step - s.version_min for s in samples]  # learner version at the round's first k-step
+            # per token: the learner version at the round's first k-step minus the version that sampled the token
+            lags = [round_start_step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": mask.sum(1).mean().item(), "charts/episodes": (round_index + 1) * args.batch_size,
                 "charts/skipped_long_prompts": skipped, "charts/ess_min": min(ess_values, default=float("nan")),
-                "charts/lag_mean": float(np.mean(lags)), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
+                "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
                 "losses/loss": loss.item(), "losses/pg": stats["pg"].item(), "losses/kl_penalty": stats["kl"].item(),
                 "losses/entropy": stats["entropy"].item(), "losses/grad_norm": grad_norm.item(),
-                "time/sample_seconds": sample_seconds, "time/update_seconds": update_seconds, "time/push_seconds": push_seconds,
+                "time/generate_seconds": sample_seconds, "time/train_seconds": update_seconds, "time/push_seconds": push_seconds,
+                "charts/episodes_per_second": (round_index + 1 - start_round) * args.batch_size / max(timing["wall"] - resumed_wall, 1e-9),
                 "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
                 "time/grad_steps_per_second": step / max(timing["wall"], 1e-9),
             }
@@ -432,7 +425,7 @@ def main():
 
         eval_end = evaluate()
         logger.log(step, eval_end)
-        memory = dict(learner=common.peak_rss_mib(), sampler=sampler.peak_rss_mib())
+        memory = common.peak_memory_mib(sampler)
     finally:
         sampler.close()
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 import common
+import tasks
 import vllm_sampler
 
 TINY_SPECIAL = ["<pad>", "<eos>", "<unk>"]
@@ -77,7 +78,7 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
         )
         model = Qwen2ForCausalLM(model_config)
-        task = common.CountdownTask(seed=config.seed, **common.TINY_TASK)
+        task = tasks.CountdownTask(seed=config.seed, **tasks.TINY_TASK)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
         start = time.time()
@@ -151,7 +152,7 @@ def smoke(args: SmokeArgs) -> None:
     tokenizer = common.load_tokenizer(path)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     policy = common.load_policy(path, device)
-    task = common.make_task("countdown", seed=0, tiny_prompts=args.model == common.TINY)
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=args.model == common.TINY)
     problems, prompts, skipped = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.num_prompts)], 96)
     with vllm_sampler.start_sampler(path, placement=args.placement) as sampler:
         sampler.init_weight_sync(policy)

@@ -38,7 +38,7 @@ def run(mode: str, args: Args) -> dict:
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
     rows = common.read_metrics(run_dir)
     rounds = [r for r in rows if "time/step_seconds" in r][:-1]  # the last round has no next generation
-    accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    accuracy = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
     return dict(mode=mode, step=np.mean([r["time/step_seconds"] for r in rounds]), G=np.mean([r["time/generate_seconds"] for r in rounds]),
                 T=np.mean([r["time/train_seconds"] for r in rounds]), eps=rows[-2]["charts/episodes_per_second"] if "charts/episodes_per_second" in rows[-2] else float("nan"),
                 learner_wait=np.mean([r["time/learner_wait_seconds"] for r in rounds]),

@@ -23,6 +23,8 @@ import tyro  # noqa: E402
 
 import common  # noqa: E402
 import tiny_model  # noqa: E402
+import tasks  # noqa: E402
+import vllm_sampler  # noqa: E402
 
 
 @dataclass
@@ -49,7 +51,7 @@ def time_throughput(path, prompts, args):
     from vllm import LLM, SamplingParams
 
     ours, direct = [], []
-    with common.start_sampler(path, placement="cpu") as sampler:
+    with vllm_sampler.start_sampler(path, placement="cpu") as sampler:
         llm = LLM(model=path, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
                   kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256, enable_prefix_caching=False, seed=0)
         params = SamplingParams(n=args.n, **sampling(args))
@@ -70,7 +72,7 @@ def time_throughput(path, prompts, args):
 def time_push(path, args):
     model = common.load_policy(path, "cpu")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    with common.start_sampler(path, placement="cpu") as sampler:
+    with vllm_sampler.start_sampler(path, placement="cpu") as sampler:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)  # warm-up
         times = [sampler.push_weights(v) for v in range(2, 2 + args.push_repeats)]
@@ -96,7 +98,7 @@ def main():
     common.limit_cpu_threads()
     tiny = str(tiny_model.tiny_model_path())
     tokenizer = common.load_tokenizer(tiny)
-    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]
 
     ours, direct, ratios = time_throughput(tiny, prompts, args)

@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import vllm_sampler  # noqa: E402
 
 GB = 1e9
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of 512 bytes
@@ -238,7 +239,7 @@ def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, respo
     _, _, ids, attn, cmask, lengths = sequences(n, prompt, response, config.vocab_size)
     mask = cmask[:, 1:].float()
     sampler_logp = torch.zeros_like(mask)
-    micro = rloo.micro_batches(lengths, args.micro_batch_tokens)
+    micro = common.micro_batches(lengths, args.micro_batch_tokens)
     ref_logp = rloo.batch_logprobs(ref, ids, attn, cmask, lengths, micro, args)
     old_logp = sampler_logp
     advantages = rloo.rloo_advantages(torch.zeros(prompts, group)).view(-1)
@@ -276,7 +277,7 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
         if torch.isfinite(loss) and torch.isfinite(grad_norm):
             optimizer.step()
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
-    return dict(micro_batches=len(dpo.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n, tokens=sum(lengths))
+    return dict(micro_batches=len(common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n, tokens=sum(lengths))
 
 
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None, autocast: bool = False,
@@ -296,7 +297,7 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
     optimizer = adam(policy.parameters())
     B = args.train_batch_size
-    samples = [common.Completion(request_id=str(i), prompt_token_ids=[5] * prompt, token_ids=[7] * args.max_new_tokens,
+    samples = [vllm_sampler.Completion(request_id=str(i), prompt_token_ids=[5] * prompt, token_ids=[7] * args.max_new_tokens,
                                  logprobs=[-1.0] * args.max_new_tokens, finish_reason="length", versions=[(0, 0, args.max_new_tokens)])
                for i in range(B)]
     rewards = torch.zeros(B)
@@ -360,7 +361,7 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
         out = po.ppo_backward(policy, critic, batch, list(range(B)), data, args, pad_token_id=0, diff=step == 0)
         po.guarded_step(optimizer, list(learner.parameters()), args.max_grad_norm, out["loss_is_finite"])
     critic.eval()
-    return dict(micro_batches=len(po.micro_batches([r.num_tokens for r in batch], args.micro_batch_tokens, args.micro_batch_size)), rows=B,
+    return dict(micro_batches=len(common.micro_batches([r.num_tokens for r in batch], args.micro_batch_tokens, max_rows=args.micro_batch_size)), rows=B,
                 tokens=B * (prompt + T), carried=args.delta)
 
 

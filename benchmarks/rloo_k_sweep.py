@@ -40,9 +40,9 @@ def run(k: int, args: Args, overlap: bool = False) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rounds = [r for r in common.read_metrics(run_dir) if "time/sample_seconds" in r]
-    sample = sum(r["time/sample_seconds"] for r in rounds)
-    update = sum(r["time/update_seconds"] for r in rounds)
+    rounds = [r for r in common.read_metrics(run_dir) if "time/generate_seconds" in r]
+    sample = sum(r["time/generate_seconds"] for r in rounds)
+    update = sum(r["time/train_seconds"] for r in rounds)
     wall = rounds[-1]["step"] / rounds[-1]["time/grad_steps_per_second"]  # the training loop, no start-up or eval
     return dict(k=k, wall=wall, sample=sample, update=update, steps=rounds[-1]["step"], S=sample / len(rounds),
                 U=update / len(rounds) / k, P=(wall - sample - update) / len(rounds), reward=np.mean([r["charts/reward"] for r in rounds[-5:]]), dir=run_dir)

@@ -90,6 +90,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import tiny_model  # noqa: E402
+import tasks  # noqa: E402
+import vllm_sampler  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 MAX_PROMPT_TOKENS = 64  # what our scripts use with --model tiny (and so with the 50M model run as `tiny`)
@@ -183,7 +185,7 @@ class TaskReward:
         self.task = task
 
     def __call__(self, prompts, completions, numbers, target, **kwargs):
-        return [self.task.reward(c, common.Problem(prompt=p, numbers=list(n), target=int(t)))
+        return [self.task.reward(c, tasks.Problem(prompt=p, numbers=list(n), target=int(t)))
                 for p, c, n, t in zip(prompts, completions, numbers, target)]
 
 
@@ -275,7 +277,7 @@ def run_trl_worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     w, out = Workload(**spec["workload"]), Path(spec_path).parent
     torch.set_num_threads(spec["threads"])
-    task = common.make_task("countdown", w.seed, tiny_prompts=True)
+    task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
     tokenizer = common.load_tokenizer(w.model_dir)
     model = common.load_policy(w.model_dir, "cpu")
     dataset = train_dataset(task, w.steps * w.prompts)
@@ -362,7 +364,7 @@ def run_instrumented() -> None:
                 seconds[key] += time.perf_counter() - start
         return wrapper
 
-    evaluate, wait_for = common.evaluate, common.Sampler.wait_for
+    evaluate, wait_for = common.evaluate, vllm_sampler.Sampler.wait_for
 
     def evaluate_untracked(*args, **kwargs):
         in_eval[0] = True
@@ -382,11 +384,11 @@ def run_instrumented() -> None:
     def reward_phase():
         return "evaluation reward" if in_eval[0] else "reward"
 
-    common.evaluate, common.Sampler.wait_for = evaluate_untracked, wait_for_counted
-    common.CountdownTask.reward = timed(common.CountdownTask.reward, reward_phase)
+    common.evaluate, vllm_sampler.Sampler.wait_for = evaluate_untracked, wait_for_counted
+    tasks.CountdownTask.reward = timed(tasks.CountdownTask.reward, reward_phase)
     # learner-side time spent on the sampler: waiting for completions (wait_for_counted), pushing
     # weights; the start of a push may wait for the round in flight to finish: counted as waiting
-    push_weights, start_weight_update = common.Sampler.push_weights, common.Sampler.start_weight_update
+    push_weights, start_weight_update = vllm_sampler.Sampler.push_weights, vllm_sampler.Sampler.start_weight_update
 
     def push_timed(*args, **kwargs):
         pushes.append([0.0, 0.0])
@@ -403,7 +405,7 @@ def run_instrumented() -> None:
         finally:
             pushes[-1][1] = time.perf_counter() - start
 
-    common.Sampler.push_weights, common.Sampler.start_weight_update = push_timed, start_timed
+    vllm_sampler.Sampler.push_weights, vllm_sampler.Sampler.start_weight_update = push_timed, start_timed
     common.token_logprobs = timed(common.token_logprobs, forward_phase)
     torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
     torch.optim.Adam.step = timed(torch.optim.Adam.step, "optimizer")
@@ -478,13 +480,13 @@ def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[s
 def evaluate_model(model_dir: str, w: Workload) -> float:
     """pass@1 on the held-out problems with a sampler started on `model_dir`: what rloo_kreuse.py
     logs as eval/pass@1 and online_dpo_async.py as eval/accuracy."""
-    task = common.make_task("countdown", w.seed, tiny_prompts=True)
+    task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
     tokenizer = common.load_tokenizer(model_dir)
     sampling = dict(temperature=w.temperature, max_tokens=w.max_new_tokens) | (dict(top_p=1.0) if w.method == "rloo" else {})
     quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL")}
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # the sampler process inherits it; keeps the benchmark's output readable
     try:
-        sampler = common.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
+        sampler = vllm_sampler.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
     finally:
         if quiet["VLLM_LOGGING_LEVEL"] is None:
             os.environ.pop("VLLM_LOGGING_LEVEL")

@@ -54,13 +54,13 @@ def _assert_same(a: dict, b: dict) -> None:
 def test_micro_batches_pack_by_length_within_the_token_budget():
     lengths = [5, 30, 7, 12, 6, 40]
     # sorted: 5 (0), 6 (4), 7 (2), 12 (3), 30 (1), 40 (5); rows x longest <= 24
-    assert dpo.micro_batches(lengths, 24) == [[0, 4, 2], [3], [1], [5]]
-    assert rloo.micro_batches(lengths, 24) == [[0, 4, 2], [3], [1], [5]]  # a longer sequence goes alone
-    assert dpo.micro_batches(lengths, 24, rows_per_item=2) == [[0, 4], [2], [3], [1], [5]]  # a pair is 2 rows
-    assert po.micro_batches(lengths, 24, max_rows=2) == [[0, 4], [2, 3], [1], [5]]  # and at most max_rows rows
-    assert dpo.micro_batches(lengths, BIG) == [[0, 4, 2, 3, 1, 5]]
+    assert common.micro_batches(lengths, 24) == [[0, 4, 2], [3], [1], [5]]
+    assert common.micro_batches(lengths, 24) == [[0, 4, 2], [3], [1], [5]]  # a longer sequence goes alone
+    assert common.micro_batches(lengths, 24, rows_per_item=2) == [[0, 4], [2], [3], [1], [5]]  # a pair is 2 rows
+    assert common.micro_batches(lengths, 24, max_rows=2) == [[0, 4], [2, 3], [1], [5]]  # and at most max_rows rows
+    assert common.micro_batches(lengths, BIG) == [[0, 4, 2, 3, 1, 5]]
     for budget in (1, 24, 60, 100):  # every index exactly once, every micro-batch within the budget or alone
-        packed = dpo.micro_batches(lengths, budget)
+        packed = common.micro_batches(lengths, budget)
         assert sorted(i for b in packed for i in b) == list(range(len(lengths)))
         assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget for b in packed)
 
@@ -87,7 +87,7 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
         args = _dpo_args(micro_batch_tokens=budget)
         if budget != BIG:  # really several micro-batches of whole pairs
             pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen.tolist(), rejected.tolist())]
-            assert len(dpo.micro_batches(pair_lengths, budget, rows_per_item=2)) == 3
+            assert len(common.micro_batches(pair_lengths, budget, rows_per_item=2)) == 3
         ref_seq = dpo.sequence_logprobs(ref, ids, attn, cmask, lengths, args)
         policy.zero_grad()
         loss, margins, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen, rejected, ref_seq, args)
@@ -124,7 +124,7 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
                                kl_estimator="k3", beta_kl=0.01, beta_ent=0.05)
         per_budget = []
         for budget in (BIG, 30):
-            micro = rloo.micro_batches(lengths, budget)
+            micro = common.micro_batches(lengths, budget)
             assert len(micro) == (1 if budget == BIG else 4)
             ref_logp = rloo.batch_logprobs(ref, ids, attn, cmask, lengths, micro, args)
             old_logp = rloo.batch_logprobs(policy, ids, attn, cmask, lengths, micro, args) - 0.01 * mask  # K-reuse: w != 1
