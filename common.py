@@ -24,26 +24,17 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from transformers import set_seed  # noqa: F401  (python, numpy, torch and CUDA generators)
 
-from tasks import TINY_TASK, CountdownTask, Problem, countdown_reward, gsm8k_reward, make_task  # noqa: F401,E402
+from vllm_sampler import peak_rss_mib
 
-# The sampler lives in vllm_sampler.py; these names are re-exported until every caller imports them from there.
-from vllm_sampler import (  # noqa: F401
-    Completion,
-    Sampler,
-    SamplerConfig,
-    SamplerError,
-    engine_settings,
-    peak_rss_mib,
-    sampler_cuda_device,
-    start_sampler,
-    weight_backend,
-)
+if TYPE_CHECKING:  # annotations only
+    from tasks import Problem
+    from vllm_sampler import Completion, Sampler
 
 # --------------------------------------------------------------------------------------
 # Errors and argument checks

@@ -13,20 +13,12 @@ The x axis (--x):
            whose wall restarts: wherever wall goes back, the rest is shifted to continue from the
            last wall before it, so the time between the crash and the resume is left out.
   step     the learner's optimizer step (the row's "step").
-  samples  cumulative training samples (completions) behind the row:
-           - rloo_kreuse.py, online_dpo_async.py: their cumulative "charts/episodes" counter
-             (rounds x prompts x completions per prompt), as logged;
-           - pipeline_rl.py: step * train_batch_size from args.json (every optimizer step trains on
-             train_batch_size sequences; steps skipped for low ESS neither advance the step nor count,
-             as in its charts/samples_per_second). charts/samples_per_second is not used: it divides
-             by the training loop's time, not by the logger's "wall";
-           - ppo_oppo.py: step / (num_ppo_epochs * num_minibatches) * batch_size from args.json (its
-             step is the policy version: num_ppo_epochs * num_minibatches optimizer steps per batch of
-             batch_size sequences); its charts/samples_per_second is loop-timed too;
-           - any script that logs a cumulative "charts/episodes" or "charts/samples" counter: the
-             counter, which always wins over the args.json rules; otherwise an error.
-           A row without the counter (an eval row) takes the last counter value before it, 0 before
-           the first training row.
+  samples  cumulative training samples (completions) behind the row: the "charts/episodes" counter
+           that every script logs. Runs written before every script logged it fall back to
+           step * train_batch_size (pipeline_rl.py) or step / (num_ppo_epochs * num_minibatches) *
+           batch_size (ppo_oppo.py) from args.json; otherwise it is an error. A row without the
+           counter (an eval row) takes the last counter value before it, 0 before the first
+           training row.
 """
 
 from __future__ import annotations

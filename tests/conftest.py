@@ -1,11 +1,13 @@
-"""Shared fixtures. Tests are laid out like the code: one file per module or script.
+"""Shared fixtures. Tests are laid out like the code: one file per module or script
+(test_common, test_tasks, test_vllm_sampler, test_tiny_model, test_<script>), plus test_faults
+(reliability), test_gpu_path and test_memory.
 
-Markers: `slow` (starts a sampler or runs a script; `pytest -m "not slow"` runs the unit tests in
-under a minute) is added here to every test that uses the `sampler` or `run_script` fixture, and
-by hand to the others that start a process; `gpu` needs CUDA."""
+Markers: `gpu` needs CUDA. `slow` is added here to every test that starts a sampler or a script
+(it uses the `sampler` fixture, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
+the unit tests in under a minute."""
 
+import inspect
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,12 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-SLOW_FIXTURES = {"sampler", "run_script"}
+SLOW_CALLS = ("_run(", "_run_realistic(", "subprocess.", "start_sampler(", "Sampler(", ".main(", "_check_push_matches_learner(")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if SLOW_FIXTURES & set(item.fixturenames):
+        source = inspect.getsource(item.function) if hasattr(item, "function") else ""
+        if "sampler" in item.fixturenames or any(call in source for call in SLOW_CALLS):
             item.add_marker(pytest.mark.slow)
 
 
@@ -55,18 +58,3 @@ def realistic_path():
     from realistic_model import realistic_model_path
 
     return str(realistic_model_path())
-
-
-@pytest.fixture
-def run_script(tmp_path):
-    """Run a script's real command line with tmp_path as the working directory, so its runs/
-    lands there and never in the repository. Returns the CompletedProcess with `.run_dir` (the
-    run directory it printed, or None)."""
-
-    def run(script: str, *flags: str, timeout: float = 600, code: str | None = None) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-c", code] if code is not None else [sys.executable, str(ROOT / script), *flags]
-        out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
-        out.run_dir = tmp_path / out.stdout.split("run directory: ")[1].split()[0] if "run directory: " in out.stdout else None
-        return out
-
-    return run

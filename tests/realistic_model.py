@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import common
+import tasks
 import tiny_model
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -85,7 +86,7 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
     torch.set_num_threads(1)
     try:
         common.set_seed(config.seed)
-        task = common.make_task("countdown", seed=config.seed, tiny_prompts=False)
+        task = tasks.make_task("countdown", seed=config.seed, tiny_prompts=False)
         tokenizer = build_tokenizer(config, task)
         model = Qwen2ForCausalLM(Qwen2Config(
             vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,

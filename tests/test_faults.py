@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -17,8 +18,11 @@ import pytest
 import torch
 
 import common
+import tasks
+import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
 
 
 @dataclass
@@ -74,7 +78,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def _run(script, *flags, timeout=120):
-    return subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=WORK, capture_output=True, text=True, timeout=timeout)
 
 
 class _Evil:
@@ -97,12 +101,12 @@ def test_bad_resume_is_one_line_and_creates_nothing(tmp_path, kind):
     elif kind == "code":
         torch.save({"model": _Evil(), "optimizer": {}, "step": 0, "data_position": 0, "rng": {}}, target)
     resume = str(tmp_path / "nowhere") if kind == "missing" else str(target)
-    runs_before = set(os.listdir(ROOT / "runs")) if (ROOT / "runs").exists() else set()
+    runs_before = set(os.listdir(WORK / "runs")) if (WORK / "runs").exists() else set()
     out = _run("rloo_kreuse.py", "--resume", resume)
     assert out.returncode != 0 and out.stderr.strip().startswith("error: --resume:"), out.stderr[-2000:]
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not _Evil.marker.exists()  # weights_only: the pickled shell command never ran
-    runs_after = set(os.listdir(ROOT / "runs")) if (ROOT / "runs").exists() else set()
+    runs_after = set(os.listdir(WORK / "runs")) if (WORK / "runs").exists() else set()
     assert runs_after == runs_before  # no runs/<that path> made before failing
 
 
@@ -110,7 +114,7 @@ def test_weight_sync_listens_on_loopback_only(tiny_path):
     """The rendezvous store and the gloo pairs are bound to 127.0.0.1 for a local sampler, on a
     port the learner bound itself (no bind-close-reuse race)."""
     model = common.load_policy(tiny_path, "cpu")
-    with common.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
+    with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
         sampler.init_weight_sync(model)
         pids = [os.getpid(), sampler.process.pid]
         listening = [c for pid in pids for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
@@ -119,7 +123,7 @@ def test_weight_sync_listens_on_loopback_only(tiny_path):
 
 
 def _prompts(tokenizer, count):
-    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     return [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(count)]
 
 
@@ -127,7 +131,7 @@ def _stopped_sampler_is_an_error_in_seconds(sampler, action):
     os.kill(sampler.process.pid, signal.SIGSTOP)
     start = time.monotonic()
     try:
-        with pytest.raises(common.SamplerError, match="has not answered"):
+        with pytest.raises(vllm_sampler.SamplerError, match="has not answered"):
             action()
         assert time.monotonic() - start < sampler.config.silence_timeout + 15
     finally:
@@ -136,7 +140,7 @@ def _stopped_sampler_is_an_error_in_seconds(sampler, action):
 
 
 def test_stopped_sampler_during_generation(tiny_path, tokenizer):
-    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     prompts = _prompts(tokenizer, 64)
     ids = sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
     time.sleep(0.3)
@@ -145,13 +149,13 @@ def test_stopped_sampler_during_generation(tiny_path, tokenizer):
 
 def test_stopped_sampler_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
-    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     sampler.init_weight_sync(model)
     _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.push_weights(1))
 
 
 def test_stopped_sampler_while_its_engine_is_built(tiny_path):
-    sampler = common.Sampler(common.SamplerConfig(model=tiny_path, placement="cpu", silence_timeout=5))
+    sampler = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model=tiny_path, placement="cpu", silence_timeout=5))
     real_wait = sampler._wait
 
     def stop_then_wait(done, timeout, what):  # stop it right after spawning, while it imports and builds vLLM
@@ -162,7 +166,7 @@ def test_stopped_sampler_while_its_engine_is_built(tiny_path):
     sampler._wait = stop_then_wait
     start = time.monotonic()
     try:
-        with pytest.raises(common.SamplerError, match="has not answered"):
+        with pytest.raises(vllm_sampler.SamplerError, match="has not answered"):
             sampler.start()
         assert time.monotonic() - start < 30
     finally:
@@ -175,8 +179,9 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
         import os, sys, threading, time
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        import vllm_sampler
         if __name__ == "__main__":
-            s = common.Sampler(common.SamplerConfig(model={tiny_path!r}, placement="cpu"))
+            s = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model={tiny_path!r}, placement="cpu"))
             threading.Thread(target=s.start, daemon=True).start()
             while s.process is None:
                 time.sleep(0.05)
@@ -194,9 +199,9 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
 
 
 def test_killed_sampler_reports_its_exit_code(tiny_path, tokenizer):
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
     os.kill(sampler.process.pid, signal.SIGKILL)
-    with pytest.raises(common.SamplerError, match=r"exit code -9"):
+    with pytest.raises(vllm_sampler.SamplerError, match=r"exit code -9"):
         sampler.generate(_prompts(tokenizer, 2), n=1, max_tokens=4)
     sampler.close()
 
@@ -233,9 +238,9 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        import common
+        import vllm_sampler
         if __name__ == "__main__":
-            common.start_sampler({tiny_path!r}, placement="cpu").close()
+            vllm_sampler.start_sampler({tiny_path!r}, placement="cpu").close()
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
@@ -249,7 +254,7 @@ def test_prompts_all_too_long_is_one_clear_line():
 
 def test_sampler_killed_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
     sampler.init_weight_sync(model)
     real_update = sampler.update_weights
 
@@ -259,7 +264,7 @@ def test_sampler_killed_during_a_push(tiny_path):
 
     sampler.update_weights = die_mid_push
     start = time.monotonic()
-    with pytest.raises(common.SamplerError, match="died|push failed"):
+    with pytest.raises(vllm_sampler.SamplerError, match="died|push failed"):
         sampler.push_weights(1)
     assert time.monotonic() - start < 60
     sampler.close()

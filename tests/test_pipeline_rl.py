@@ -7,6 +7,7 @@ import math
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -16,9 +17,12 @@ import pytest
 import torch
 
 import common
+import tasks
+import vllm_sampler
 import pipeline_rl as prl
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
 
 
 def test_advantages_ess_and_truncated_is_loss_by_hand():
@@ -51,7 +55,7 @@ def test_importance_weight_stats_by_hand():
 
 
 def test_token_lags_follow_version_spans():
-    c = common.Completion("0", [1], [5, 6, 7, 8, 9], [0.0] * 5, "stop", versions=[(3, 0, 2), (4, 2, 5)])
+    c = vllm_sampler.Completion("0", [1], [5, 6, 7, 8, 9], [0.0] * 5, "stop", versions=[(3, 0, 2), (4, 2, 5)])
     assert prl.token_lags(c, learner_version=5) == [2, 2, 1, 1, 1]
 
 
@@ -71,7 +75,7 @@ def test_in_flight_weight_update(tiny_path, tokenizer, sampler, recompute_kv):
     sampler.init_weight_sync(model)
     sampler.push_weights(sampler.version + 1)
     old_version = sampler.version
-    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(6)]
     length = 100
     ids = sampler.submit(prompts, n=1, stream_every=4, temperature=1.0, max_tokens=length, ignore_eos=True)
@@ -204,7 +208,7 @@ def test_conventional_batches_are_shuffled_whole_groups():
 def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
     """A NaN ESS (poisoned sampler logprob) or a NaN loss (poisoned reward) must not step the
     optimizer: NaN < threshold is False, so the ESS guard alone lets a NaN through."""
-    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(2)]
     responses = [tokenizer(text)["input_ids"] for text in ["1+2=3", "4*5", "7-1=6 ok", "9"]]
     args = prl.Args(group_size=2, micro_batch_size=3, top_p=0.9, temperature=0.8, ess_threshold=0.5)
@@ -218,7 +222,7 @@ def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
         for i, r in enumerate(responses):
             start = len(prompts[i // 2]) - 1
             logprobs = [v - offset * (t % 2) for t, v in enumerate(own[i, start: start + len(r)].tolist())]
-            out.append(common.Completion(str(i), prompts[i // 2], r, logprobs, "stop", [(0, 0, len(r))], tag=(i // 2, i % 2)))
+            out.append(vllm_sampler.Completion(str(i), prompts[i // 2], r, logprobs, "stop", [(0, 0, len(r))], tag=(i // 2, i % 2)))
         return out
 
     def step(batch, rewards, **kw):
@@ -251,11 +255,11 @@ def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
 # ---- from the command line ----
 
 def _run(*flags, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=WORK, capture_output=True, text=True, timeout=timeout)
 
 
 def _rows(out):
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     return run_dir, [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
 
 
@@ -322,8 +326,8 @@ def test_nonfinite_step_is_skipped_counted_and_never_pushed():
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        import common, pipeline_rl as prl
-        real_loss, real_push, calls = prl.truncated_is_loss, common.Sampler.push_weights, []
+        import common, pipeline_rl as prl, vllm_sampler
+        real_loss, real_push, calls = prl.truncated_is_loss, vllm_sampler.Sampler.push_weights, []
         def poisoned(*a, **k):
             calls.append(1)
             loss, pg, kl = real_loss(*a, **k)
@@ -331,12 +335,12 @@ def test_nonfinite_step_is_skipped_counted_and_never_pushed():
         def push(self, version, *a, **k):
             print("PUSH", version, flush=True)
             return real_push(self, version, *a, **k)
-        prl.truncated_is_loss, common.Sampler.push_weights = poisoned, push
+        prl.truncated_is_loss, vllm_sampler.Sampler.push_weights = poisoned, push
         sys.argv = ["pipeline_rl.py", "--exp-name", "pytest_prl_nan", "--num-steps", "2", "--train-batch-size", "8",
                     "--gen-batch-size", "8", "--eval-problems", "4", "--eval-samples", "1"]
         prl.main()
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], cwd=WORK, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir, rows = _rows(out)
     assert [line for line in out.stdout.splitlines() if line.startswith("PUSH")] == ["PUSH 1", "PUSH 2"]
@@ -373,7 +377,7 @@ def test_bad_flags_are_one_line_errors_before_the_sampler_starts(monkeypatch, fl
     def never(*a, **k):
         raise AssertionError("got past the argument checks")
 
-    monkeypatch.setattr(common, "start_sampler", never)
+    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
     monkeypatch.setattr(common, "load_policy", never)
     monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", *flags])
     with pytest.raises(SystemExit) as exit_info:

@@ -4,6 +4,7 @@ real sampler, and the script from its real command line."""
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,8 +14,11 @@ import torch
 
 import common
 import rloo_kreuse as rloo
+import tasks
+import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
+WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
 
 
 def test_leave_one_out_advantage_by_hand():
@@ -72,7 +76,7 @@ def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
     policy = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(policy)
     sampler.push_weights(sampler.version + 1)  # the sampler holds exactly the learner's weights
-    task = common.make_task("countdown", seed=0, tiny_prompts=True)
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     problems = [task.problem("train", i) for i in range(8)]
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     samples = sampler.generate(prompts, n=4, temperature=0.8, top_p=1.0, max_tokens=24)
@@ -102,7 +106,7 @@ def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
 
 
 def _run(*flags, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=WORK, capture_output=True, text=True, timeout=timeout)
 
 
 def test_two_rounds_from_the_command_line_then_resume():
@@ -110,7 +114,7 @@ def test_two_rounds_from_the_command_line_then_resume():
              "--eval-samples", "4"]
     out = _run(*flags, "--num-rounds", "2")
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     rows = common.read_metrics(run_dir)
     rounds = [r for r in rows if "charts/reward" in r]
     assert [r["step"] for r in rounds] == [2, 4]
@@ -125,21 +129,38 @@ def test_two_rounds_from_the_command_line_then_resume():
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert (state["round"], state["step"]) == (3, 6)
 
+    # the trained policy is also a Hugging Face model directory that transformers and vLLM load as is
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "model")
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in state["model"].items() if k in saved.state_dict())
+    with vllm_sampler.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
+        tokenizer = common.load_tokenizer(str(run_dir / "model"))
+        assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
+
 
 def test_overlap_mode_runs_one_round_off_policy():
     out = _run("--exp-name", "pytest_rloo_overlap", "--k", "2", "--num-prompts", "8", "--group-size", "4", "--num-rounds", "3",
                "--overlap", "--eval-problems", "8", "--eval-samples", "2")
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     lags = [r["charts/lag_mean"] for r in common.read_metrics(run_dir) if "charts/lag_mean" in r]
     assert lags[0] == 0 and all(lag == 2 for lag in lags[1:])  # round r+1 was generated before round r's K=2 steps
 
 
 @pytest.mark.parametrize("flags, flag", [(["--k", "0"], "--k"), (["--group-size", "1"], "--group-size"),
-                                         (["--iw-level", "word"], "--iw-level"), (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs")])
+                                         (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
+                                         (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
+                                         (["--tis-cap", "2", "--overlap"], "--tis-cap")])
 def test_bad_flags_are_rejected_at_start(flags, flag):
     out = _run(*flags, timeout=120)
-    assert out.returncode != 0 and f"error: {flag}" in out.stderr
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith(f"error: {flag}") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("flags, flag", [(["--iw-level", "word"], "--iw-level"), (["--kl-estimator", "k4"], "--kl-estimator")])
+def test_choice_flags_are_refused_by_the_parser_with_their_choices(flags, flag):
+    out = _run(*flags, timeout=120)
+    assert out.returncode != 0 and flag in out.stderr and "Expected one of" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_kl_estimators_by_hand_and_their_gradients():
@@ -197,7 +218,7 @@ def test_k1_weight_is_one_with_top_p_from_the_command_line():
     out = _run("--exp-name", "pytest_rloo_topp", "--k", "1", "--top-p", "0.9", "--num-prompts", "8", "--group-size", "4",
                "--num-rounds", "3", "--eval-problems", "8", "--eval-samples", "2")
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
     assert len(rounds) == 3
     for r in rounds:
@@ -211,7 +232,7 @@ def test_realistic_model_paper_settings_k1_on_policy_with_tis(realistic_path):
     out = _run("--model", realistic_path, "--exp-name", "pytest_rloo_real", "--k", "1", "--num-prompts", "4", "--group-size", "2",
                "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2", "--tis-cap", "2")
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     args = json.loads((run_dir / "args.json").read_text())
     assert (args["temperature"], args["top_p"], args["max_new_tokens"]) == (0.8, 0.95, 48)
     rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
@@ -237,9 +258,9 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
                     "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"]
         rloo.main()
     """)
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], cwd=WORK, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
     assert [r["charts/nonfinite_skipped"] for r in rounds] == [2, 4] and [r["step"] for r in rounds] == [0, 0]
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import common  # noqa: E402
+import tasks  # noqa: E402
 import trl_comparison as bench  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def crafted(task):
 def test_reward_adapter_matches_task_reward():
     """Called the way TRL calls a reward function (prompts, completions and the dataset's extra
     columns as lists, two completions per prompt), the adapter gives task.reward."""
-    task = common.make_task("countdown", 1, tiny_prompts=True)
+    task = tasks.make_task("countdown", 1, tiny_prompts=True)
     problems, completions = crafted(task)
     rows = [problems[i // 2] for i in range(8)]
     completions = [c for c in completions for _ in range(2)]
@@ -37,7 +37,7 @@ def test_reward_adapter_matches_task_reward():
 def test_train_dataset_is_our_prompts():
     """TRL's dataset holds the prompts ours takes, in order, and its columns round-trip the reward."""
     pytest.importorskip("datasets")
-    task = common.make_task("countdown", 1, tiny_prompts=True)
+    task = tasks.make_task("countdown", 1, tiny_prompts=True)
     problems, completions = crafted(task)
     rows = bench.train_dataset(task, 4)
     assert [r["prompt"] for r in rows] == [p.prompt for p in problems]
