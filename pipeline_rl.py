@@ -452,7 +452,7 @@ def main():
                 "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"],
-                "losses/loss": stats["loss"], "losses/pg": stats["pg"], "losses/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
+                "losses/loss": stats["loss"], "losses/pg": stats["pg"], "charts/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
                 "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
             }
             if "logprob_diff" in stats:  # absent when no sequence of the batch was generated wholly by the current weights
