@@ -44,8 +44,11 @@ class Args:
     """countdown (offline generator), countdown-hub or gsm8k; scored by the verifier unless --reward-model"""
     reward_model: str | None = None
     """an HF sequence-classification reward model (num_labels=1) to score completions instead"""
-    placement: str = "auto"
+    placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+    sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
+    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
 
     # the method
     sync: bool = False
@@ -261,7 +264,7 @@ def main():
         totals |= state["totals"]
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     try:
         sampler.init_weight_sync(policy)

@@ -53,6 +53,9 @@ class Args:
     """countdown (offline generator), countdown-hub or gsm8k"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+    sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
+    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
 
     # the method
     mode: Literal["pipeline", "conventional"] = "pipeline"
@@ -333,7 +336,7 @@ def main():
     if example:
         print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                    max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256)
     try:

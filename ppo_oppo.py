@@ -67,6 +67,9 @@ class Args:
     """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+    sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
+    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained models (actor, critic) and the reference, whatever the checkpoint's (often bf16):
     in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
@@ -560,7 +563,7 @@ def main():
         delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta)
     try:
         sampler.init_weight_sync(policy)

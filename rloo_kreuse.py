@@ -38,8 +38,11 @@ class Args:
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
     task: str = "countdown"
     """countdown (offline generator), countdown-hub (TinyZero's data) or gsm8k"""
-    placement: str = "auto"
+    placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
+    sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
+    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
 
     # the method
     k: int = 1
@@ -290,7 +293,7 @@ def main():
         start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed,
+    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     try:
         sampler.init_weight_sync(policy)
