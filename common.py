@@ -437,6 +437,24 @@ class RunLogger:
             shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in clean.items() if isinstance(v, float))
             print(f"[{record['wall']:7.1f}s] step {step}: {shown}")
 
+    def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict) -> str:
+        """The end-of-run report, the same shape in every script: this run's line of its paper's
+        table (`row`: column -> value), held-out pass@k at the start and the end, and peak memory.
+        Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
+        cell = lambda v: v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"  # noqa: E731
+        keys = sorted(eval_end, key=lambda k: int(k.split("@")[1]))
+        lines = [f"## {title}", "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row), "| " + " | ".join(cell(v) for v in row.values()) + " |",
+                 "", "held-out", "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
+                 "| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |",
+                 "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
+                 "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())]
+        text = "\n".join(lines) + "\n"
+        print("\n" + text, end="")
+        (self.dir / "summary.md").write_text(text)
+        self.log(step, {"eval/pass@1_gain": eval_end["eval/pass@1"] - eval_start["eval/pass@1"],
+                        **{f"memory/{name}_peak_mib": mib for name, mib in memory.items()}}, echo=False)
+        return text
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

@@ -265,11 +265,8 @@ def main():
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, weights=policy, version=step)
     try:
-        sampler.init_weight_sync(policy)
-        if step:
-            sampler.push_weights(step)
         # No per-request seed: vLLM's CPU runner fails on a seeded request whose prompt's prefill it splits
         # ("CPU Generator does not use offset"). The sampler's engine seed (--seed) already makes the tokens
         # reproducible for the same schedule of requests (the sync / --staleness 0 parity test).
@@ -440,12 +437,10 @@ def main():
         sampler.close()
 
     mode = "sync" if args.sync else "async"
-    print(f"\nonline DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts "
-          f"x {args.group_size} samples")
-    print("| mode | wall (s) | generate (s) | train (s) | episodes/s | accuracy start | accuracy end |\n|---|---|---|---|---|---|---|")
-    print(f"| {mode} | {totals['wall']:.1f} | {totals['generate']:.1f} | {totals['train']:.1f} | "
-          f"{totals['episodes'] / totals['wall']:.1f} | {eval_start['eval/pass@1']:.3f} | {eval_end['eval/pass@1']:.3f} |")
-    print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
+    logger.report(step, f"online DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts "
+                  f"x {args.group_size} samples",
+                  {"mode": mode, "wall (s)": totals["wall"], "generate (s)": totals["generate"], "train (s)": totals["train"],
+                   "episodes/s": totals["episodes"] / totals["wall"]}, eval_start, eval_end, memory)
     logger.close()
 
 

@@ -336,14 +336,12 @@ def main():
     if example:
         print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
 
+    # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                   max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256)
+                                         max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256,
+                                         weights=policy, version=step, background_push=args.mode == "pipeline" and args.background_push)
     try:
-        # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
-        sampler.init_weight_sync(policy, background=args.mode == "pipeline" and args.background_push)
-        if step:
-            sampler.push_weights(step)
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
         groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far
         ready: deque[tuple[int, list[vllm_sampler.Completion]]] = deque()  # the trainer queue: (data position, group)
@@ -517,15 +515,12 @@ def main():
 
     label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
     rows = [r for r in common.read_metrics(logger.dir) if "charts/ess" in r]
-    print(f"\n{label}: {args.num_steps} steps of {args.train_batch_size} sequences")
-    print("| method | wall (s) | episodes/s | tokens/s | mean ESS | mean token lag | learner wait (s) | skipped | dropped | "
-          "accuracy start -> end |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {label} | {totals['wall']:.1f} | {totals['episodes'] / totals['wall']:.1f} | {totals['tokens'] / totals['wall']:.0f} | "
-          f"{np.mean([r['charts/ess'] for r in rows]):.3f} | {np.mean([r['charts/lag_mean'] for r in rows]):.2f} | {totals['wait']:.1f} | "
-          f"{totals['skipped'] + totals['nonfinite']} | {totals['stale_dropped']} | "
-          f"{eval_start['eval/pass@1']:.3f} -> {eval_end['eval/pass@1']:.3f} |")
-    print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
+    logger.report(step, f"{label}: {args.num_steps} steps of {args.train_batch_size} sequences",
+                  {"method": label, "wall (s)": totals["wall"], "episodes/s": totals["episodes"] / totals["wall"],
+                   "tokens/s": totals["tokens"] / totals["wall"], "mean ESS": float(np.mean([r["charts/ess"] for r in rows])),
+                   "mean token lag": float(np.mean([r["charts/lag_mean"] for r in rows])), "learner wait (s)": totals["wait"],
+                   "skipped": str(totals["skipped"] + totals["nonfinite"]), "dropped": str(totals["stale_dropped"])},
+                  eval_start, eval_end, memory)
     logger.close()
 
 

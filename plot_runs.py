@@ -14,16 +14,12 @@ The x axis (--x):
            last wall before it, so the time between the crash and the resume is left out.
   step     the learner's optimizer step (the row's "step").
   samples  cumulative training samples (completions) behind the row: the "charts/episodes" counter
-           that every script logs. Runs written before every script logged it fall back to
-           step * train_batch_size (pipeline_rl.py) or step / (num_ppo_epochs * num_minibatches) *
-           batch_size (ppo_oppo.py) from args.json; otherwise it is an error. A row without the
-           counter (an eval row) takes the last counter value before it, 0 before the first
-           training row.
+           that every script logs (a run without it is an error). A row without the counter (an
+           eval row) takes the last counter value before it, 0 before the first training row.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +31,7 @@ from matplotlib.figure import Figure
 
 import common
 
-COUNTERS = ("charts/episodes", "charts/samples")  # cumulative sample counters, first found wins
+COUNTER = "charts/episodes"  # the cumulative sample counter every script logs
 X_LABELS = dict(wall="wall-clock seconds since run start", step="learner step", samples="training samples (cumulative)")
 
 
@@ -55,10 +51,6 @@ class Args:
     """path of the PNG to write"""
 
 
-def load_run(run_dir: str | Path) -> tuple[list[dict], dict]:
-    """The rows of run_dir/metrics.jsonl (common.read_metrics) and its args.json ({} when absent)."""
-    args_path = Path(run_dir) / "args.json"
-    return common.read_metrics(run_dir), (json.loads(args_path.read_text()) if args_path.is_file() else {})
 
 
 def wall_axis(rows: list[dict]) -> list[float]:
@@ -73,32 +65,25 @@ def wall_axis(rows: list[dict]) -> list[float]:
     return xs
 
 
-def samples_axis(rows: list[dict], args: dict, run_dir: str | Path = "run") -> list[float]:
+def samples_axis(rows: list[dict], run_dir: str | Path = "run") -> list[float]:
     """Cumulative training samples behind each row (the rule is in the module docstring)."""
-    counter = next((key for key in COUNTERS if any(key in row for row in rows)), None)
-    if counter is not None:
-        xs, last = [], 0.0
-        for row in rows:
-            last = float(row.get(counter, last))
-            xs.append(last)
-        return xs
-    if args.get("train_batch_size"):  # pipeline_rl.py
-        return [float(row["step"]) * args["train_batch_size"] for row in rows]
-    if args.get("num_ppo_epochs") and args.get("batch_size"):  # ppo_oppo.py
-        steps_per_batch = args["num_ppo_epochs"] * args.get("num_minibatches", 1)
-        return [float(row["step"]) / steps_per_batch * args["batch_size"] for row in rows]
-    raise SystemExit(f"error: {run_dir}: --x samples needs a {' or '.join(COUNTERS)} counter in metrics.jsonl, "
-                     f"or train_batch_size (pipeline_rl.py) or num_ppo_epochs and batch_size (ppo_oppo.py) in args.json")
+    if not any(COUNTER in row for row in rows):
+        raise SystemExit(f"error: {run_dir}: --x samples needs the {COUNTER} counter in metrics.jsonl")
+    xs, last = [], 0.0
+    for row in rows:
+        last = float(row.get(COUNTER, last))
+        xs.append(last)
+    return xs
 
 
-def x_axis(rows: list[dict], args: dict, x: str, run_dir: str | Path = "run") -> list[float]:
+def x_axis(rows: list[dict], x: str, run_dir: str | Path = "run") -> list[float]:
     """The x value of every row, for x in wall / step / samples."""
     if x == "wall":
         return wall_axis(rows)
     if x == "step":
         return [float(row["step"]) for row in rows]
     if x == "samples":
-        return samples_axis(rows, args, run_dir)
+        return samples_axis(rows, run_dir)
     raise SystemExit(f"error: --x: must be wall, step or samples, got {x!r}")
 
 
@@ -130,8 +115,8 @@ def plot(run_dirs, metrics, x="wall", out="plot.png", labels=None, smooth=1) -> 
     # ---- read every run; then every (metric, run) series ----
     runs = []
     for run_dir in run_dirs:
-        rows, args = load_run(run_dir)
-        runs.append((rows, x_axis(rows, args, x, run_dir)))
+        rows = common.read_metrics(run_dir)
+        runs.append((rows, x_axis(rows, x, run_dir)))
     data = {metric: [(label, *series(rows, xs, metric)) for label, (rows, xs) in zip(labels, runs)] for metric in metrics}
     for metric, lines in data.items():
         if not any(ys for _, _, ys in lines):

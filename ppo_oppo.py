@@ -564,11 +564,9 @@ def main():
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
+                                         weights=policy, version=version)
     try:
-        sampler.init_weight_sync(policy)
-        if version:
-            sampler.push_weights(version)
         buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
         finished: list[Rollout] = []  # finished and not yet trained on, in finishing order
 
@@ -788,14 +786,13 @@ def main():
     label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
     rows = [r for r in common.read_metrics(logger.dir) if "time/iteration_seconds" in r]
     mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
-    print(f"\n{label}: {args.num_iterations} iterations of {B} sequences, {args.num_ppo_epochs} epochs x {args.num_minibatches} minibatches")
-    print("| method | wall (s) | iteration (s) | generate | score exposed | score hidden | train | push | reward (last 10) | accuracy start -> end |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| {label} | {totals['wall']:.1f} | {mean('time/iteration_seconds'):.3f} | {mean('time/generate_seconds'):.3f} | "
-          f"{mean('time/score_exposed_seconds'):.3f} | {mean('time/score_hidden_seconds'):.3f} | {mean('time/train_seconds'):.3f} | "
-          f"{mean('time/push_seconds'):.3f} | {np.mean([r['charts/reward'] for r in rows[-10:]]):.3f} | "
-          f"{eval_start['eval/pass@1']:.3f} -> {eval_end['eval/pass@1']:.3f} |")
-    print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
+    logger.report(version, f"{label}: {args.num_iterations} iterations of {B} sequences, {args.num_ppo_epochs} epochs x "
+                  f"{args.num_minibatches} minibatches (seconds per iteration)",
+                  {"method": label, "wall (s)": totals["wall"], "iteration": mean("time/iteration_seconds"),
+                   "generate": mean("time/generate_seconds"), "score exposed": mean("time/score_exposed_seconds"),
+                   "score hidden": mean("time/score_hidden_seconds"), "train": mean("time/train_seconds"),
+                   "push": mean("time/push_seconds"), "reward (last 10)": float(np.mean([r["charts/reward"] for r in rows[-10:]]))},
+                  eval_start, eval_end, memory)
     logger.close()
 
 

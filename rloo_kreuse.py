@@ -294,11 +294,8 @@ def main():
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, weights=policy, version=step)
     try:
-        sampler.init_weight_sync(policy)
-        if step:
-            sampler.push_weights(step)
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
         def next_prompts():
@@ -433,17 +430,10 @@ def main():
         sampler.close()
 
     wall, sample, update = timing["wall"], timing["sample"], timing["update"]
-    print(f"\nTable 2 (this run): K={args.k}, {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap}")
-    print("| K | wall (s) | sample (s) | update (s) | sample % | grad steps/s |\n|---|---|---|---|---|---|")
-    print(f"| {args.k} | {wall:.1f} | {sample:.1f} | {update:.1f} | {100 * sample / wall:.0f}% | {step / wall:.3f} |")
-    keys = sorted(eval_end, key=lambda k: int(k.split("@")[1]))
-    print(f"\nTable 4 (held-out, {args.eval_problems} problems x {args.eval_samples} samples)")
-    print("| model | " + " | ".join(k.split("/")[1] for k in keys) + " |\n|---|" + "---|" * len(keys))
-    print("| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |")
-    print(f"| RLOO K={args.k} | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |")
-    print(f"\npeak memory: learner {memory['learner']:.0f} MiB, sampler {memory['sampler']:.0f} MiB")
-    logger.log(step, {"eval/pass@1_gain": eval_end["eval/pass@1"] - eval_start["eval/pass@1"],
-                      "memory/learner_peak_mib": memory["learner"], "memory/sampler_peak_mib": memory["sampler"]}, echo=False)
+    logger.report(step, f"RLOO K={args.k}: {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap} "
+                  f"(the paper's Table 2; held-out: Table 4, {args.eval_samples} samples per problem)",
+                  {"K": str(args.k), "wall (s)": wall, "sample (s)": sample, "update (s)": update,
+                   "sample %": f"{100 * sample / wall:.0f}%", "grad steps/s": step / wall}, eval_start, eval_end, memory)
     logger.close()
 
 

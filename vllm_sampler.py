@@ -784,7 +784,20 @@ _LIVE_SAMPLERS: set[Sampler] = set()  # closed at exit, whatever path the learne
 atexit.register(lambda: [s.close() for s in list(_LIVE_SAMPLERS)])
 
 
-def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0, **kwargs) -> Sampler:
-    """Start the sampler process and wait until its engine is ready."""
-    return Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
-
+def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0,
+                  weights: torch.nn.Module | None = None, version: int = 0, background_push: bool = False, **kwargs) -> Sampler:
+    """Start the sampler process and wait until its engine is ready. With `weights` (the learner's
+    policy) also open weight sync with it (init_weight_sync, `background_push` for pushes from a
+    thread) and, when resuming (`version` > 0), push the learner's weights labelled `version`, so
+    the sampler starts from the checkpoint and not from `model_path`. Closes the sampler if any of
+    that fails."""
+    sampler = Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
+    try:
+        if weights is not None:
+            sampler.init_weight_sync(weights, background=background_push)
+            if version:
+                sampler.push_weights(version)
+    except BaseException:
+        sampler.close()
+        raise
+    return sampler

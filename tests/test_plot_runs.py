@@ -45,12 +45,12 @@ def dpo_run(root: Path, name: str = "dpo_async__1__1795266506", rounds: int = 6,
 
 
 def pipeline_run(root: Path, name: str = "prl_pipeline__1__1795271179", steps: int = 8) -> Path:
-    """pipeline_rl.py: no cumulative counter; train_batch_size in args.json; mid-run eval rows are separate."""
+    """pipeline_rl.py: one row per step (charts/episodes grows by train_batch_size); mid-run eval rows are separate."""
     records = [{"step": 0, "wall": 13.387, "eval/pass@1": 0.135, "eval/pass@4": 0.36}]
     for s in range(1, steps + 1):
         records.append({
             "step": s, "wall": round(13.6 + 0.3 * s, 3), "charts/reward": 0.01 * s, "charts/accuracy": 0.0, "charts/ess": 0.99,
-            "charts/lag_mean": 0.5 * s, "charts/samples_per_second": 252.6, "losses/loss": 0.0, "time/train_seconds": 0.1,
+            "charts/lag_mean": 0.5 * s, "charts/episodes": 64.0 * s, "charts/episodes_per_second": 252.6, "losses/loss": 0.0, "time/train_seconds": 0.1,
         })
         if s == steps // 2:
             records.append({"step": s, "wall": round(13.7 + 0.3 * s, 3), "eval/pass@1": 0.2, "eval/pass@4": 0.4})
@@ -62,44 +62,29 @@ def pipeline_run(root: Path, name: str = "prl_pipeline__1__1795271179", steps: i
 # ---- the x axes ----
 
 def test_samples_axis_uses_the_cumulative_episodes_counter(tmp_path):
-    rows, args = plot_runs.load_run(dpo_run(tmp_path, rounds=3))
+    rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=3))
     # eval row before training: 0; training rows: the counter; the final eval row carries the last value forward
-    assert plot_runs.samples_axis(rows, args) == [0.0, 512.0, 1024.0, 1536.0, 1536.0]
+    assert plot_runs.samples_axis(rows) == [0.0, 512.0, 1024.0, 1536.0, 1536.0]
 
 
-def test_samples_axis_is_step_times_train_batch_size_for_pipeline_rl(tmp_path):
-    rows, args = plot_runs.load_run(pipeline_run(tmp_path, steps=4))
+def test_samples_axis_carries_the_counter_over_eval_rows(tmp_path):
+    rows = plot_runs.common.read_metrics(pipeline_run(tmp_path, steps=4))
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3, 4, 4]
-    assert plot_runs.samples_axis(rows, args) == [0.0, 64.0, 128.0, 128.0, 192.0, 256.0, 256.0]
-    xs, ys = plot_runs.series(rows, plot_runs.x_axis(rows, args, "samples"), "eval/pass@1")
+    assert plot_runs.samples_axis(rows) == [0.0, 64.0, 128.0, 128.0, 192.0, 256.0, 256.0]
+    xs, ys = plot_runs.series(rows, plot_runs.x_axis(rows, "samples"), "eval/pass@1")
     assert (xs, ys) == ([0.0, 128.0, 256.0], [0.135, 0.2, 0.26])
 
 
-def test_samples_axis_for_ppo_oppo_counts_batches_not_optimizer_steps(tmp_path):
-    # ppo_oppo.py logs at its policy version: num_ppo_epochs * num_minibatches optimizer steps per batch of batch_size
-    records = [{"step": 0, "wall": 12.0, "eval/pass@1": 0.1}]
-    records += [{"step": 4 * i, "wall": 12.0 + i, "charts/reward": 0.1 * i, "charts/samples_per_second": 50.0} for i in (1, 2, 3)]
-    records += [{"step": 12, "wall": 16.0, "eval/pass@1": 0.3}]
-    run_dir = write_run(tmp_path, "ppo_oppo__1__1", records, {"exp_name": "ppo_oppo", "batch_size": 64, "num_ppo_epochs": 2,
-                                                               "num_minibatches": 2, "num_iterations": 3})
-    rows, args = plot_runs.load_run(run_dir)
-    assert plot_runs.samples_axis(rows, args) == [0.0, 64.0, 128.0, 192.0, 192.0]
-    # a cumulative counter, once a script logs one, wins over the args.json rule
-    rows[1]["charts/samples"], rows[2]["charts/samples"], rows[3]["charts/samples"] = 60.0, 120.0, 180.0
-    assert plot_runs.samples_axis(rows, args) == [0.0, 60.0, 120.0, 180.0, 180.0]
-
-
-def test_samples_axis_without_counter_or_batch_size_is_an_error(tmp_path):
+def test_samples_axis_without_the_counter_is_an_error(tmp_path):
     run_dir = write_run(tmp_path, "other__1__1", [{"step": 1, "wall": 1.0, "charts/reward": 0.5}], {"exp_name": "other"})
-    rows, args = plot_runs.load_run(run_dir)
-    with pytest.raises(SystemExit, match="needs a charts/episodes or charts/samples counter"):
-        plot_runs.samples_axis(rows, args, run_dir)
+    with pytest.raises(SystemExit, match="needs the charts/episodes counter"):
+        plot_runs.samples_axis(plot_runs.common.read_metrics(run_dir), run_dir)
 
 
 def test_step_and_wall_axes(tmp_path):
-    rows, args = plot_runs.load_run(dpo_run(tmp_path, rounds=2, wall0=10.0, dt=2.0))
-    assert plot_runs.x_axis(rows, args, "step") == [0.0, 1.0, 2.0, 2.0]
-    assert plot_runs.x_axis(rows, args, "wall") == [10.0, 11.7, 13.7, 17.0]
+    rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=2, wall0=10.0, dt=2.0))
+    assert plot_runs.x_axis(rows, "step") == [0.0, 1.0, 2.0, 2.0]
+    assert plot_runs.x_axis(rows, "wall") == [10.0, 11.7, 13.7, 17.0]
 
 
 def test_wall_axis_continues_across_a_resume(tmp_path):
@@ -110,8 +95,8 @@ def test_wall_axis_continues_across_a_resume(tmp_path):
 
 
 def test_series_skips_rows_without_a_finite_value(tmp_path):
-    rows, args = plot_runs.load_run(dpo_run(tmp_path, rounds=3))
-    xs = plot_runs.x_axis(rows, args, "step")
+    rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=3))
+    xs = plot_runs.x_axis(rows, "step")
     assert plot_runs.series(rows, xs, "charts/reward") == ([1.0, 2.0, 3.0], pytest.approx([0.2, 0.23, 0.26]))
     assert plot_runs.series(rows, xs, "eval/accuracy") == ([0.0, 3.0], [0.1225, 0.35625])
     assert math.isnan(rows[3]["time/push_seconds"])  # NaN round-trips through metrics.jsonl ...
@@ -124,11 +109,11 @@ def test_moving_average_is_trailing():
     assert plot_runs.moving_average([3.0, 6.0, 9.0, 0.0], 3) == [3.0, 4.5, 6.0, 5.0]
 
 
-def test_load_run_ignores_a_partly_written_last_line(tmp_path):
+def test_a_partly_written_last_line_is_ignored(tmp_path):
     run_dir = dpo_run(tmp_path, rounds=2)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "wall": 2')
-    rows, _ = plot_runs.load_run(run_dir)
+    rows = plot_runs.common.read_metrics(run_dir)
     assert len(rows) == 4 and rows[-1] == {"step": 2, "wall": 23.3, "eval/accuracy": 0.35625}
 
 
