@@ -327,6 +327,7 @@ def main():
 
             # ---- pairs: best and worst of each prompt's group ----
             train_start = time.time()
+            common.learner_threads(sampler)  # every core with --sync; one while the next batch generates
             samples, problems = batch["samples"], batch["problems"]
             rewards = score(problems, samples).view(-1, args.group_size)
             chosen, rejected, keep = select_pairs(rewards)

@@ -417,6 +417,7 @@ def main():
             batch_problems = [task.problem("train", key) for key, _ in batch]
             samples = [c for _, g in batch for c in g]
             rewards = torch.tensor([task.reward(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)])
+            common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
             stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id)
             stats["accuracy"] = float(np.mean([task.is_correct(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)]))
             return stats

@@ -634,6 +634,7 @@ def main():
             for r in buffer.values():
                 r.prefix["critic"] = Prefix()
             # ---- Stage 2: generate until B sequences have finished; intra: score chunks meanwhile ----
+            common.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
             hidden_score = 0.0
             while len(finished) < B:
                 receive(timeout=0.0 if args.intra else 0.05)
@@ -653,6 +654,7 @@ def main():
             for r in batch:
                 del buffer[r.request_id]
             # ---- Stage 3: score what is left (intra: the last chunks; otherwise all), then PPO ----
+            common.learner_threads(sampler)  # every core: the sampler is paused (carried sequences) or done
             score_start = time.time()
             score(batch)
             exposed_score = time.time() - score_start

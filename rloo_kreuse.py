@@ -333,6 +333,7 @@ def main():
                 pending = submit_round()  # generated with the current weights while we update
 
             update_start = time.perf_counter()
+            common.learner_threads(sampler)  # every core in a synchronous round; one while the next round generates
             texts = [s.text for s in samples]
             rewards = torch.tensor([task.reward(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
             correct = np.mean([task.is_correct(t, problems[i // args.group_size]) for i, t in enumerate(texts)])

@@ -609,9 +609,13 @@ class Sampler:
     def pause(self) -> None:
         """Stop decoding; running sequences and their KV stay, new requests queue."""
         self._call("pause")
+        self.paused = True
 
     def resume(self) -> None:
         self._call("resume")
+        self.paused = False
+
+    paused = False
 
     def num_unfinished(self) -> int:
         return self._call("num_unfinished")

@@ -1,6 +1,8 @@
 import json
+import os
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -116,3 +118,40 @@ def test_chunked_logprobs_equal_one_forward_values_and_gradients(realistic_path)
         full = torch.log_softmax(common.sampling_logits(model(ids).logits[:, :-1].float(), ids[:, 1:], 0.8, 0.95), -1)
     expected = full.gather(-1, ids[:, 1:, None]).squeeze(-1) * cmask[:, 1:]
     assert torch.allclose(a_logp, expected, atol=1e-5)
+
+
+def test_learner_threads_take_every_core_only_while_the_sampler_is_idle(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU rule")
+    cores = len(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        sampler = type("FakeSampler", (), {})()
+        cases = [(set(), False, cores), ({"7"}, False, 1), ({"7"}, True, cores), (set(), True, cores)]
+        for pending, paused, expected in cases:  # (requests generating, paused) -> threads
+            sampler.pending, sampler.paused = pending, paused
+            assert common.learner_threads(sampler) == expected == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")  # an explicit budget is kept as it is
+        torch.set_num_threads(1)
+        sampler.pending, sampler.paused = set(), False
+        assert common.learner_threads(sampler) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, capsys):
+    logger = common.RunLogger("report__1__1", SimpleNamespace(resume=None), root=str(tmp_path))
+    try:
+        text = logger.report(3, "RLOO K=2", {"K": "2", "wall (s)": 123.456, "grad steps/s": 0.5},
+                             {"eval/pass@1": 0.25, "eval/pass@4": 0.5}, {"eval/pass@1": 0.375, "eval/pass@4": 0.625},
+                             {"learner": 512.4, "sampler": 900.0})
+    finally:
+        logger.close()
+    assert "| K | wall (s) | grad steps/s |" in text and "| 2 | 123 | 0.500 |" in text
+    assert "| model | pass@1 | pass@4 |" in text and "| start | 0.250 | 0.500 |" in text and "| end | 0.375 | 0.625 |" in text
+    assert "peak memory: learner 512 MiB, sampler 900 MiB" in text
+    assert (logger.dir / "summary.md").read_text() == text and text in capsys.readouterr().out
+    last = common.read_metrics(logger.dir)[-1]
+    assert last["eval/pass@1_gain"] == pytest.approx(0.125) and last["memory/sampler_peak_mib"] == 900.0
+
