@@ -31,7 +31,9 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -145,10 +147,16 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str | None) -> None:
+def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str | None, tmpdir: str) -> None:
     """Entry point of the spawned sampler process: owns an in-process vLLM engine and drives it
     step by step, so that commands (new requests, weight updates, pause) are applied between
-    two decode steps and results stream back as soon as they exist."""
+    two decode steps and results stream back as soon as they exist. Temporary files go to
+    `tmpdir`, which the learner removes when the sampler ends, however it ends (vLLM's
+    single-process executor rendezvous through a file, vllm/utils/network_utils.py
+    get_file_store_init_method, that only a clean process-group teardown would delete)."""
+    import tempfile
+
+    os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: ~2.5 s start, not ~20 s
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -433,7 +441,8 @@ class Sampler:
         threading.Thread(target=self._send_loop, name="sampler-send", daemon=True).start()
         self._last_heard = time.monotonic()
         cuda_device = sampler_cuda_device(self.placement, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
-        self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device),
+        self.tmpdir = tempfile.mkdtemp(prefix="fastrl-sampler-")
+        self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device, self.tmpdir),
                                    name="vllm-sampler", daemon=False)
         self.process.start()
         child.close()
@@ -458,6 +467,7 @@ class Sampler:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.process = None
         _LIVE_SAMPLERS.discard(self)
 

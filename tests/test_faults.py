@@ -198,12 +198,15 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
     assert gone()
 
 
-def test_killed_sampler_reports_its_exit_code(tiny_path, tokenizer):
+def test_killed_sampler_reports_its_exit_code_and_leaves_no_temporary_files(tiny_path, tokenizer):
     sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
+    tmpdir = Path(sampler.tmpdir)
+    assert list(tmpdir.glob("vllm_dist_*"))  # vLLM's rendezvous file, which a killed process cannot delete
     os.kill(sampler.process.pid, signal.SIGKILL)
     with pytest.raises(vllm_sampler.SamplerError, match=r"exit code -9"):
         sampler.generate(_prompts(tokenizer, 2), n=1, max_tokens=4)
     sampler.close()
+    assert not tmpdir.exists()
 
 
 def test_two_runs_building_a_model_build_it_once(tmp_path):
