@@ -117,6 +117,7 @@ def main():
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
+    print(f"\nsampler_vs_vllm={statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -49,8 +49,9 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
 - Generation: TRL generates with `model.generate` of the training model in the training process
   (use_vllm=False: a padded batch that runs until its longest completion ends; no weight sync);
   ours uses the vLLM sampler process and pushes the weights to it after every step.
-- Threads: ours runs as it ships (the learner takes OMP_NUM_THREADS torch threads, default 1;
-  the sampler is a second process). TRL is one process; on the tiny model it gets 1 thread, its
+- Threads: ours runs as it ships (the sampler is a second process; the learner takes every core
+  while the sampler is idle and one while it generates, common.learner_threads; an explicit
+  OMP_NUM_THREADS is a fixed budget). TRL is one process; on the tiny model it gets 1 thread, its
   fastest here (torch's default of 2 was ~8x slower: the tiny model's ops are too small to
   split); on the 50M model it runs with 2 (torch's default, ~1.7x faster than 1) and with 1, and
   ours as shipped and with OMP_NUM_THREADS=2 (a learner that uses both cores).
@@ -442,7 +443,7 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
         loop = rounds[-1]["charts/episodes"] / rounds[-1]["charts/episodes_per_second"]
         steady = rounds[1:-1] if n > 2 else rounds[:-1] or rounds  # round N has no next round to generate
         step = float(np.mean([r["time/step_seconds"] for r in steady]))
-        accuracy = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+        accuracy = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
     # online_dpo_async.py waits for its first round before its loop's clock starts, and pushes its
     # final weights after the loop (N - 1 pushes in it); rloo_kreuse.py pushes after each of its N rounds
     waits = prof["waits"][1:] if w.method == "dpo" else prof["waits"]
@@ -478,8 +479,8 @@ def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[s
 
 
 def evaluate_model(model_dir: str, w: Workload) -> float:
-    """pass@1 on the held-out problems with a sampler started on `model_dir`: what rloo_kreuse.py
-    logs as eval/pass@1 and online_dpo_async.py as eval/accuracy."""
+    """pass@1 on the held-out problems with a sampler started on `model_dir`: what both scripts log
+    as eval/pass@1."""
     task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
     tokenizer = common.load_tokenizer(model_dir)
     sampling = dict(temperature=w.temperature, max_tokens=w.max_new_tokens) | (dict(top_p=1.0) if w.method == "rloo" else {})
