@@ -47,6 +47,13 @@ def check_args(condition: bool, flag: str, message: str) -> None:
         raise SystemExit(f"error: {flag}: {message}")
 
 
+def check_sampler_urls(urls: list[str] | None) -> None:
+    """--sampler-url: each an http(s):// URL (whether a server answers there is checked on connecting)."""
+    for url in urls or []:
+        check_args(url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0, "--sampler-url",
+                   f"must be the http(s):// URL of a running vLLM server, got {url!r}")
+
+
 def limit_cpu_threads() -> None:
     """On a 2-core machine the learner, the sampler and OpenMP spin-waits fight for cores;
     one thread per process was 4-6x faster than two (measured on the tiny model)."""

@@ -254,3 +254,19 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
     if "gloo" not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+
+
+def server_plugin() -> None:
+    """vLLM general plugin (pyproject.toml, entry point group "vllm.general_plugins"): a vLLM server
+    started on its own (remote_sampler.py) loads it in each of its processes
+    (vllm/plugins/__init__.py load_general_plugins, called by the engine core, vllm/v1/engine/core.py,
+    and by each worker before it loads the model, vllm/v1/worker/worker_base.py), so that the
+    server knows the "gloo" engine. With FASTRL_IN_PLACE_UPDATES=1 (remote_sampler.start_server
+    sets it) a CPU server also keeps its linear weights for in-place loads; without it pushes take
+    vLLM's layerwise reload (correct, slower)."""
+    register()
+    if os.environ.get("FASTRL_IN_PLACE_UPDATES") == "1":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            keep_cpu_linear_weights()

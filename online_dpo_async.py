@@ -49,6 +49,8 @@ class Args:
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
     stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    sampler_url: list[str] | None = None
+    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
 
     # the method
     sync: bool = False
@@ -146,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
                       f"must be > 0, got {args.temperature} (0 is greedy: every pair would tie and no logprob is defined)")
     common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    common.check_sampler_urls(args.sampler_url)
     common.check_args(args.missing_eos_penalty >= 0, "--missing-eos-penalty",
                       f"must be >= 0 (replace gives the score -penalty), got {args.missing_eos_penalty}")
     common.check_args(args.eval_samples >= 1, "--eval-samples", f"must be >= 1, got {args.eval_samples}")
@@ -265,7 +268,7 @@ def main():
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, weights=policy, version=step)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url, weights=policy, version=step)
     try:
         # No per-request seed: vLLM's CPU runner fails on a seeded request whose prompt's prefill it splits
         # ("CPU Generator does not use offset"). The sampler's engine seed (--seed) already makes the tokens

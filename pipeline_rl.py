@@ -56,6 +56,8 @@ class Args:
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
     stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    sampler_url: list[str] | None = None
+    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
 
     # the method
     mode: Literal["pipeline", "conventional"] = "pipeline"
@@ -294,6 +296,7 @@ def main():
                       "must be > 0: the importance weights need the sampler's logprobs of a sampled distribution (greedy has none)")
     common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
+    common.check_sampler_urls(args.sampler_url)
     common.check_args(args.is_clip > 0, "--is-clip", f"must be > 0, got {args.is_clip}")
     common.check_args(0 <= args.ess_threshold <= 1, "--ess-threshold", f"must be in [0, 1], got {args.ess_threshold}")
     common.check_args(args.max_lag is None or args.max_lag >= 0, "--max-lag", f"must be >= 0, got {args.max_lag}")
@@ -340,7 +343,7 @@ def main():
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                          max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256,
-                                         weights=policy, version=step, background_push=args.mode == "pipeline" and args.background_push)
+                                         urls=args.sampler_url, weights=policy, version=step, background_push=args.mode == "pipeline" and args.background_push)
     try:
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
         groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far

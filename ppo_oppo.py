@@ -70,6 +70,8 @@ class Args:
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
     stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    sampler_url: list[str] | None = None
+    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained models (actor, critic) and the reference, whatever the checkpoint's (often bf16):
     in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
@@ -513,6 +515,9 @@ def main():
     common.check_args(1 <= args.num_minibatches <= B, "--num-minibatches", f"must be between 1 and --batch-size ({B})")
     common.check_args(0 <= args.delta_min <= args.delta <= args.delta_max, "--delta", "needs 0 <= --delta-min <= --delta <= --delta-max")
     common.check_args(args.chunk_size >= 1 and all(c >= 1 for c in args.chunk_candidates), "--chunk-size/--chunk-candidates", "must be >= 1")
+    common.check_sampler_urls(args.sampler_url)
+    common.check_args(not (args.sampler_url and args.intra), "--sampler-url",
+                      "OPPO's intra-step overlap streams chunks, which the vLLM server path does not offer here: add --no-intra")
     common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")
     common.check_args(args.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)")
     common.check_args(0 < args.top_p <= 1, "--top-p", "must be in (0, 1]")
@@ -565,7 +570,7 @@ def main():
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
-                                         weights=policy, version=version)
+                                         urls=args.sampler_url, weights=policy, version=version)
     try:
         buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
         finished: list[Rollout] = []  # finished and not yet trained on, in finishing order

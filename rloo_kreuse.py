@@ -43,6 +43,8 @@ class Args:
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
     stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    sampler_url: list[str] | None = None
+    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
 
     # the method
     k: int = 1
@@ -260,6 +262,7 @@ def main():
     common.check_args(not (args.tis_cap and args.overlap), "--tis-cap",
                       "cannot be combined with --overlap: the learner no longer holds the sampling weights")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
+    common.check_sampler_urls(args.sampler_url)
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
@@ -294,7 +297,7 @@ def main():
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, weights=policy, version=step)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url, weights=policy, version=step)
     try:
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 

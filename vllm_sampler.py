@@ -799,17 +799,25 @@ atexit.register(lambda: [s.close() for s in list(_LIVE_SAMPLERS)])
 
 
 def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0,
-                  weights: torch.nn.Module | None = None, version: int = 0, background_push: bool = False, **kwargs) -> Sampler:
-    """Start the sampler process and wait until its engine is ready. With `weights` (the learner's
-    policy) also open weight sync with it (init_weight_sync, `background_push` for pushes from a
-    thread) and, when resuming (`version` > 0), push the learner's weights labelled `version`, so
-    the sampler starts from the checkpoint and not from `model_path`. Closes the sampler if any of
-    that fails."""
-    sampler = Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
+                  weights: torch.nn.Module | None = None, version: int = 0, background_push: bool = False,
+                  urls: list[str] | None = None, **kwargs) -> Sampler:
+    """Start the sampler process and wait until its engine is ready; or, with `urls`, connect to
+    those running vLLM servers instead (remote_sampler.RemoteSampler: the same interface; the
+    engine settings are then the servers' own). With `weights` (the learner's policy) also open
+    weight sync with it (init_weight_sync, `background_push` for pushes from a thread) and push
+    the learner's weights labelled `version` when resuming (`version` > 0) or to servers (always:
+    what they loaded is not ours to know), so the sampler starts from the learner's weights. Closes
+    the sampler if any of that fails."""
+    if urls:
+        import remote_sampler
+
+        sampler = remote_sampler.RemoteSampler(urls, model_path)
+    else:
+        sampler = Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
     try:
         if weights is not None:
             sampler.init_weight_sync(weights, background=background_push)
-            if version:
+            if version or urls:
                 sampler.push_weights(version)
     except BaseException:
         sampler.close()

@@ -3,7 +3,7 @@
 (reliability), test_gpu_path and test_memory.
 
 Markers: `gpu` needs CUDA. `slow` is added here to every test that starts a sampler or a script
-(it uses the `sampler` fixture, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
+(it uses the `sampler` or `server_url` fixture, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
 the unit tests in under a minute."""
 
 import inspect
@@ -23,7 +23,7 @@ SLOW_CALLS = ("_run(", "_run_realistic(", "subprocess.", "start_sampler(", "Samp
 def pytest_collection_modifyitems(items):
     for item in items:
         source = inspect.getsource(item.function) if hasattr(item, "function") else ""
-        if "sampler" in item.fixturenames or any(call in source for call in SLOW_CALLS):
+        if {"sampler", "server_url"} & set(item.fixturenames) or any(call in source for call in SLOW_CALLS):
             item.add_marker(pytest.mark.slow)
 
 
