@@ -92,12 +92,15 @@ def wait_ready(url: str, timeout: float = 300.0, process: subprocess.Popen | Non
 class RemoteSampler:
     """vllm_sampler.Sampler's interface, served by the vLLM servers at `urls`."""
 
-    def __init__(self, urls: list[str], model_path: str, timeout: float = 30.0, master_address: str = "127.0.0.1",
+    def __init__(self, urls: list[str], model_path: str, timeout: float = 30.0, master_address: str | None = None,
                  max_concurrency: int = 512):
         import common
 
         self.urls = [u.rstrip("/") for u in urls]
-        self.timeout, self.master_address = timeout, master_address
+        # where the servers' workers reach the learner for the weight group: this machine's address
+        # when the servers run elsewhere (FASTRL_LEARNER_ADDRESS), loopback otherwise
+        self.timeout = timeout
+        self.master_address = master_address or os.environ.get("FASTRL_LEARNER_ADDRESS", "127.0.0.1")
         self.tokenizer = common.load_tokenizer(model_path)
         self.pending: set[str] = set()
         self.version, self.paused, self.placement = 0, False, "server"
@@ -252,8 +255,10 @@ class RemoteSampler:
             self._all("/resume")
 
     def init_weight_sync(self, model: torch.nn.Module, background: bool = False) -> None:
-        """Open the gloo group between the learner (rank 0) and every server's workers. `background`
-        pushes send from a snapshot copy while training goes on, as Sampler's do."""
+        """Open the weight group between the learner (rank 0) and every server's workers: NCCL when
+        the learner has a GPU (servers started with --weight-transfer-config '{"backend": "nccl"}',
+        vllm/distributed/weight_transfer/nccl_engine.py, the same client protocol), gloo on CPU.
+        `background` pushes send from a snapshot copy while training goes on, as Sampler's do."""
         import gloo_transfer
         from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -267,7 +272,14 @@ class RemoteSampler:
 
             self._snapshot = copy.deepcopy(model).requires_grad_(False)
             model = self._snapshot
-        info = gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0, world_size=self._group_size)
+        if torch.cuda.is_available():
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            from vllm.utils.network_utils import get_open_port
+
+            info = NCCLTrainerInitInfo(rank=0, master_address=self.master_address, master_port=get_open_port(), world_size=self._group_size)
+        else:
+            info = gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0,
+                                                     world_size=self._group_size)
         try:
             self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
         except SamplerError:
