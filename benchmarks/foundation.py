@@ -70,14 +70,24 @@ def time_throughput(path, prompts, args):
 
 
 def time_push(path, args):
+    """Median seconds of a full push, and of a plain memory copy of the same bytes (every parameter
+    into a preallocated copy), timed alternately. Returns (parameters, push s, bytes/s, copy s)."""
     model = common.load_policy(path, "cpu")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = [torch.empty_like(p) for p in model.parameters()]
+    times, copy_times = [], []
     with vllm_sampler.start_sampler(path, placement="cpu") as sampler:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)  # warm-up
-        times = [sampler.push_weights(v) for v in range(2, 2 + args.push_repeats)]
+        for v in range(2, 2 + args.push_repeats):
+            start = time.perf_counter()
+            with torch.no_grad():
+                for dst, src in zip(copies, model.parameters()):
+                    dst.copy_(src)
+            copy_times.append(time.perf_counter() - start)
+            times.append(sampler.push_weights(v))
     seconds = statistics.median(times)
-    return sum(p.numel() for p in model.parameters()), seconds, size / seconds
+    return sum(p.numel() for p in model.parameters()), seconds, size / seconds, statistics.median(copy_times)
 
 
 def random_50m(directory):
@@ -112,12 +122,14 @@ def main():
         ("ours / direct (median of per-pair ratios)", f"{statistics.median(ratios):.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)})"),
         (f"weight push, tiny ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
         (f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s"),
+        ("memory copy of the same bytes", f"{push_big[3] * 1e3:.0f} ms"),
     ]
     print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, alternating, median of {args.repeats}\n")
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    print(f"\nsampler_vs_vllm={statistics.median(ratios):.3f}")
+    print(f"\npush_vs_memcpy={push_big[3] / push_big[1]:.3f}")
+    print(f"sampler_vs_vllm={statistics.median(ratios):.3f}")
 
 
 if __name__ == "__main__":
