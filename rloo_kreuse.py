@@ -22,6 +22,7 @@ import torch
 import tyro
 
 import common
+import distributed
 import tasks
 import vllm_sampler
 
@@ -206,36 +207,41 @@ def micro_logprobs(model, ids, attn, cmask, lengths: list[int], rows: list[int],
 
 
 @torch.no_grad()
-def batch_logprobs(model, ids, attn, cmask, lengths: list[int], micro: list[list[int]], args) -> torch.Tensor:
-    """Token logprobs of every row, in micro-batches, laid out like the batch ([N, T - 1])."""
+def batch_logprobs(model, ids, attn, cmask, lengths: list[int], micro: list[tuple[list[int], float]], args) -> torch.Tensor:
+    """Token logprobs of the rows of `micro` (this process's (rows, weight) micro-batches; weight 0:
+    a stand-in that only keeps the processes in step), laid out like the batch ([N, T - 1], other
+    rows 0)."""
     out = torch.zeros(cmask[:, 1:].shape, device=ids.device)
-    for rows in micro:
+    for rows, weight in micro:
         logp = micro_logprobs(model, ids, attn, cmask, lengths, rows, args)
-        out[rows, :logp.shape[1]] = logp
+        if weight:
+            out[rows, :logp.shape[1]] = logp
     return out
 
 
-def rloo_backward(policy, ids, attn, cmask, lengths: list[int], micro: list[list[int]], old_logp, ref_logp, advantages, tis, args,
-                  sampler_logp=None):
+def rloo_backward(policy, ids, attn, cmask, lengths: list[int], micro: list[tuple[list[int], float]], old_logp, ref_logp, advantages,
+                  tis, args, sampler_logp=None):
     """One of the K steps' loss (Eq. 4 over the whole batch) and its gradient, accumulated over the
     micro-batches: each micro-batch's mean loss is weighted by its share of the rows, so the gradient
-    is exactly the batch mean's. Returns (loss, stats, importance weights [N] in micro-batch order,
-    and with sampler_logp the sum of |learner - sampler| token logprobs over the completion tokens)."""
+    is exactly the batch mean's (summed over processes under torchrun). Returns (loss, stats,
+    importance weights [N] at their rows (0 for rows of other processes), and with sampler_logp the
+    sum of |learner - sampler| token logprobs over the completion tokens), for this process's rows."""
     mask = cmask[:, 1:].float()
-    loss, stats, weights, diff_sum = 0.0, {}, [], 0.0
-    for rows in micro:
+    loss, stats, weights, diff_sum = 0.0, {}, torch.zeros(len(lengths), device=ids.device), 0.0
+    for rows, part in micro:
         logp, entropy = micro_logprobs(policy, ids, attn, cmask, lengths, rows, args, with_entropy=True)
         cut = lambda x: x[rows, :logp.shape[1]]  # noqa: E731  (the micro-batch's rows and width)
         if sampler_logp is not None:
-            diff_sum += ((logp.detach() - cut(sampler_logp)).abs() * cut(mask)).sum().item()
+            diff_sum += part * ((logp.detach() - cut(sampler_logp)).abs() * cut(mask)).sum().item()
         mb_loss, mb_stats = rloo_loss(logp, cut(old_logp), cut(ref_logp), entropy, cut(mask), advantages[rows], args,
                                       None if tis is None else (tis[rows] if tis.dim() == 1 else cut(tis)))
-        share = len(rows) / len(lengths)
+        share = part * len(rows) / len(lengths)
         (mb_loss * share).backward()  # micro-batch means add up to the batch mean
         loss = loss + mb_loss.detach() * share
         stats = {k: stats.get(k, 0.0) + v.detach() * share for k, v in mb_stats.items() if k != "w"}
-        weights.append(mb_stats["w"])
-    return loss, stats, torch.cat(weights), diff_sum
+        if part:
+            weights[rows] = mb_stats["w"]
+    return loss, stats, weights, diff_sum
 
 
 def ess(weights: torch.Tensor) -> float:
@@ -271,9 +277,10 @@ def main():
     args.batch_size = args.num_prompts * args.group_size  # episodes per round
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
+    dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.device
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
@@ -285,19 +292,24 @@ def main():
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
+    push_model = distributed.push_copy(policy, dist)
+    policy, ref_policy = distributed.shard(policy, dist), distributed.shard(ref_policy, dist)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    logger = common.RunLogger(run_name, args, track=args.track)
+    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
     print(f"run directory: {logger.dir}")
 
     start_round, data_position, step, nonfinite_skipped = 0, 0, 0, 0
     timing = dict(sample=0.0, update=0.0, wall=0.0)
-    if args.resume:
-        state = common.load_checkpoint(args.resume, policy, optimizer, required=("round", "timing"))
+    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
+        state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "timing"))
         start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
+        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url, weights=policy, version=step)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
+                                         weights=push_model, version=step) if dist.is_main else None
     try:
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
@@ -322,17 +334,18 @@ def main():
             return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                    args.chat_template, **sampling)
 
-        eval_start = evaluate()
+        eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
-        pending = submit_round()
+        pending = submit_round() if dist.is_main else None
         loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
         for round_index in range(start_round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start = time.perf_counter()
-            problems, samples, skipped, generated_in = collect_round(pending)
+            # under torchrun rank 0 samples and every rank gets the round
+            problems, samples, skipped, generated_in = distributed.broadcast(collect_round(pending) if dist.is_main else None, dist)
             sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             timing["sample"] += sample_seconds
-            if args.overlap and round_index + 1 < args.num_rounds:
+            if dist.is_main and args.overlap and round_index + 1 < args.num_rounds:
                 pending = submit_round()  # generated with the current weights while we update
 
             update_start = time.perf_counter()
@@ -346,11 +359,12 @@ def main():
             mask = completion_mask[:, 1:].float()
             sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
             lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-            micro = common.micro_batches(lengths, args.micro_batch_tokens)  # each cut to its longest row: rows are right-padded
+            # each cut to its longest row (rows are right-padded); under torchrun each rank takes its share
+            micro = distributed.my_micro_batches(common.micro_batches(lengths, args.micro_batch_tokens), dist)
             # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
-            ref_logp = batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args)
+            ref_logp = distributed.all_sum(batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
             # log pi_theta0: the sampler's logprobs, or the learner's own recomputation (--recompute-old-logprobs, --tis-cap)
-            old_logp = (batch_logprobs(policy, input_ids, attention_mask, completion_mask, lengths, micro, args)
+            old_logp = (distributed.all_sum(batch_logprobs(policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
                         if args.recompute_old_logprobs else sampler_logp)
             tis, mismatch = None, {}
             if args.tis_cap is not None:
@@ -374,8 +388,10 @@ def main():
                 # goes wrong (~1e-6 in fp32)
                 loss, stats, weights, diff = rloo_backward(policy, input_ids, attention_mask, completion_mask, lengths, micro, old_logp,
                                                            ref_logp, advantages, tis, args, sampler_logp if k_step == 0 and fresh else None)
+                loss, weights, diff = (distributed.all_sum(x, dist) for x in (loss, weights, diff))  # every rank's rows
+                stats = {k: distributed.all_sum(v, dist) for k, v in stats.items()}
                 diff_sum += diff
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                     # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
                     optimizer.zero_grad()
@@ -390,8 +406,9 @@ def main():
             timing["update"] += update_seconds
 
             # ---- push the new weights; the next round samples with them ----
-            push_seconds = sampler.push_weights(step)
-            if not args.overlap and round_index + 1 < args.num_rounds:
+            distributed.gather_into(policy, push_model, dist)  # under torchrun: every rank takes part
+            push_seconds = sampler.push_weights(step) if dist.is_main else 0.0
+            if dist.is_main and not args.overlap and round_index + 1 < args.num_rounds:
                 pending = submit_round()
             timing["wall"] = time.perf_counter() - loop_start
 
@@ -421,17 +438,20 @@ def main():
                   f"sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
 
             last = round_index + 1 == args.num_rounds
-            if args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
+            if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
                 logger.log(step, evaluate())
-            if last or (args.save_every and (round_index + 1) % args.save_every == 0):
-                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
-                                       hf_model=policy, tokenizer=tokenizer, round=round_index + 1, timing=timing)
+            if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
+                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
+                                            timing=timing)
 
-        eval_end = evaluate()
+        eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
         memory = common.peak_memory_mib(sampler)
     finally:
-        sampler.close()
+        if sampler is not None:
+            sampler.close()
+        distributed.close(dist)
 
     wall, sample, update = timing["wall"], timing["sample"], timing["update"]
     logger.report(step, f"RLOO K={args.k}: {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap} "

@@ -239,7 +239,7 @@ def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, respo
     _, _, ids, attn, cmask, lengths = sequences(n, prompt, response, config.vocab_size)
     mask = cmask[:, 1:].float()
     sampler_logp = torch.zeros_like(mask)
-    micro = common.micro_batches(lengths, args.micro_batch_tokens)
+    micro = [(rows, 1.0) for rows in common.micro_batches(lengths, args.micro_batch_tokens)]  # (rows, weight), one process
     ref_logp = rloo.batch_logprobs(ref, ids, attn, cmask, lengths, micro, args)
     old_logp = sampler_logp
     advantages = rloo.rloo_advantages(torch.zeros(prompts, group)).view(-1)

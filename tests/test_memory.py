@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
@@ -124,15 +123,14 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
                                kl_estimator="k3", beta_kl=0.01, beta_ent=0.05)
         per_budget = []
         for budget in (BIG, 30):
-            micro = common.micro_batches(lengths, budget)
+            micro = [(rows, 1.0) for rows in common.micro_batches(lengths, budget)]  # (rows, weight), one process
             assert len(micro) == (1 if budget == BIG else 4)
             ref_logp = rloo.batch_logprobs(ref, ids, attn, cmask, lengths, micro, args)
             old_logp = rloo.batch_logprobs(policy, ids, attn, cmask, lengths, micro, args) - 0.01 * mask  # K-reuse: w != 1
             policy.zero_grad()
             loss, stats, weights, _ = rloo.rloo_backward(policy, ids, attn, cmask, lengths, micro, old_logp, ref_logp, advantages,
                                                           None, args)
-            order = [i for rows in micro for i in rows]
-            per_budget.append((ref_logp, loss, stats, weights[np.argsort(order)], _grads(policy)))
+            per_budget.append((ref_logp, loss, stats, weights, _grads(policy)))  # weights: one per row, in row order
         (ref_a, loss_a, stats_a, w_a, grads_a), (ref_b, loss_b, stats_b, w_b, grads_b) = per_budget
         torch.testing.assert_close(ref_a, ref_b, atol=1e-5, rtol=0)
         torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=1e-5)

@@ -134,11 +134,12 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path):
     sync_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_sync", "--sync", cwd=tmp_path), tmp_path)
     lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path), tmp_path)
     sync_rows, lag0_rows = common.read_metrics(sync_dir), common.read_metrics(lag0_dir)
-    assert len(sync_rows) == len(lag0_rows) == 5  # eval, 3 rounds, eval
+    assert len(sync_rows) == len(lag0_rows) == 6  # eval, 3 rounds, eval, the end-of-run report
     assert sum(r.get("charts/pairs", 0) for r in sync_rows) > 0 and all(r.get("charts/lag_max", 0) == 0 for r in lag0_rows)
     for a, b in zip(sync_rows, lag0_rows):
-        keys = {k for k in a if not k.startswith("time/") and k not in ("wall", "charts/episodes_per_second")}
-        assert keys == {k for k in b if not k.startswith("time/") and k not in ("wall", "charts/episodes_per_second")}
+        timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
+        keys = {k for k in a if not timing(k)}
+        assert keys == {k for k in b if not timing(k)}
         for k in keys:
             assert b[k] == pytest.approx(a[k], rel=1e-6, abs=1e-7, nan_ok=True), k
     sync_weights = torch.load(sync_dir / "checkpoint.pt", weights_only=False)["model"]

@@ -266,3 +266,34 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
     initial = common.load_policy(tiny_path, "cpu").state_dict()
     assert all(torch.equal(saved[name], initial[name]) for name in initial)
+
+
+def test_two_torchrun_ranks_train_as_one_process_and_resume():
+    """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same rounds, losses and
+    trained weights as one process on the same global batch; rank 0 alone writes the run; the run
+    resumes under torchrun."""
+    from safetensors.torch import load_file
+
+    flags = ["--k", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8", "--eval-samples", "2", "--seed", "3"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    runs = {}
+    for name, launcher in (("two", torchrun), ("one", [sys.executable])):
+        cwd = WORK / f"torchrun_{name}"
+        cwd.mkdir()
+        out = subprocess.run([*launcher, str(ROOT / "rloo_kreuse.py"), *flags, "--num-rounds", "2"], cwd=cwd, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
+    assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
+    rows = {k: [r for r in common.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
+    assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]
+    for key in ("charts/reward", "losses/loss", "losses/pg", "losses/grad_norm", "charts/kl", "charts/ess_min"):
+        assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key
+    assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"])  # rank 0 pushed the gathered weights
+    two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
+    assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+    resumed = subprocess.run([*torchrun, str(ROOT / "rloo_kreuse.py"), *flags, "--num-rounds", "3", "--resume", str(runs["two"])],
+                             cwd=runs["two"].parent.parent, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout
