@@ -247,7 +247,7 @@ def _load_hub_dataset(*args, **kwargs):
         return load_dataset(*args, **kwargs)
     except Exception as e:  # the Hub's errors are many; the user needs one line
         raise SystemExit(
-            f"error: could not load dataset {args[0]!r} from the Hugging Face Hub ({type(e).__name__}: {e}). "
+            f"error: --task: could not load dataset {args[0]!r} from the Hugging Face Hub ({type(e).__name__}: {e}). "
             "Offline? Use --task countdown (the offline generator)."
         ) from e
 
