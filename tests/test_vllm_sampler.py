@@ -144,11 +144,11 @@ def test_push_when_idle_waits_for_the_running_requests(tiny_path, tokenizer, sam
     old = sampler.version
     _, prompts = _prompts(tokenizer, 8)
     running = sampler.submit(prompts, n=2, temperature=1.0, max_tokens=80, ignore_eos=True)
-    sampler.poll(timeout=0.2)  # let it start decoding
+    time.sleep(0.2)  # let it start decoding (not poll: that would take the round's completions away from wait_for)
     sampler.push_weights(old + 1, when_idle=True)
     pushed_at = time.time()
     after = sampler.submit(prompts[:2], n=1, temperature=1.0, max_tokens=8)
-    first, second = sampler.wait_for(running), sampler.wait_for(after)
+    first, second = sampler.wait_for(running, timeout=300), sampler.wait_for(after, timeout=300)
     assert all(c.versions == [(old, 0, 80)] for c in first)
     assert max(c.finished_at for c in first) <= pushed_at
     assert all(c.version_min == c.version_max == old + 1 for c in second)
