@@ -105,9 +105,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     checkpoint-format weight, so a plain load has nothing to load into; vLLM's layerwise reload
     rebuilds every layer and repacks it, mostly Python. Our sampler keeps those weights
     (keep_cpu_linear_weights, below), so an update loads them in place and repacks only the
-    linear layers: a whole push of the tiny model takes ~18 ms instead of ~35 ms (at 50M the
-    transfer dominates: ~410 vs ~440 ms). Where they were not kept (a quantized model, a vLLM that
-    packs elsewhere) it falls back to the layerwise reload."""
+    linear layers: a whole push of the tiny model takes ~18 ms instead of ~35 ms (at 54M parameters
+    ~150 ms over loopback, ~57 ms of it the repack; the local sampler uses shm_transfer.py instead,
+    ~90 ms). Where they were not kept (a quantized model, a vLLM that packs elsewhere) it falls back
+    to the layerwise reload."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -115,13 +116,45 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def init_transfer_engine(self, init_info):
         rank = init_info.rank_offset + self.parallel_config.rank
         self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size, GROUP_TIMEOUT)
+        if self.device.type == "cpu":
+            self.reuse_freed_memory()
+
+    @staticmethod
+    def reuse_freed_memory() -> None:
+        """Make this (sampler) process's malloc keep freed memory for reuse. Every repack allocates a
+        new oneDNN-packed copy of each linear weight and frees the old one; glibc returns big blocks
+        to the OS (mmap above its threshold, heap trimming) and faults every page in again on the next
+        push: at 54M parameters that was ~30 of ~92 ms of the repack (1.5 us per 4 KiB page here).
+        With these settings the same blocks are reused. The sampler's memory stays at its high-water
+        mark instead of shrinking (its peak is unchanged). No-op where malloc is not glibc's (a
+        preloaded tcmalloc ignores mallopt)."""
+        import ctypes
+
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            return
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+        # 1 GiB covers a 151k x 896 fp32 lm_head (Qwen2.5-0.5B); older glibc caps the threshold at 32 MiB
+        if not mallopt(M_MMAP_THRESHOLD, 1 << 30):
+            mallopt(M_MMAP_THRESHOLD, 32 << 20)
+        mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1)
 
     def kept_linears(self) -> list | None:
         """The linear layers to repack after an in-place load, or None if their weights were not
         kept (then only the layerwise reload can load them)."""
         if not hasattr(self, "_kept_linears"):
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+            # The CPU backend packs every VocabParallelEmbedding for the GEMM (vocab_parallel_embedding.py,
+            # UnquantizedEmbeddingMethod.process_weights_after_loading), the input embedding too: only
+            # the one that computes logits uses it. With a separate lm_head, repacking embed_tokens was a
+            # wasted head-sized repack per push, and the tied-head re-dispatch in finish another one
+            # (~84 of ~173 ms of repacking at 54M parameters with a 32k vocab).
+            head = getattr(self.model, "lm_head", None)
             layers = [m for m in self.model.modules() if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
-                      and not getattr(m, "_cpu_skip_gemm_dispatch", False)]
+                      and not getattr(m, "_cpu_skip_gemm_dispatch", False)
+                      and not (isinstance(m, VocabParallelEmbedding) and isinstance(head, torch.nn.Module) and m is not head)]
             # a freed weight is an empty 1-D tensor
             kept = self.model_config.quantization is None and all(m.weight.dim() == 2 and m.weight.numel() > 0 for m in layers)
             self._kept_linears = layers if kept else None
@@ -152,15 +185,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        if self.kept_linears() is None:
+        repacked = self.kept_linears()
+        if repacked is None:
             finalize_layerwise_reload(self.model, self.model_config)
-        else:  # the weights were loaded in place: repack them for the CPU GEMM
-            for layer in self.kept_linears():
+            repacked = []
+        else:  # the weights were loaded in place: repack them for the CPU GEMM (lm_head among them)
+            for layer in repacked:
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
         # With tied embeddings the CPU backend's packed lm_head copy stays stale after a reload:
-        # re-dispatch it from the freshly loaded embedding (logprobs were off by up to 0.29).
+        # re-dispatch it from the freshly loaded embedding (logprobs were off by up to 0.29), unless
+        # it was just repacked above.
         head = getattr(self.model, "lm_head", None)
-        if head is not None and hasattr(head, "weight") and self.device.type == "cpu":
+        if head is not None and hasattr(head, "weight") and self.device.type == "cpu" and not any(head is m for m in repacked):
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
     def shutdown(self):
@@ -209,16 +245,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             future = pool.submit(self.client.update_weights, update_info)
             tensors = [t for _, t in self.source]
-            for chunk in pack_plan([m.dtype for m in meta], [m.shape for m in meta]):
-                flat = torch.cat([tensors[i].detach().reshape(-1).to("cpu") for i in chunk])
+            for chunk, flat in zip(pack_plan([m.dtype for m in meta], [m.shape for m in meta]), self.flat_buffers(meta)):
+                torch.cat([tensors[i].detach().reshape(-1).to("cpu") for i in chunk], out=flat)
                 self.group.broadcast(flat, 0).wait()
             future.result()
         finally:
             pool.shutdown(wait=False)  # never join a thread stuck on a dead peer
         self.client.finish_weight_update()
 
+    def flat_buffers(self, meta) -> list[torch.Tensor]:
+        """The packed broadcast buffers, allocated at the first push and reused: a fresh one per push
+        had every page faulted in again (torch.cat took ~84 ms for 207 MiB, a copy ~13 ms). Holds one
+        copy of the weights while the engine lives."""
+        plan = pack_plan([m.dtype for m in meta], [m.shape for m in meta])
+        wanted = [(sum(math.prod(meta[i].shape) for i in chunk), meta[chunk[0]].dtype) for chunk in plan]
+        if [(f.numel(), f.dtype) for f in getattr(self, "_flat_buffers", [])] != wanted:
+            self._flat_buffers = []  # free the old ones first
+            self._flat_buffers = [torch.empty(numel, dtype=dtype) for numel, dtype in wanted]
+        return self._flat_buffers
+
     def shutdown(self):
         self.group = None
+        self._flat_buffers = []
 
 
 def keep_cpu_linear_weights() -> None:
@@ -249,11 +297,15 @@ def weight_load_path(worker) -> str:
 
 
 def register() -> None:
-    """Make vLLM's worker and trainer factories know "gloo" (idempotent)."""
-    if "gloo" not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
-    if "gloo" not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+    """Make vLLM's worker and trainer factories know "gloo" and "shm" (shm_transfer.py; idempotent)."""
+    import shm_transfer
+
+    for name, worker, trainer in (("gloo", GlooWeightTransferEngine, GlooTrainerWeightTransferEngine),
+                                  ("shm", shm_transfer.ShmWeightTransferEngine, shm_transfer.ShmTrainerWeightTransferEngine)):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, worker)
+        if name not in WeightTransferTrainerFactory._registry:
+            WeightTransferTrainerFactory.register_engine(name, trainer)
 
 
 def server_plugin() -> None:
