@@ -2,10 +2,12 @@
 logprobs (the logprob contract), prompts and evaluation, logging and checkpoints. The method
 itself lives in each script; the other modules beside this one:
 
-    tasks.py         tasks and rewards (Countdown, GSM8K)
-    vllm_sampler.py  the vLLM sampler process, its handle `Sampler`, weight sync (its contract opens it)
-    gloo_transfer.py the CPU weight-transfer engine registered with vLLM
-    tiny_model.py    the built-in tiny model (`--model tiny`)
+    tasks.py          tasks and rewards (Countdown, GSM8K)
+    vllm_sampler.py   the vLLM sampler process and its handle `Sampler` (its contract opens it)
+    remote_sampler.py the same handle over running vLLM servers (--sampler-url)
+    weight_sync.py    weight pushes; gloo_transfer.py, shm_transfer.py: our CPU engines for them
+    distributed.py    the learner under torchrun (FSDP2)
+    tiny_model.py     the built-in tiny model (`--model tiny`)
 
 Terms (README, "Glossary"): a *sampling round* is one batch of prompts sent to the sampler and
 its completions returned; a *step* is one optimizer.step(); an *episode* is one completion used
@@ -15,7 +17,9 @@ had seen; *lag* = learner version - token version; *group size* = samples per pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
@@ -83,9 +87,7 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification
 
         self.tokenizer = load_tokenizer(path)
-        self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()  # pad: EOS if none
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.batch_size = device, batch_size
 
@@ -105,6 +107,8 @@ class RewardModel:
 
 TINY = "tiny"
 CACHE_DIR = Path(os.environ.get("FASTRL_CACHE", Path.home() / ".cache" / "fastrl"))
+
+
 def resolve_model(name: str) -> str:
     """`tiny` -> the built-in model's directory (tiny_model.py: built once, cached); anything else
     is passed on as a local path or Hub id."""
@@ -248,9 +252,7 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
                 pieces.append(run(hidden[:, part], targets[:, part]))
         chosen = torch.cat([c for c, _ in pieces], 1)
         entropy = torch.cat([e for _, e in pieces], 1) if with_entropy else None
-    if not with_entropy:
-        return chosen * mask
-    return chosen * mask, entropy * mask
+    return (chosen * mask, entropy * mask) if with_entropy else chosen * mask
 
 
 def _backbone_and_head(model):
@@ -356,9 +358,7 @@ def check_chat_template(tokenizer, enabled: bool) -> None:
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
-    if num_samples - num_correct < k:
-        return 1.0
-    return 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+    return 1.0 if num_samples - num_correct < k else 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
 def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samples_per_problem: int, max_prompt_tokens: int,
@@ -382,7 +382,9 @@ def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samp
 # --------------------------------------------------------------------------------------
 
 
-class _Tee:
+class _Tee(io.TextIOBase):
+    """stdout to the console and to the run's console.log, flushed as written (isatty: False)."""
+
     def __init__(self, *streams):
         self.streams = streams
 
@@ -390,13 +392,7 @@ class _Tee:
         for s in self.streams:
             s.write(text)
             s.flush()
-
-    def flush(self):
-        for s in self.streams:
-            s.flush()
-
-    def isatty(self):
-        return False
+        return len(text)
 
 
 def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
@@ -421,11 +417,9 @@ class RunLogger:
             Path(root).mkdir(parents=True, exist_ok=True)
             for attempt in range(10_000):
                 self.dir = Path(root) / (run_name if attempt == 0 else f"{run_name}-{attempt}")
-                try:
+                with contextlib.suppress(FileExistsError):
                     self.dir.mkdir()  # atomic: exactly one process creates it
                     break
-                except FileExistsError:
-                    continue
         config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         (self.dir / "args.json").write_text(json.dumps(config, indent=1, default=str))
         self._console = open(self.dir / "console.log", "a")

@@ -71,7 +71,8 @@ from typing import Any
 
 import torch
 
-from vllm_sampler import Completion, SamplerConfig, SamplerError, WeightPusher, engine_settings
+from vllm_sampler import Completion, SamplerConfig, SamplerError, engine_settings
+from weight_sync import WeightPusher
 
 # vLLM's token-in/token-out server prefixes the caller's request id
 # (vllm/entrypoints/scale_out/token_in_token_out/serving.py:194-196): aborts must name that id
@@ -236,7 +237,7 @@ class RemoteSampler(WeightPusher):
     text). `timeout`: seconds for a connection or a short call, and for a server to answer its
     health probe while a long call runs. `master_address`: this machine's address as the servers
     see it, for the weight group (default FASTRL_LEARNER_ADDRESS or 127.0.0.1). push_weights and
-    wait_for_push come from vllm_sampler.WeightPusher."""
+    wait_for_push come from weight_sync.WeightPusher."""
 
     placement = "server"
 
@@ -697,28 +698,10 @@ class RemoteSampler(WeightPusher):
         vLLM's NCCL when the learner has a GPU ('{"backend": "nccl"}',
         vllm/distributed/weight_transfer/nccl_engine.py, the same client protocol). `background`:
         pushes send from a snapshot copy while training goes on, as Sampler's do."""
-        import gloo_transfer
-        from vllm.distributed.weight_transfer.base import ModuleSource
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        gloo_transfer.register()
         answers = self._call_all("/get_world_size", method="GET")
         self._world_sizes = [int(a["world_size"]) for a in answers]
-        group_size = 1 + sum(self._world_sizes)
-        model = self._send_from(model, background)
-        if torch.cuda.is_available():
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-            from vllm.utils.network_utils import get_open_port
-
-            info = NCCLTrainerInitInfo(rank=0, master_address=self.master_address, master_port=get_open_port(), world_size=group_size)
-        else:
-            info = gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=self.master_address, master_port=0, world_size=group_size)
-        try:
-            self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
-        except SamplerError:
-            raise
-        except Exception as e:
-            raise SamplerError(f"weight sync with the vLLM servers could not start: {e!r}") from e
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self._start_weight_engine(backend, model, background, self.master_address, world_size=1 + sum(self._world_sizes))
 
     def _push_deadline(self) -> float:
         return 3600.0 if self._when_idle else self.push_timeout
@@ -775,6 +758,7 @@ class RemoteSampler(WeightPusher):
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self._close_weight_sync()
 
     def __enter__(self):
         return self

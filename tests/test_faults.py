@@ -110,9 +110,11 @@ def test_bad_resume_is_one_line_and_creates_nothing(tmp_path, kind):
     assert runs_after == runs_before  # no runs/<that path> made before failing
 
 
-def test_weight_sync_listens_on_loopback_only(tiny_path):
+def test_weight_sync_listens_on_loopback_only(tiny_path, monkeypatch):
     """The rendezvous store and the gloo pairs are bound to 127.0.0.1 for a local sampler, on a
-    port the learner bound itself (no bind-close-reuse race)."""
+    port the learner bound itself (no bind-close-reuse race). (The local default is shared memory,
+    which listens nowhere: gloo is chosen here.)"""
+    monkeypatch.setenv("FASTRL_CPU_WEIGHT_BACKEND", "gloo")  # the sampler process inherits it
     model = common.load_policy(tiny_path, "cpu")
     with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
         sampler.init_weight_sync(model)

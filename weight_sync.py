@@ -1,0 +1,149 @@
+"""Pushing the learner's weights into a sampler, shared by vllm_sampler.Sampler (a local sampler
+process) and remote_sampler.RemoteSampler (running vLLM servers): which of vLLM's weight-transfer
+engines a placement uses, the learner-side init info of each, and `WeightPusher` (push_weights,
+background pushes from a snapshot, wait_for_push). The engines: vLLM's "nccl" (GPU to GPU, a
+server on another GPU or node) and "ipc" (the learner's own GPU), and ours, registered with vLLM:
+"shm" (shm_transfer.py: CPU, a sampler on this host) and "gloo" (gloo_transfer.py: CPU, a server
+anywhere).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+
+def weight_backend(placement: str) -> str:
+    """The weight-transfer engine for a placement. "cpu": the sampler runs on the learner's host, so
+    through shared memory (shm_transfer.py: ~90 ms a push at 54M parameters, gloo over loopback
+    ~150 ms); gloo (gloo_transfer.py) is what a server on another host needs (remote_sampler),
+    and FASTRL_CPU_WEIGHT_BACKEND=gloo picks it for the local sampler too (comparisons, tests). Read
+    by the learner and by the sampler process, which inherits the environment."""
+    cpu = os.environ.get("FASTRL_CPU_WEIGHT_BACKEND", "shm")
+    if cpu not in ("shm", "gloo"):
+        raise ValueError(f"FASTRL_CPU_WEIGHT_BACKEND={cpu!r}: expected shm or gloo")
+    return {"cpu": cpu, "colocate": "ipc", "separate": "nccl"}[placement]
+
+
+def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2):
+    """The learner's (rank 0) init info for vLLM's WeightTransferTrainerFactory.trainer_init.
+    `master_address`: where the learner listens (loopback for a local sampler); `world_size`: 1 +
+    the sampler workers."""
+    if backend == "shm":
+        import shm_transfer
+
+        return shm_transfer.ShmTrainerInitInfo(rank=0)  # shared memory: the sampler is on this host
+    if backend == "gloo":
+        import gloo_transfer
+
+        return gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=master_address, master_port=0, world_size=world_size)
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+        from vllm.utils.network_utils import get_open_port
+
+        # vLLM's NCCL trainer takes a port, not a bound socket: a free one, bound again by its store
+        return NCCLTrainerInitInfo(rank=0, master_address=master_address, master_port=get_open_port(), world_size=world_size)
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+    return IPCTrainerInitInfo(rank=0, packed=True)  # one handle for a packed buffer, not one per tensor
+
+
+class WeightPusher:
+    """The learner's side of weight sync, shared by vllm_sampler.Sampler and
+    remote_sampler.RemoteSampler. A subclass is vLLM's weight-sync client (init_weight_transfer_engine,
+    start_weight_update, update_weights, finish_weight_update) and provides
+    `_send_weights(version, recompute_kv, when_idle)` (one whole transfer, watched, which sets
+    `version`) and `_push_deadline()`."""
+
+    _weight_engine = None
+    _model = None
+
+    def _start_weight_engine(self, backend: str, model: torch.nn.Module, background: bool, master_address: str = "127.0.0.1",
+                             world_size: int = 2) -> None:
+        """Start vLLM's trainer engine for `backend` with this client, reading `model`, or with
+        `background` a snapshot copy of it (training goes on while a thread sends the snapshot).
+        A failure is a SamplerError."""
+        import copy
+
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        import gloo_transfer
+        from vllm_sampler import SamplerError
+
+        gloo_transfer.register()
+        self._model, self._snapshot = model, None
+        if background:
+            self._snapshot = model = copy.deepcopy(model).requires_grad_(False)
+        try:
+            info = trainer_init_info(backend, master_address, world_size)
+            self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
+        except SamplerError:
+            raise
+        except Exception as e:
+            raise SamplerError(f"weight sync could not start: {e!r}") from e
+
+    def push_weights(self, version: int, recompute_kv: bool = False, when_idle: bool = False, background: bool = False) -> float:
+        """Send the learner's current weights and label them `version`. The sampler applies them
+        between two decode steps: running sequences continue with the new weights on top of
+        their old KV cache, or re-prefill with them when recompute_kv. With when_idle the sampler
+        first finishes every running request with the old weights (the call returns once the
+        update is in: requests submitted afterwards are generated by `version` only). With
+        background (needs init_weight_sync(model, background=True)) the weights are copied into
+        the snapshot and sent from a thread: the call returns at once and training goes on; one
+        push is in flight at most (the next one, or wait_for_push(), waits for it). Returns the
+        seconds this call took."""
+        if self._weight_engine is None:
+            raise RuntimeError("call init_weight_sync(model) before push_weights")
+        if background and self._snapshot is None:
+            raise RuntimeError("push_weights(background=True) needs init_weight_sync(model, background=True)")
+        start = time.perf_counter()
+        self.wait_for_push()
+        if self._snapshot is not None:  # the engine sends from the snapshot: bring it up to date
+            with torch.no_grad():
+                for mine, theirs in zip(self._snapshot.parameters(), self._model.parameters()):
+                    mine.copy_(theirs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copy must be done before another thread sends it
+        if not background:
+            self._send_weights(version, recompute_kv, when_idle)
+            return time.perf_counter() - start
+
+        def push():
+            try:
+                self._send_weights(version, recompute_kv, when_idle)
+            except BaseException as e:  # re-raised in the learner's thread by the next call
+                self._push_error = e
+
+        self._push_thread = threading.Thread(target=push, name="weight-push", daemon=True)
+        self._push_thread.start()
+        return time.perf_counter() - start
+
+    _push_thread: threading.Thread | None = None
+    _push_error: BaseException | None = None
+    _snapshot = None
+
+    def _close_weight_sync(self) -> None:
+        """On close, free what a CPU weight engine holds (the shared buffer, packed copies). A GPU
+        engine's group is left to end with the process: destroying a NCCL group whose peer died
+        may block."""
+        engine, self._weight_engine = self._weight_engine, None
+        if engine is not None and not torch.cuda.is_available():
+            engine.shutdown()
+
+    def wait_for_push(self) -> None:
+        """Wait until a background push has landed; raise its error if it failed."""
+        from vllm_sampler import SamplerError
+
+        if self._push_thread is not None:
+            # every wait inside the push has its own deadline; this one bounds them all
+            self._push_thread.join(timeout=self._push_deadline())
+            if self._push_thread.is_alive():
+                raise SamplerError(f"a background weight push did not finish within {self._push_deadline():.0f}s")
+            self._push_thread = None
+        if self._push_error is not None:
+            error, self._push_error = self._push_error, None
+            raise error
