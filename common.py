@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import threading
 import time
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers import set_seed  # noqa: F401  (python, numpy, torch and CUDA generators)
 
 from vllm_sampler import peak_rss_mib
@@ -84,8 +86,6 @@ class RewardModel:
     """Any HF AutoModelForSequenceClassification with num_labels=1, scored in batches."""
 
     def __init__(self, path: str, device: str = "cpu", batch_size: int = 16):
-        from transformers import AutoModelForSequenceClassification
-
         self.tokenizer = load_tokenizer(path)
         self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()  # pad: EOS if none
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -121,8 +121,6 @@ def resolve_model(name: str) -> str:
 
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """Prompt budget + response cap must fit the model's context, or vLLM refuses to start."""
-    from transformers import AutoConfig
-
     context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
     if context and max_prompt_tokens + max_new_tokens > context:
         raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt tokens exceed "
@@ -148,8 +146,6 @@ def load_hf(cls, path: str, flag: str = "--model", quiet: bool = False, **kwargs
 
 
 def load_tokenizer(path: str, flag: str = "--model"):
-    from transformers import AutoTokenizer
-
     tokenizer = load_hf(AutoTokenizer, path, flag=flag)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -157,8 +153,6 @@ def load_tokenizer(path: str, flag: str = "--model"):
 
 
 def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
     return load_hf(AutoModelForCausalLM, path, dtype=dtype).to(device)
 
 
@@ -471,6 +465,14 @@ class RunLogger:
                         **{f"memory/{name}_peak_mib": mib for name, mib in memory.items()}}, echo=False)
         return text
 
+    def snapshot(self, step: int, model: torch.nn.Module) -> None:
+        """<run>/snapshots/<step>.pt: the weights and the run's wall time at this step (--snapshot-every),
+        for benchmarks/learning_speed.py to evaluate after the run, so that no evaluation pauses it."""
+        (self.dir / "snapshots").mkdir(exist_ok=True)
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        snapshot = {"step": step, "wall": time.time() - self.start, "model": state}
+        replace_atomically(lambda tmp: torch.save(snapshot, tmp), self.dir / "snapshots" / f"{step}.pt")
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
@@ -512,8 +514,6 @@ def replace_atomically(write, path: Path) -> None:
         os.replace(tmp, path)
     except OSError as e:
         if tmp.is_dir():
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
@@ -542,8 +542,6 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
 
 def save_hf_model(out_dir: str | Path, model, tokenizer=None) -> None:
     """`save_pretrained` (safetensors, tokenizer included) into out_dir, replacing it whole."""
-    import shutil
-
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:

@@ -101,6 +101,9 @@ class Args:
     """also evaluate every N rounds (0: only at start and end)"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
+    snapshot_every: int = 0
+    """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
+    evaluates them after the run; 0: never)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from"""
 
@@ -271,6 +274,7 @@ def main():
     common.check_sampler_urls(args.sampler_url)
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
+    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
     args.recompute_old_logprobs = args.recompute_old_logprobs or args.tis_cap is not None
     args.tis_level = "sequence" if args.ppo_clip is not None else args.iw_level
@@ -336,6 +340,8 @@ def main():
 
         eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
+        if dist.is_main and args.snapshot_every and start_round == 0:
+            logger.snapshot(step, push_model)  # time 0 of the learning curve
         pending = submit_round() if dist.is_main else None
         loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
         for round_index in range(start_round, args.num_rounds):
@@ -410,6 +416,8 @@ def main():
             push_seconds = sampler.push_weights(step) if dist.is_main else 0.0
             if dist.is_main and not args.overlap and round_index + 1 < args.num_rounds:
                 pending = submit_round()
+            if dist.is_main and args.snapshot_every and (round_index + 1) % args.snapshot_every == 0:
+                logger.snapshot(step, push_model)
             timing["wall"] = time.perf_counter() - loop_start
 
             # per token: the learner version at the round's first k-step minus the version that sampled the token

@@ -140,18 +140,26 @@ def test_two_rounds_from_the_command_line_then_resume():
 
 
 def test_overlap_mode_runs_one_round_off_policy():
+    """--overlap trains on a round generated one round earlier; --snapshot-every keeps the weights
+    (for benchmarks/learning_speed.py) from round 0 on, with the run's wall time."""
     out = _run("--exp-name", "pytest_rloo_overlap", "--k", "2", "--num-prompts", "8", "--group-size", "4", "--num-rounds", "3",
-               "--overlap", "--eval-problems", "8", "--eval-samples", "2")
+               "--overlap", "--eval-problems", "8", "--eval-samples", "2", "--snapshot-every", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     lags = [r["charts/lag_mean"] for r in common.read_metrics(run_dir) if "charts/lag_mean" in r]
     assert lags[0] == 0 and all(lag == 2 for lag in lags[1:])  # round r+1 was generated before round r's K=2 steps
+    snapshots = [torch.load(run_dir / "snapshots" / f"{step}.pt", weights_only=True) for step in (0, 2, 4, 6)]
+    assert [s["step"] for s in snapshots] == [0, 2, 4, 6] and all(a["wall"] < b["wall"] for a, b in zip(snapshots, snapshots[1:]))
+    trained = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(snapshots[-1]["model"][k], v) for k, v in trained.items())
+    assert any(not torch.equal(snapshots[0]["model"][k], v) for k, v in trained.items())
 
 
 @pytest.mark.parametrize("flags, flag", [(["--k", "0"], "--k"), (["--group-size", "1"], "--group-size"),
                                          (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
                                          (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
-                                         (["--tis-cap", "2", "--overlap"], "--tis-cap")])
+                                         (["--tis-cap", "2", "--overlap"], "--tis-cap"),
+                                         (["--snapshot-every", "-1"], "--snapshot-every")])
 def test_bad_flags_are_rejected_at_start(flags, flag):
     out = _run(*flags, timeout=120)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith(f"error: {flag}") and "Traceback" not in out.stderr

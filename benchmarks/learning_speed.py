@@ -1,0 +1,218 @@
+"""The papers' claims are about learning speed: each paper's comparison as held-out pass@1 against
+training wall-clock, over seeds, and the time until pass@1 first reaches a target every run reaches.
+
+    .venv/bin/python benchmarks/learning_speed.py rloo       # K = 1, 2, 4, 8 and K = 4 with --overlap
+
+How it measures:
+- Every run keeps its weights every few rounds with the run's wall time (the scripts'
+  --snapshot-every), and is stopped (SIGINT) after --seconds of training: every arm gets the same
+  training time, and no run has to be sized for the slowest arm. Time 0 of a curve is the run's
+  first snapshot (its weights before the first round): start-up is left out.
+- After all runs, one sampler evaluates every snapshot (it is pushed the snapshot's weights) on the
+  same held-out problems with the runs' own sampling settings: evaluation neither pauses nor slows
+  a run, and every arm is judged by one protocol.
+- Seeds run one after another, the arms in alternated order (A B C, then C B A: this machine
+  drifts 10-30% in minutes).
+- Target: unless --target is given, 75% of the way from the mean pass@1 at time 0 to the lowest
+  final pass@1 of any run (its last two snapshots' mean), so that every run reaches it. Time to
+  target: where the curve first reaches it, linear between the two snapshots around it.
+
+Prints the time-to-target table (mean and sd over seeds per arm, ratio to the first arm), the
+pass@1 reached at the end, the command's own duration, and writes docs/learning_speed_<paper>.png
+(mean pass@1 against seconds of training, a band of one sd over seeds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+import tasks  # noqa: E402
+import vllm_sampler  # noqa: E402
+
+# script, flags every arm shares, and per arm: (flags, rounds between snapshots ~ every 4-5 s on 2 cores)
+PAPERS = {
+    "rloo": ("rloo_kreuse.py", ["--num-rounds", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
+        "K=1": (["--k", "1"], 4),
+        "K=2": (["--k", "2"], 3),
+        "K=4": (["--k", "4"], 2),
+        "K=8": (["--k", "8"], 1),
+        "K=4 overlap": (["--k", "4", "--overlap"], 2),
+    }),
+}
+
+
+@dataclass
+class Args:
+    paper: tyro.conf.Positional[Literal["rloo"]]
+    """which paper's comparison to run"""
+    seeds: tuple[int, ...] = (1, 2, 3)
+    """seeds, each running every arm"""
+    seconds: float = 30.0
+    """seconds of training per run (from its first snapshot)"""
+    eval_problems: int = 100
+    """held-out problems each snapshot is evaluated on"""
+    eval_samples: int = 4
+    """samples per problem (pass@1 is their mean accuracy)"""
+    target: float | None = None
+    """pass@1 target (None: see the module docstring)"""
+    arms: tuple[str, ...] | None = None
+    """a subset of the paper's arms, by name (None: all)"""
+    out: str = "docs"
+    """directory of the plot"""
+
+
+def train(script: str, flags: list[str], seconds: float, seed: int, name: str) -> Path:
+    """Run the script until it has trained `seconds` past its first snapshot, then stop it (SIGINT:
+    the script closes its sampler). Returns the run directory."""
+    exp = "lspeed_" + "".join(c if c.isalnum() else "_" for c in name)
+    command = [sys.executable, str(ROOT / script), *flags, "--seed", str(seed), "--exp-name", exp]
+    log = open(ROOT / "runs" / f"{exp}__{seed}.log", "w")
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    run_dir, started = None, None
+    deadline = time.monotonic() + 600  # start-up and the first snapshot
+    while process.poll() is None:
+        time.sleep(0.2)
+        if run_dir is None:
+            text = Path(log.name).read_text()
+            if "run directory: " in text:
+                run_dir = ROOT / text.split("run directory: ")[1].split()[0]
+        if run_dir is not None and started is None and (run_dir / "snapshots" / "0.pt").exists():
+            started = time.monotonic()
+        if started is not None and time.monotonic() - started > seconds + 1:
+            break
+        if started is None and time.monotonic() > deadline:
+            break
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    log.close()
+    if run_dir is None or started is None:
+        raise SystemExit(f"error: {name} seed {seed} did not start training; see {log.name}")
+    return run_dir
+
+
+def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: int) -> dict[Path, list[tuple[float, float]]]:
+    """(seconds of training, held-out pass@1) of every snapshot of every run, by one sampler."""
+    settings = [json.loads((d / "args.json").read_text()) for d in run_dirs]
+    keys = ("model", "task", "temperature", "top_p", "max_new_tokens", "max_prompt_tokens", "chat_template")
+    first = {k: settings[0].get(k) for k in keys}
+    if any({k: s.get(k) for k in keys} != first for s in settings):
+        raise SystemExit("error: the runs differ in model, task or sampling settings; they cannot share one evaluation")
+    model_path = common.resolve_model(first["model"])
+    tokenizer = common.load_tokenizer(model_path)
+    task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == common.TINY)  # the held-out split is fixed
+    policy = common.load_policy(model_path, "cpu")
+    sampling = dict(temperature=first["temperature"], top_p=first["top_p"], max_tokens=first["max_new_tokens"])
+    curves, version = {}, 0
+    with vllm_sampler.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
+                                    max_model_len=first["max_prompt_tokens"] + first["max_new_tokens"]) as sampler:
+        for run_dir in run_dirs:
+            snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")), key=lambda s: s["step"])
+            curve = []
+            for snap in snapshots:
+                policy.load_state_dict(snap["model"])
+                version += 1
+                sampler.push_weights(version)
+                scores = common.evaluate(sampler, task, tokenizer, eval_problems, eval_samples, first["max_prompt_tokens"],
+                                         first["chat_template"], **sampling)
+                curve.append((snap["wall"] - snapshots[0]["wall"], scores["eval/pass@1"]))
+            curves[run_dir] = curve
+            print(f"  evaluated {run_dir.name}: {len(curve)} snapshots, pass@1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f}", flush=True)
+    return curves
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float:
+    """Seconds until the curve first reaches target, linear between snapshots (nan if never)."""
+    for (t0, y0), (t1, y1) in zip(curve, curve[1:]):
+        if y1 >= target:
+            return t0 if y0 >= target else t0 + (t1 - t0) * (target - y0) / (y1 - y0)
+    return 0.0 if curve and curve[0][1] >= target else float("nan")
+
+
+def plot(by_arm: dict[str, list[list[tuple[float, float]]]], target: float, seconds: float, title: str, out: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    grid = np.linspace(0, seconds, 61)
+    for arm, curves in by_arm.items():
+        ys = np.array([np.interp(grid, [t for t, _ in c], [y for _, y in c], right=np.nan) for c in curves])
+        mean, sd = np.nanmean(ys, 0), np.nanstd(ys, 0)
+        line, = ax.plot(grid, mean, label=f"{arm} ({len(curves)} seeds)")
+        ax.fill_between(grid, mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
+    ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.3f}")
+    ax.set_xlabel("seconds of training")
+    ax.set_ylabel("held-out pass@1")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def main():
+    args = tyro.cli(Args)
+    script, shared, arms = PAPERS[args.paper]
+    if args.arms is not None:
+        unknown = [a for a in args.arms if a not in arms]
+        common.check_args(not unknown, "--arms", f"unknown arm(s) {unknown}; this paper's: {list(arms)}")
+        arms = {a: arms[a] for a in args.arms}
+    common.check_args(args.seconds > 0 and args.eval_problems >= 1 and args.eval_samples >= 1,
+                      "--seconds/--eval-problems/--eval-samples", "must be > 0")
+    start = time.perf_counter()
+    (ROOT / "runs").mkdir(exist_ok=True)
+
+    runs: dict[str, list[Path]] = {arm: [] for arm in arms}
+    for i, seed in enumerate(args.seeds):
+        for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
+            flags, every = arms[arm]
+            print(f"[{time.perf_counter() - start:6.0f}s] {args.paper} {arm} seed {seed}", flush=True)
+            runs[arm].append(train(script, [*shared, *flags, "--snapshot-every", str(every)], args.seconds, seed, arm))
+    print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
+    curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples)
+    by_arm = {arm: [curves[d] for d in dirs] for arm, dirs in runs.items()}
+
+    start_pass = float(np.mean([c[0][1] for cs in by_arm.values() for c in cs]))
+    lowest_final = min(np.mean([y for _, y in c[-2:]]) for cs in by_arm.values() for c in cs)
+    target = args.target if args.target is not None else start_pass + 0.75 * (lowest_final - start_pass)
+    print(f"\n{args.paper}: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s of training each; held-out pass@1 on "
+          f"{args.eval_problems} problems x {args.eval_samples} samples; start {start_pass:.3f}, target {target:.3f}"
+          + (" (given)" if args.target is not None else f" (75% of the way to the lowest final pass@1, {lowest_final:.3f})") + "\n")
+    print("| arm | seconds to target, mean | sd | per seed | vs " + list(arms)[0] + " | pass@1 at the end, mean |")
+    print("|---|---|---|---|---|---|")
+    base = None
+    for arm, cs in by_arm.items():
+        times = [time_to(c, target) for c in cs]
+        mean = float(np.mean(times))
+        base = base or mean
+        final = np.mean([np.mean([y for _, y in c[-2:]]) for c in cs])
+        print(f"| {arm} | {mean:.1f} | {np.std(times):.1f} | {' '.join(f'{t:.1f}' for t in times)} | {base / mean:.2f}x | {final:.3f} |")
+    out = plot(by_arm, target, args.seconds, f"{args.paper}: held-out pass@1, mean and sd over {len(args.seeds)} seeds",
+               Path(args.out) / f"learning_speed_{args.paper}.png")
+    print(f"\nplot: {out}\nthis command took {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

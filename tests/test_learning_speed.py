@@ -1,0 +1,26 @@
+"""benchmarks/learning_speed.py: time to target read off a learning curve."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import learning_speed  # noqa: E402
+
+
+def test_time_to_target_interpolates_between_snapshots_and_takes_the_first_crossing():
+    curve = [(0.0, 0.1), (4.0, 0.2), (8.0, 0.4), (12.0, 0.25), (16.0, 0.5)]
+    assert learning_speed.time_to(curve, 0.3) == pytest.approx(6.0)  # halfway from 0.2 at 4 s to 0.4 at 8 s
+    assert learning_speed.time_to(curve, 0.2) == pytest.approx(4.0)
+    assert learning_speed.time_to(curve, 0.05) == 0.0  # reached at the start
+    assert learning_speed.time_to(curve, 0.45) == pytest.approx(12.0 + 4.0 * (0.45 - 0.25) / 0.25)
+    assert math.isnan(learning_speed.time_to(curve, 0.6))  # never
+
+
+def test_every_arm_of_every_paper_names_a_script_that_exists():
+    root = Path(learning_speed.ROOT)
+    for paper, (script, shared, arms) in learning_speed.PAPERS.items():
+        assert (root / script).is_file(), paper
+        assert arms and all(every >= 1 for _, every in arms.values())
