@@ -160,6 +160,9 @@ class NullLogger:
     def report(self, *args, **kwargs) -> None:
         pass
 
+    def snapshot(self, *args, **kwargs) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

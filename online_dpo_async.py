@@ -106,6 +106,9 @@ class Args:
     """completions per held-out problem, accuracy = pass@1 over them [greedy 1; sample 4]"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
+    snapshot_every: int = 0
+    """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
+    evaluates them after the run; 0: never)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from"""
 
@@ -157,6 +160,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     common.check_args(args.eval_problems >= 1 or (args.eval_problems == 0 and args.task in FIXED_TEST_SPLIT), "--eval-problems",
                       f"must be >= 1, or 0 (the whole test split) for {' or '.join(FIXED_TEST_SPLIT)}; got {args.eval_problems}")
     common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
+    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
     return args
 
@@ -316,6 +320,8 @@ def main():
 
         eval_start = evaluate()
         logger.log(step, eval_start)
+        if args.snapshot_every and start_round == 0:
+            logger.snapshot(step, policy)  # time 0 of the learning curve
         submit_round()
         batch = collect()  # Algorithm 1: a first batch y_0 ~ pi_theta_0(x_0)
         if args.staleness and next_round < args.num_rounds:
@@ -378,6 +384,8 @@ def main():
                 accuracies.append((logits > 0).float().mean().item())
                 margins.append(logits.mean().item())
             train_seconds = time.time() - train_start
+            if args.snapshot_every and (round_index + 1) % args.snapshot_every == 0:
+                logger.snapshot(step, policy)
 
             # ---- the new weights go to the sampler; then the next round's data ----
             wait_start = time.time()

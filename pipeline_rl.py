@@ -122,6 +122,9 @@ class Args:
     """samples per held-out problem (accuracy = pass@1 over them)"""
     save_every: int = 0
     """checkpoint every N steps (0: only at the end)"""
+    snapshot_every: int = 0
+    """keep the weights every N steps in <run>/snapshots/, with the wall time, from step 0 (benchmarks/learning_speed.py
+    evaluates them after the run; 0: never)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from"""
 
@@ -306,6 +309,7 @@ def main():
     common.check_args(args.data_timeout > 0, "--data-timeout", f"must be > 0, got {args.data_timeout}")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
     common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
+    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", f"must be >= 1, got {args.max_prompt_tokens}")
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
@@ -468,6 +472,8 @@ def main():
                       f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {len(sampler.pending)} "
                       f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
                       f"dropped {totals['stale_dropped']}")
+            if args.snapshot_every and step % args.snapshot_every == 0:
+                logger.snapshot(step, policy)
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):
                 common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
                                        hf_model=policy, tokenizer=tokenizer, totals=totals)
@@ -478,6 +484,8 @@ def main():
 
         eval_start = evaluate()
         logger.log(step, eval_start)
+        if args.snapshot_every and step == 0:
+            logger.snapshot(step, policy)  # time 0 of the learning curve
         loop_start = time.time() - totals["wall"]
         groups_per_batch = args.train_batch_size // args.group_size
         while step < args.num_steps:

@@ -173,6 +173,9 @@ class Args:
     """samples per held-out problem (accuracy = pass@1 over them)"""
     save_every: int = 0
     """checkpoint every N iterations (0: only at the end)"""
+    snapshot_every: int = 0
+    """keep the policy's weights every N iterations in <run>/snapshots/, with the wall time, from iteration 0
+    (benchmarks/learning_speed.py evaluates them after the run; 0: never)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from"""
 
@@ -523,6 +526,7 @@ def main():
     common.check_args(0 < args.top_p <= 1, "--top-p", "must be in (0, 1]")
     common.check_args(args.tis_cap is None or args.tis_cap > 0, "--tis-cap", "must be > 0 (or left out: off)")
     common.check_args(args.micro_batch_size >= 1 and args.micro_batch_tokens >= 1, "--micro-batch-size/--micro-batch-tokens", "must be >= 1")
+    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     if args.chunk_tune_every:
         common.check_args(args.chunk_tune_every > len(args.chunk_candidates), "--chunk-tune-every",
                           f"must exceed the number of candidates ({len(args.chunk_candidates)})")
@@ -617,6 +621,8 @@ def main():
         eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                      chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
         logger.log(version, eval_start)
+        if args.snapshot_every and iteration == 0:
+            logger.snapshot(version, policy)  # time 0 of the learning curve
         admit(carried_keys)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
         while iteration < args.num_iterations:
@@ -777,6 +783,8 @@ def main():
                       f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
                       f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
                       f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
+            if args.snapshot_every and iteration % args.snapshot_every == 0:
+                logger.snapshot(version, policy)
             if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):
                 common.save_checkpoint(logger.dir / "checkpoint.pt", learner, optimizer, version, data_position,
                                        hf_model=policy, tokenizer=tokenizer, iteration=iteration,

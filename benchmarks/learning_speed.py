@@ -1,7 +1,10 @@
 """The papers' claims are about learning speed: each paper's comparison as held-out pass@1 against
 training wall-clock, over seeds, and the time until pass@1 first reaches a target every run reaches.
 
-    .venv/bin/python benchmarks/learning_speed.py rloo       # K = 1, 2, 4, 8 and K = 4 with --overlap
+    .venv/bin/python benchmarks/learning_speed.py rloo       # K = 1, 2, 4, 8 and K = 4 with --overlap (~15 min)
+    .venv/bin/python benchmarks/learning_speed.py dpo        # sync, async, async with 2 minibatches
+    .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL
+    .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults)
 
 How it measures:
 - Every run keeps its weights every few rounds with the run's wall time (the scripts'
@@ -53,12 +56,28 @@ PAPERS = {
         "K=8": (["--k", "8"], 1),
         "K=4 overlap": (["--k", "4", "--overlap"], 2),
     }),
+    "dpo": ("online_dpo_async.py", ["--num-rounds", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
+        "sync": (["--sync"], 3),
+        "async": ([], 3),
+        "async, 2 minibatches": (["--num-minibatches", "2"], 3),
+    }),
+    "pipeline": ("pipeline_rl.py", ["--num-steps", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
+        "Conventional G=1": (["--mode", "conventional", "--steps-per-rl-step", "1"], 16),
+        "Conventional G=4": (["--mode", "conventional", "--steps-per-rl-step", "4"], 16),
+        "PipelineRL": (["--mode", "pipeline"], 16),
+    }),
+    "ppo": ("ppo_oppo.py", ["--num-iterations", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
+        "plain PPO": (["--no-intra", "--no-inter"], 2),
+        "intra": (["--no-inter"], 2),
+        "inter": (["--no-intra"], 2),
+        "OPPO": ([], 2),
+    }),
 }
 
 
 @dataclass
 class Args:
-    paper: tyro.conf.Positional[Literal["rloo"]]
+    paper: tyro.conf.Positional[Literal["rloo", "dpo", "pipeline", "ppo"]]
     """which paper's comparison to run"""
     seeds: tuple[int, ...] = (1, 2, 3)
     """seeds, each running every arm"""
@@ -122,9 +141,11 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
     task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == common.TINY)  # the held-out split is fixed
     policy = common.load_policy(model_path, "cpu")
     sampling = dict(temperature=first["temperature"], top_p=first["top_p"], max_tokens=first["max_new_tokens"])
+    # the prompt budget where the script has it as a flag; else whatever fits the model's context with the response cap
+    max_prompt_tokens = first["max_prompt_tokens"] or policy.config.max_position_embeddings - first["max_new_tokens"]
     curves, version = {}, 0
     with vllm_sampler.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
-                                    max_model_len=first["max_prompt_tokens"] + first["max_new_tokens"]) as sampler:
+                                    max_model_len=max_prompt_tokens + first["max_new_tokens"]) as sampler:
         for run_dir in run_dirs:
             snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")), key=lambda s: s["step"])
             curve = []
@@ -132,7 +153,7 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
                 policy.load_state_dict(snap["model"])
                 version += 1
                 sampler.push_weights(version)
-                scores = common.evaluate(sampler, task, tokenizer, eval_problems, eval_samples, first["max_prompt_tokens"],
+                scores = common.evaluate(sampler, task, tokenizer, eval_problems, eval_samples, max_prompt_tokens,
                                          first["chat_template"], **sampling)
                 curve.append((snap["wall"] - snapshots[0]["wall"], scores["eval/pass@1"]))
             curves[run_dir] = curve
