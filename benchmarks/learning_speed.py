@@ -57,9 +57,9 @@ PAPERS = {
         "K=4 overlap": (["--k", "4", "--overlap"], 2),
     }),
     "dpo": ("online_dpo_async.py", ["--num-rounds", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
-        "sync": (["--sync"], 3),
-        "async": ([], 3),
-        "async, 2 minibatches": (["--num-minibatches", "2"], 3),
+        "sync": (["--sync"], 10),
+        "async": ([], 10),
+        "async, 2 minibatches": (["--num-minibatches", "2"], 10),
     }),
     "pipeline": ("pipeline_rl.py", ["--num-steps", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
         "Conventional G=1": (["--mode", "conventional", "--steps-per-rl-step", "1"], 16),
