@@ -25,6 +25,7 @@ import common  # noqa: E402
 import tiny_model  # noqa: E402
 import tasks  # noqa: E402
 import vllm_sampler  # noqa: E402
+from push_bandwidth import random_54m  # noqa: E402  (the same random model; the same environment defaults as above)
 
 
 @dataclass
@@ -90,19 +91,6 @@ def time_push(path, args):
     return sum(p.numel() for p in model.parameters()), seconds, size / seconds, statistics.median(copy_times)
 
 
-def random_50m(directory):
-    """A random ~50M-parameter Qwen2 with the tiny model's tokenizer (vocab padded to 32k)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
-                         tie_word_embeddings=True, torch_dtype="float32")
-    Qwen2ForCausalLM(config).save_pretrained(directory)
-    common.load_tokenizer(str(tiny_model.tiny_model_path())).save_pretrained(directory)
-    return str(directory)
-
-
 def main():
     args = tyro.cli(Args)
     common.limit_cpu_threads()
@@ -114,7 +102,7 @@ def main():
     ours, direct, ratios = time_throughput(tiny, prompts, args)
     push_tiny = time_push(tiny, args)
     with tempfile.TemporaryDirectory() as tmp:
-        push_big = time_push(random_50m(tmp), args)
+        push_big = time_push(random_54m(tmp), args)
 
     rows = [
         ("sampler throughput, ours (tok/s)", f"{ours:.0f}"),

@@ -31,8 +31,8 @@ import vllm_sampler  # noqa: E402
 
 
 def random_54m(directory) -> str:
-    """A random ~54M-parameter Qwen2 with tied embeddings and a 32k vocabulary (foundation.py's
-    random_50m: hidden 512, 12 layers, MLP 1536) and the tiny model's tokenizer."""
+    """A random ~54M-parameter Qwen2 with tied embeddings and a 32k vocabulary (hidden 512, 12 layers,
+    MLP 1536) and the tiny model's tokenizer; foundation.py pushes the same model."""
     import tiny_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
