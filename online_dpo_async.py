@@ -11,6 +11,7 @@ on-policy baseline: generate, then train, alternating.
 
     python online_dpo_async.py --model tiny           # async, the built-in model, CPU
     python online_dpo_async.py --model tiny --sync    # the synchronous baseline
+    torchrun --nproc-per-node 2 online_dpo_async.py   # the learner data-parallel (FSDP2, distributed.py)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 import tyro
 
 import common
+import distributed
 import tasks
 import vllm_sampler
 
@@ -196,32 +198,40 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
 
 @torch.no_grad()
-def sequence_logprobs(model, ids, attn, cmask, lengths: list[int], args: Args) -> torch.Tensor:
+def sequence_logprobs(model, ids, attn, cmask, lengths: list[int], args: Args, d: distributed.Dist | None = None) -> torch.Tensor:
     """log pi(y | x) of every row of the right-padded batch (the sum over its completion tokens), in
     token-budget micro-batches, each cut to its longest row: the reference's forward. lengths: each
-    row's prompt + completion length. Returns [rows]."""
+    row's prompt + completion length. Under torchrun each rank runs its micro-batches
+    (distributed.my_micro_batches) and every rank gets every row. Returns [rows]."""
     out = torch.zeros(len(lengths), device=ids.device)
-    for rows in common.micro_batches(lengths, args.micro_batch_tokens):
+    for rows, weight in distributed.my_micro_batches(common.micro_batches(lengths, args.micro_batch_tokens), d):
         width = lengths[rows[-1]]
         with common.autocast(ids.device, args.autocast_bf16):
-            out[rows] = common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
-                                              temperature=args.temperature, top_p=args.top_p).sum(1)
-    return out
+            logp = common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
+                                         temperature=args.temperature, top_p=args.top_p).sum(1)
+        if weight:  # (weight 0: a stand-in that only keeps the ranks' collectives in step)
+            out[rows] = logp
+    return distributed.all_sum(out, d)  # each row was filled by one rank
 
 
-def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, rejected_rows, ref_seq, args: Args, sampler_logp=None):
+def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, rejected_rows, ref_seq, args: Args, sampler_logp=None,
+                 d: distributed.Dist | None = None):
     """The DPO loss of one minibatch of pairs (its mean over the pairs) and its gradient, accumulated
     over micro-batches of whole pairs within --micro-batch-tokens: each micro-batch's summed per-pair
     loss is divided by the minibatch's number of pairs, so the accumulated gradient is exactly the
     mean's. chosen_rows, rejected_rows: [pairs] rows of the right-padded batch; ref_seq: [rows] the
     reference's sequence logprobs. Returns (mean loss, beta h [pairs], and, with sampler_logp, the sum of
-    |learner - sampler| token logprobs over the pairs' completion tokens and their count)."""
+    |learner - sampler| token logprobs over the pairs' completion tokens and their count). Under
+    torchrun each rank runs its micro-batches of the minibatch's plan (distributed.my_micro_batches):
+    the gradients are summed over ranks (distributed.shard), so they are the single-process mean's,
+    and the returned values are the whole minibatch's on every rank."""
     n, device = len(chosen_rows), ids.device
     chosen_rows, rejected_rows = chosen_rows.to(device), rejected_rows.to(device)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
     losses, margins = torch.zeros(n, device=device), torch.zeros(n, device=device)
     diff_sum = diff_tokens = 0.0
-    for pairs in common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2):
+    plan = common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)
+    for pairs, weight in distributed.my_micro_batches(plan, d):  # weight 0: a stand-in that must change nothing
         k, width = len(pairs), pair_lengths[pairs[-1]]
         rows = torch.cat([chosen_rows[pairs], rejected_rows[pairs]])  # the chosen k, then their rejected k
         with common.autocast(device, args.autocast_bf16):
@@ -229,13 +239,16 @@ def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, reje
                                                temperature=args.temperature, top_p=args.top_p)
         logp, ref = token_logp.sum(1), ref_seq[rows]
         loss, margin = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], args.beta, args.loss_type)
-        (loss.sum() / n).backward()
+        (loss.sum() / n * weight).backward()
+        if not weight:
+            continue
         losses[pairs], margins[pairs] = loss.detach(), margin.detach()
         if sampler_logp is not None:
             mask = cmask[rows, 1:width].float()
             diff_sum += ((token_logp.detach() - sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
             diff_tokens += mask.sum().item()
-    return losses.mean(), margins, (diff_sum, diff_tokens)
+    losses, margins, diff = distributed.all_sum((losses, margins, (diff_sum, diff_tokens)), d)  # every rank's pairs
+    return losses.mean(), margins, diff
 
 
 def main():
@@ -244,9 +257,10 @@ def main():
     args.max_prompt_tokens = 64 if args.model == common.TINY else 512
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
+    dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, scores, logger, checkpoints)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.device
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
@@ -256,23 +270,29 @@ def main():
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    # what the sampler's weight sync reads (and snapshots, the HF directory): the policy itself, or under torchrun rank 0's full copy
+    push_model = distributed.push_copy(policy, dist)
+    policy, ref_policy = distributed.shard(policy, dist), distributed.shard(ref_policy, dist)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    reward_model = common.RewardModel(args.reward_model, device=str(device)) if args.reward_model else None
-    logger = common.RunLogger(run_name, args, track=args.track)
+    # rank 0 scores and hands every rank the rewards (the pairs must be the same on every rank): only it needs the reward model
+    reward_model = common.RewardModel(args.reward_model, device=str(device)) if args.reward_model and dist.is_main else None
+    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
     print(f"run directory: {logger.dir}")
 
     start_round, data_position, step = 0, 0, 0
     totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
-    if args.resume:
-        state = common.load_checkpoint(args.resume, policy, optimizer)
+    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
+        state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "totals"))
         start_round, data_position, step = state["round"], state["data_position"], state["step"]
         totals |= state["totals"]
+        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url, weights=policy, version=step)
+                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
+                                         weights=push_model, version=step) if dist.is_main else None
     try:
         # No per-request seed: vLLM's CPU runner fails on a seeded request whose prompt's prefill it splits
         # ("CPU Generator does not use offset"). The sampler's engine seed (--seed) already makes the tokens
@@ -318,13 +338,15 @@ def main():
                                      args.chat_template, **eval_sampling)
             return {"eval/pass@1": result["eval/pass@1"]}
 
-        eval_start = evaluate()
+        eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
-        if args.snapshot_every and start_round == 0:
-            logger.snapshot(step, policy)  # time 0 of the learning curve
-        submit_round()
-        batch = collect()  # Algorithm 1: a first batch y_0 ~ pi_theta_0(x_0)
-        if args.staleness and next_round < args.num_rounds:
+        if dist.is_main and args.snapshot_every and start_round == 0:
+            logger.snapshot(step, push_model)  # time 0 of the learning curve
+        if dist.is_main:
+            submit_round()
+        # Algorithm 1: a first batch y_0 ~ pi_theta_0(x_0); under torchrun rank 0 samples and every rank gets the round
+        batch = distributed.broadcast(collect() if dist.is_main else None, dist)
+        if dist.is_main and args.staleness and next_round < args.num_rounds:
             submit_round()  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
         loop_start = time.time() - totals["wall"]
         for round_index in range(start_round, args.num_rounds):
@@ -338,7 +360,7 @@ def main():
             train_start = time.time()
             common.learner_threads(sampler)  # every core with --sync; one while the next batch generates
             samples, problems = batch["samples"], batch["problems"]
-            rewards = score(problems, samples).view(-1, args.group_size)
+            rewards = distributed.broadcast(score(problems, samples) if dist.is_main else None, dist).view(-1, args.group_size)
             chosen, rejected, keep = select_pairs(rewards)
             pair_rows = torch.arange(len(rewards))[keep]
             lags = [step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]  # per token
@@ -353,7 +375,7 @@ def main():
             prompt_lens = [len(s.prompt_token_ids) for s in samples]
             lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
             sampler_logp = common.sampler_logprob_tensor(samples, prompt_lens, mask.shape[1]).to(device)
-            ref_seq = sequence_logprobs(ref_policy, ids, attn, cmask, lengths, args)
+            ref_seq = sequence_logprobs(ref_policy, ids, attn, cmask, lengths, args, dist)  # (every row, on every rank)
             kl = ((sampler_logp * mask).sum(1) - ref_seq).mean().item()  # k1: both logprobs of the sampled distribution
             chosen_rows = pair_rows * args.group_size + chosen[keep]
             rejected_rows = pair_rows * args.group_size + rejected[keep]
@@ -366,11 +388,12 @@ def main():
                     continue
                 optimizer.zero_grad()
                 # micro-batches of whole pairs within --micro-batch-tokens; the gradient accumulates to the minibatch mean's
+                # (under torchrun each rank takes its share and the results are the minibatch's on every rank)
                 loss, logits, (mb_diff, mb_tokens) = dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb],
-                                                                  ref_seq, args, sampler_logp if fresh else None)
+                                                                  ref_seq, args, sampler_logp if fresh else None, dist)
                 # fresh: no step on this batch yet, the sampling weights (~1e-6 in fp32); free, on the pairs' tokens
                 diff_sum, diff_tokens = diff_sum + mb_diff, diff_tokens + mb_tokens
-                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                     # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
                     optimizer.zero_grad()
@@ -384,20 +407,22 @@ def main():
                 accuracies.append((logits > 0).float().mean().item())
                 margins.append(logits.mean().item())
             train_seconds = time.time() - train_start
-            if args.snapshot_every and (round_index + 1) % args.snapshot_every == 0:
-                logger.snapshot(step, policy)
+            distributed.gather_into(policy, push_model, dist)  # under torchrun: every rank takes part, rank 0 holds the full weights
+            if dist.is_main and args.snapshot_every and (round_index + 1) % args.snapshot_every == 0:
+                logger.snapshot(step, push_model)
 
             # ---- the new weights go to the sampler; then the next round's data ----
             wait_start = time.time()
             push_seconds = generate_seconds = sampler_idle = float("nan")
             if not last:
-                # applied once the round in flight (async) has finished with the old weights: no batch mixes versions
-                push_seconds = sampler.push_weights(step, when_idle=True)
                 newest = None
-                if next_round < args.num_rounds:
-                    submit_round()  # generated by the weights just pushed: the next round (sync) or the one after it (async)
-                    newest = pending[-1]
-                following = collect()
+                if dist.is_main:
+                    # applied once the round in flight (async) has finished with the old weights: no batch mixes versions
+                    push_seconds = sampler.push_weights(step, when_idle=True)
+                    if next_round < args.num_rounds:
+                        submit_round()  # generated by the weights just pushed: the next round (sync) or the one after it (async)
+                        newest = pending[-1]
+                following = distributed.broadcast(collect() if dist.is_main else None, dist)
                 generate_seconds = following["finished"] - following["submitted"]
                 if newest is not None:  # the sampler sat idle from the end of the round before `newest` (sync: the train step)
                     sampler_idle = newest["submitted"] - (batch if args.staleness == 0 else following)["finished"]
@@ -437,16 +462,19 @@ def main():
                 batch = following
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 # the data position of the first round not trained on yet: a round in flight is generated again on resume
-                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step,
-                                       data_position if last else batch["position"], hf_model=policy, tokenizer=tokenizer,
-                                       round=round_index + 1, totals=totals)
-        if step:
-            sampler.push_weights(step)
-        eval_end = evaluate()
+                # (every rank; rank 0 writes the single-process file)
+                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                                            data_position if last else batch["position"], dist, hf_model=push_model,
+                                            tokenizer=tokenizer, round=round_index + 1, totals=totals)
+        if dist.is_main and step:
+            sampler.push_weights(step)  # (push_model was gathered after the last round's steps)
+        eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
         memory = common.peak_memory_mib(sampler)
     finally:
-        sampler.close()
+        if sampler is not None:
+            sampler.close()
+        distributed.close(dist)
 
     mode = "sync" if args.sync else "async"
     logger.report(step, f"online DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts "

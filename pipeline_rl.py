@@ -20,6 +20,7 @@ the weights; the same loss.
 
     python pipeline_rl.py --model tiny
     python pipeline_rl.py --model tiny --mode conventional --steps-per-rl-step 4
+    torchrun --nproc-per-node 2 pipeline_rl.py --model tiny   # the learner data-parallel (FSDP2, distributed.py)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import tyro
 
 import common
+import distributed
 import tasks
 import vllm_sampler
 
@@ -219,10 +221,13 @@ def wait_until(done: Callable[[], bool], pump: Callable[[], int], timeout: float
 
 
 def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Completion], rewards: torch.Tensor, step: int, args: Args,
-               pad_token_id: int) -> dict:
+               pad_token_id: int, d: distributed.Dist | None = None) -> dict:
     """One optimizer step on B sequences (whole groups, group after group). Returns its stats;
     stats["outcome"] is "trained", or "low_ess" (ESS below the threshold) or "nonfinite" (a NaN/inf
-    ESS, loss or gradient norm): then the optimizer does not step and the caller pushes nothing."""
+    ESS, loss or gradient norm): then the optimizer does not step and the caller pushes nothing.
+    Under torchrun every rank is given the same B sequences and runs its micro-batches of them
+    (distributed.my_micro_batches): the gradients are summed over ranks, and the stats, hence the
+    outcome, are the whole batch's on every rank."""
     start = time.time()
     device = next(policy.parameters()).device
     advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
@@ -233,8 +238,11 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
     optimizer.zero_grad()
     loss_sum = pg_sum = kl_sum = 0.0
-    weights, diff_sum, diff_tokens = [], 0.0, 0
-    for rows in common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size):
+    diff_sum, diff_tokens = 0.0, 0
+    # every response token's weight pi/mu, one row per sequence (each filled by the rank that ran it)
+    token_w = torch.zeros(len(samples), max(len(c.token_ids) for c in samples), device=device)
+    plan = common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size)
+    for rows, part in distributed.my_micro_batches(plan, d):  # part 0: a stand-in that must change nothing
         micro = [samples[i] for i in rows]
         ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in micro], [c.token_ids for c in micro], pad_token_id)
         ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
@@ -242,20 +250,27 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
         behaviour = common.sampler_logprob_tensor(micro, [len(c.prompt_token_ids) for c in micro], mask.shape[1]).to(device)
         with common.autocast(device, args.autocast_bf16):
             logp = common.token_logprobs(policy, ids, attn, cmask, **processing)
-        weights.append(token_weights(logp.detach(), behaviour, mask)[mask.bool()])
-        # sampler vs learner on sequences generated wholly by the learner's current weights (their
-        # KV cache too): the training-inference mismatch alone, ~1e-6 in fp32
-        fresh = torch.tensor([c.version_min == step for c in micro], device=device)
-        diff_sum += ((logp.detach() - behaviour).abs() * mask)[fresh].sum().item()
-        diff_tokens += int(mask[fresh].sum().item())
+        if part:
+            w = token_weights(logp.detach(), behaviour, mask)
+            for i, row in enumerate(rows):
+                token_w[row, :len(micro[i].token_ids)] = w[i][mask[i].bool()]
+            # sampler vs learner on sequences generated wholly by the learner's current weights (their
+            # KV cache too): the training-inference mismatch alone, ~1e-6 in fp32
+            fresh = torch.tensor([c.version_min == step for c in micro], device=device)
+            diff_sum += ((logp.detach() - behaviour).abs() * mask)[fresh].sum().item()
+            diff_tokens += int(mask[fresh].sum().item())
         with torch.no_grad(), common.autocast(device, args.autocast_bf16):
             ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, **processing) if ref_policy else logp.detach()
         loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef)
-        share = mask.sum().item() / total_tokens  # micro-batch means -> the batch's token mean
+        share = part * mask.sum().item() / total_tokens  # micro-batch means -> the batch's token mean
         (loss * share).backward()
         loss_sum, pg_sum, kl_sum = loss_sum + loss.item() * share, pg_sum + pg.item() * share, kl_sum + kl.item() * share
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
-    weights = torch.cat(weights)
+    # under torchrun: every rank's rows and sums (one process: unchanged)
+    token_w, (loss_sum, pg_sum, kl_sum, diff_sum, diff_tokens) = distributed.all_sum((token_w, (loss_sum, pg_sum, kl_sum, diff_sum,
+                                                                                                 diff_tokens)), d)
+    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)).item()
+    # the response tokens in the micro-batches' order, as one process concatenates them: the same ESS to the last bit
+    weights = torch.cat([token_w[row, :len(samples[row].token_ids)] for rows in plan for row in rows])
     ess = effective_sample_size(weights, torch.ones_like(weights))
     lags = [lag for c in samples for lag in token_lags(c, step)]
     stats = dict(ess=ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
@@ -313,9 +328,10 @@ def main():
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", f"must be >= 1, got {args.max_prompt_tokens}")
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
+    dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.device
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
@@ -327,17 +343,22 @@ def main():
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None
+    # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
+    push_model = distributed.push_copy(policy, dist)
+    policy = distributed.shard(policy, dist)
+    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    logger = common.RunLogger(run_name, args, track=args.track)
+    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
     print(f"run directory: {logger.dir}")
     rng = np.random.default_rng(args.seed)  # long-tail lengths
     shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
 
     step, data_position = 0, 0
     totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
-    if args.resume:
-        state = common.load_checkpoint(args.resume, policy, optimizer)
+    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
+        state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("totals",))
         step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
+        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: step {step}")
     example = common.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
     if example:
@@ -347,13 +368,15 @@ def main():
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                          max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256,
-                                         urls=args.sampler_url, weights=policy, version=step, background_push=args.mode == "pipeline" and args.background_push)
+                                         urls=args.sampler_url, weights=push_model, version=step,
+                                         background_push=args.mode == "pipeline" and args.background_push) if dist.is_main else None
     try:
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
         groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far
         ready: deque[tuple[int, list[vllm_sampler.Completion]]] = deque()  # the trainer queue: (data position, group)
         on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
         nonfinite_in_a_row = 0
+        gathered_step = step  # the step whose weights push_model holds (under torchrun it is gathered, not the policy itself)
 
         def submit_prompts(count: int) -> None:
             """Send the next `count` prompts, group_size samples each, in one request batch."""
@@ -425,7 +448,7 @@ def main():
             samples = [c for _, g in batch for c in g]
             rewards = torch.tensor([task.reward(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)])
             common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
-            stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id)
+            stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id, dist)
             stats["accuracy"] = float(np.mean([task.is_correct(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)]))
             return stats
 
@@ -448,15 +471,23 @@ def main():
                 on_policy_only = False
             return stats["outcome"] != "trained"
 
+        def gather():
+            """Under torchrun, every rank: the trained policy into rank 0's push_model (once per step)."""
+            nonlocal gathered_step
+            if gathered_step != step:
+                distributed.gather_into(policy, push_model, dist)
+                gathered_step = step
+
         def log_step(stats, push_seconds, wait_seconds):
             totals["episodes"] += args.train_batch_size
             totals["tokens"] += stats["tokens"]
             totals["wall"] = time.time() - loop_start
+            in_flight = len(sampler.pending) if dist.is_main else 0
             metrics = {
                 "charts/reward": stats["reward"], "charts/accuracy": stats["accuracy"], "charts/ess": stats["ess"],
                 "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"], "charts/lag_max": stats["lag_max"],
                 "charts/is_max_ratio": stats["is_max_ratio"], "charts/is_truncated_fraction": stats["is_truncated_fraction"],
-                "charts/response_length": stats["response_length"], "charts/in_flight": len(sampler.pending),
+                "charts/response_length": stats["response_length"], "charts/in_flight": in_flight,
                 "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"],
                 "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
@@ -469,61 +500,78 @@ def main():
             logger.log(step, metrics, echo=False)
             if step % 10 == 0 or step == args.num_steps:
                 print(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
-                      f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {len(sampler.pending)} "
+                      f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {in_flight} "
                       f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
                       f"dropped {totals['stale_dropped']}")
             if args.snapshot_every and step % args.snapshot_every == 0:
-                logger.snapshot(step, policy)
-            if step == args.num_steps or (args.save_every and step % args.save_every == 0):
-                common.save_checkpoint(logger.dir / "checkpoint.pt", policy, optimizer, step, data_position,
-                                       hf_model=policy, tokenizer=tokenizer, totals=totals)
+                gather()  # (Conventional RL pushes only after its G steps)
+                if dist.is_main:
+                    logger.snapshot(step, push_model)
+            if step == args.num_steps or (args.save_every and step % args.save_every == 0):  # (every rank; rank 0 writes)
+                gather()
+                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, totals=totals)
 
         def evaluate():
             return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                    args.chat_template, **sampling)
 
-        eval_start = evaluate()
+        eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
-        if args.snapshot_every and step == 0:
-            logger.snapshot(step, policy)  # time 0 of the learning curve
+        if dist.is_main and args.snapshot_every and step == 0:
+            logger.snapshot(step, push_model)  # time 0 of the learning curve
         loop_start = time.time() - totals["wall"]
         groups_per_batch = args.train_batch_size // args.group_size
         while step < args.num_steps:
             if args.mode == "pipeline":
-                # ---- actor: refill, file what finished; the trainer waits for B usable sequences ----
-                pump(0.0)
-                wait_seconds = wait_until(lambda: queued() >= args.train_batch_size, lambda: pump(0.1), args.data_timeout, describe)
-                totals["wait"] += wait_seconds
-                # ---- trainer: one step on the B oldest sequences, then an in-flight weight push ----
-                stats = train_on(take_groups(groups_per_batch))
+                wait_seconds, batch = 0.0, None
+                if dist.is_main:
+                    # ---- actor: refill, file what finished; the trainer waits for B usable sequences ----
+                    pump(0.0)
+                    wait_seconds = wait_until(lambda: queued() >= args.train_batch_size, lambda: pump(0.1), args.data_timeout, describe)
+                    totals["wait"] += wait_seconds
+                    batch = take_groups(groups_per_batch)
+                # ---- trainer: one step on the B oldest sequences (under torchrun: rank 0's, on every rank), then an
+                # in-flight weight push ----
+                stats = train_on(distributed.broadcast(batch, dist))
                 if skipped(stats):
                     continue
                 step += 1
-                push_seconds = sampler.push_weights(step, recompute_kv=args.recompute_kv, background=args.background_push)
+                gather()  # under torchrun: every rank takes part, rank 0 pushes
+                push_seconds = (sampler.push_weights(step, recompute_kv=args.recompute_kv, background=args.background_push)
+                                if dist.is_main else 0.0)
                 log_step(stats, push_seconds, wait_seconds)
             else:
                 # ---- Conventional RL: B*G sequences from one policy, shuffled into G batches, G steps, push ----
                 steps_now = min(args.steps_per_rl_step, args.num_steps - step)
-                submit_prompts(groups_per_batch * steps_now)
-                wait_seconds = wait_until(lambda: queued() >= args.train_batch_size * steps_now, lambda: receive(0.5),
-                                          args.data_timeout, describe)
-                totals["wait"] += wait_seconds
-                batches = shuffled_batches(list(ready), groups_per_batch, shuffle_rng)
-                ready.clear()
-                for batch in batches:
+                wait_seconds, batches = 0.0, None
+                if dist.is_main:
+                    submit_prompts(groups_per_batch * steps_now)
+                    wait_seconds = wait_until(lambda: queued() >= args.train_batch_size * steps_now, lambda: receive(0.5),
+                                              args.data_timeout, describe)
+                    totals["wait"] += wait_seconds
+                    batches = shuffled_batches(list(ready), groups_per_batch, shuffle_rng)
+                    ready.clear()
+                for batch in distributed.broadcast(batches, dist):  # (under torchrun: rank 0's batches, on every rank)
                     stats = train_on(batch)
                     if skipped(stats):
                         continue
                     step += 1
                     log_step(stats, 0.0, wait_seconds)
-                push_seconds = sampler.push_weights(step)
-        sampler.wait_for_push()
-        sampler.abort(list(sampler.pending))
-        eval_end = evaluate()
+                gather()
+                push_seconds = sampler.push_weights(step) if dist.is_main else 0.0
+        if dist.is_main:
+            sampler.wait_for_push()
+            sampler.abort(list(sampler.pending))
+        eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
         memory = common.peak_memory_mib(sampler)
     finally:
-        sampler.close()
+        if sampler is not None:
+            sampler.close()
+        distributed.close(dist)
+    if not dist.is_main:
+        return  # the run directory and its report are rank 0's
 
     label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
     rows = [r for r in common.read_metrics(logger.dir) if "charts/ess" in r]

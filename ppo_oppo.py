@@ -30,15 +30,27 @@ an optimizer *step* is one optimizer.step() (epochs x minibatches per iteration)
 *version* counts optimizer steps, so a token's lag is in optimizer steps; a carried-over sequence's
 *age* is the number of iterations since its prompt was admitted.
 
+Several learner processes (`torchrun --nproc-per-node N`, distributed.py): actor, critic, reference
+and reward model are sharded with FSDP2. Rank 0 alone runs the sampler, the OPPO buffer (Stages 1-2,
+inter-step overlap included), evaluation, the log and checkpoints, and broadcasts each iteration's
+batch; every rank scores its share of it and trains on its share of each minibatch's micro-batches,
+gradients summed, so every optimizer step is the single-process step on the same batch (GAE and
+whitening see the whole batch; a non-finite loss on any rank skips the step on all of them).
+--intra is refused there: it prefills the streamed chunks while rank 0 polls the sampler, and a
+forward of a sharded model needs every rank, so the other ranks would have to follow rank 0's
+polling loop step by step (or rank 0 keep unsharded copies of critic, reference and RM, which is what
+sharding avoids); without it the scoring is split over the ranks instead of hidden behind generation.
+
     python ppo_oppo.py --model tiny
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
+    torchrun --nproc-per-node 2 ppo_oppo.py --model tiny --no-intra   # data-parallel learner (FSDP2)
     python ppo_oppo.py --model Qwen/Qwen2.5-3B-Instruct --chat-template --top-p 0.95 --tis-cap 2.0
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -47,6 +59,7 @@ import tyro
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
+import distributed
 import tasks
 import vllm_sampler
 
@@ -140,7 +153,8 @@ class Args:
 
     # OPPO
     intra: bool = True
-    """intra-step overlap: stream C-token chunks into the downstream models' prefill (--no-intra: score after generation)"""
+    """intra-step overlap: stream C-token chunks into the downstream models' prefill (--no-intra: score after generation;
+    needed under torchrun)"""
     inter: bool = True
     """inter-step overlap: over-commit Delta prompts and carry unfinished ones over (--no-inter: wait for all B)"""
     chunk_size: int | None = None
@@ -244,8 +258,10 @@ def guarded_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor
                  loss_is_finite: bool) -> tuple[bool, torch.Tensor]:
     """Clip and step, unless the loss or the gradient norm is NaN/inf: then drop the gradients and
     take no step. One non-finite gradient in Adam's moments would make every later step (and every
-    checkpoint) NaN. Returns whether it stepped, and the gradient norm before clipping."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm)
+    checkpoint) NaN. Under torchrun the norm is the global one (the same on every rank) and
+    `loss_is_finite` must already be every rank's verdict, so that all ranks step or none does.
+    Returns whether it stepped, and the gradient norm before clipping."""
+    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm))
     if not loss_is_finite or not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         return False, grad_norm
@@ -417,16 +433,20 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
 
 @torch.no_grad()
 def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batch_size: int, max_tokens: int | None = None,
-                     bf16: bool = False, **processing) -> list[torch.Tensor]:
+                     bf16: bool = False, d: distributed.Dist | None = None, **processing) -> list[torch.Tensor]:
     """The learner's logprob of every response token under `processing` (the sampler's temperature
     and top-p), one no-grad forward in micro-batches of similar length (at most micro_batch_size rows
-    and max_tokens padded tokens; bf16: under bf16 autocast): TIS's pi_old."""
+    and max_tokens padded tokens; bf16: under bf16 autocast): TIS's pi_old. Under torchrun only this
+    rank's micro-batches (distributed.my_micro_batches); the other rows stay empty (length 0)."""
     out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
     device = next(policy.parameters()).device
-    for rows in common.micro_batches([r.num_tokens for r in batch], max_tokens or 2**62, max_rows=micro_batch_size):
+    plan = common.micro_batches([r.num_tokens for r in batch], max_tokens or 2**62, max_rows=micro_batch_size)
+    for rows, weight in distributed.my_micro_batches(plan, d):
         ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
         with common.autocast(device, bf16):
             logp = common.token_logprobs(policy, ids.to(device), attn.to(device), cmask.to(device), **processing).cpu()
+        if not weight:  # a stand-in: its forward only keeps the ranks' collectives in step
+            continue
         for row, i in enumerate(rows):
             plen = len(batch[i].prompt)
             out[i] = logp[row, plen - 1: plen - 1 + len(batch[i].response)]
@@ -434,7 +454,7 @@ def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batc
 
 
 def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str, torch.Tensor], args: Args, pad_token_id: int,
-                 diff: bool = False) -> dict[str, float]:
+                 diff: bool = False, d: distributed.Dist | None = None) -> dict[str, float]:
     """The PPO loss (Eq. 2 + vf_coef x the clipped value loss, token means over the minibatch) and its
     gradient for the minibatch `minibatch` (indices into batch), accumulated over micro-batches of
     similar length (--micro-batch-tokens, --micro-batch-size): each micro-batch's token-mean losses are
@@ -443,13 +463,17 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
     weights (TIS), sampler_logp and fresh (1 on tokens the current weights sampled) when used.
     Returns token-weighted sums over the micro-batches (divide by `tokens` for means) of pg, vf,
     clipfrac, approx_kl and entropy, whether every loss was finite, and with `diff` the sum of
-    |learner - sampler| logprobs over the fresh tokens and their count."""
+    |learner - sampler| logprobs over the fresh tokens and their count.
+    Under torchrun: this rank's micro-batches of the minibatch (distributed.my_micro_batches; the
+    shares stay those of the whole minibatch, so the summed gradient is the single-process one) and
+    its sums; all_sum them, and combine loss_is_finite over ranks (a stand-in's NaN counts too)."""
     device = next(policy.parameters()).device
     lengths = [len(r.response) for r in batch]
     minibatch_tokens = sum(lengths[i] for i in minibatch)
     out = dict(pg=0.0, vf=0.0, clipfrac=0.0, approx_kl=0.0, entropy=0.0, tokens=0.0, loss_is_finite=True, diff_sum=0.0, diff_count=0.0)
     # micro-batches of similar length: long-tailed responses would pad everything to the longest
-    for micro in common.micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, max_rows=args.micro_batch_size):
+    plan = common.micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, max_rows=args.micro_batch_size)
+    for micro, weight in distributed.my_micro_batches(plan, d):  # weight 0: a stand-in that must change nothing
         rows = [minibatch[j] for j in micro]
         ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
         ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
@@ -467,15 +491,15 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
                                    put(data["returns"]), mask, args.clip_coef, args.vf_clip,
                                    tis_weights=put(data["weights"]) if data.get("weights") is not None else None)
         tokens = mask.sum()
-        loss = (pg + args.vf_coef * vf) * tokens / minibatch_tokens
+        loss = (pg + args.vf_coef * vf) * tokens / minibatch_tokens * weight
         out["loss_is_finite"] = out["loss_is_finite"] and bool(torch.isfinite(loss))
         loss.backward()
-        n = tokens.item()
+        n = tokens.item() * weight
         for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
                      ("entropy", entropy.sum() / tokens)):
             out[k] += v.item() * n
         out["tokens"] += n
-        if diff:
+        if diff and weight:
             on = put(data["fresh"]) * mask
             out["diff_sum"] += ((logp.detach() - put(data["sampler_logp"])).abs() * on).sum().item()
             out["diff_count"] += on.sum().item()
@@ -536,9 +560,15 @@ def main():
     args.max_prompt_tokens = 32 if tiny else 512  # the tiny model's context is 128: room for 96-token responses
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
+    dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, OPPO buffer, logger, checkpoints)
+    # intra streams chunks into the critic, reference and RM on rank 0 while it generates; under torchrun those
+    # models are sharded and every forward needs every rank: refused (one line from rank 0, every rank stops)
+    distributed.from_main(lambda: common.check_args(not (args.intra and dist.enabled), "--intra",
+                                                    "the intra-step overlap runs on one process only; under torchrun add --no-intra"), dist)
+    distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", dist)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = dist.device
     model_path = common.resolve_model(args.model)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
@@ -547,6 +577,11 @@ def main():
     if args.gradient_checkpointing:  # active in train mode only: the update's; the critic's prefill keeps its KV cache in eval
         policy.gradient_checkpointing_enable()
         critic.gradient_checkpointing_enable()
+    # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
+    push_model = distributed.push_copy(policy, dist)
+    policy, critic, ref_policy = (distributed.shard(m, dist) for m in (policy, critic, ref_policy))
+    if reward_model is not None:
+        reward_model = distributed.shard(reward_model, dist)
     downstream = dict(critic=critic, ref=ref_policy)
     if reward_model is not None:
         common.check_args(common.load_tokenizer(args.reward_model, "--reward-model").get_vocab() == tokenizer.get_vocab(), "--reward-model",
@@ -555,18 +590,22 @@ def main():
     processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution, everywhere
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
     optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    # taken now: under torchrun a no-grad forward leaves a model's root gathered, and parameters() would then name the
+    # gathered copies instead of the shards the optimizer holds
+    parameters = list(learner.parameters())
     task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    logger = common.RunLogger(run_name, args, track=args.track)
+    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
     print(f"run directory: {logger.dir}")
     rng = np.random.default_rng(args.seed)
 
     iteration, version, data_position, carried_keys = 0, 0, 0, []
     chunk, trial_seconds, reward_history = args.chunk_size, {}, []
     totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
-    if args.resume:
-        state = common.load_checkpoint(args.resume, learner, optimizer,
-                                       required=("iteration", "totals", "delta", "chunk", "reward_history", "carried_keys"))
+    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
+        state = distributed.load_checkpoint(args.resume, learner, optimizer, dist,
+                                            required=("iteration", "totals", "delta", "chunk", "reward_history", "carried_keys"))
+        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         iteration, version, data_position = state["iteration"], state["step"], state["data_position"]
         totals.update(state["totals"])
         delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
@@ -574,7 +613,8 @@ def main():
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
-                                         urls=args.sampler_url, weights=policy, version=version)
+                                         urls=args.sampler_url, weights=push_model, version=version) if dist.is_main else None
+    pushed_version = version  # what the sampler holds
     try:
         buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
         finished: list[Rollout] = []  # finished and not yet trained on, in finishing order
@@ -618,60 +658,82 @@ def main():
                 with common.autocast(device, args.autocast_bf16):
                     prefill(name, model, rollouts, args.temperature, args.micro_batch_size, top_p=args.top_p)
 
+        def score_my_share(batch: list[Rollout]) -> set[int]:
+            """Under torchrun (no intra: nothing is prefilled yet) every rank scores its share of the batch: groups of
+            --micro-batch-size sequences of similar length, the same number of groups on every rank (each forward of a
+            sharded model is collective); a stand-in group is scored on a copy and dropped. Returns the rows scored."""
+            plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=args.micro_batch_size)
+            mine = set()
+            for rows, weight in distributed.my_micro_batches(plan, dist):
+                score([batch[i] for i in rows] if weight else [replace(batch[rows[0]], prefix={name: Prefix() for name in downstream})])
+                if weight:
+                    mine.update(rows)
+            return mine
+
         eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                     chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
+                                     chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing) if dist.is_main else {}
         logger.log(version, eval_start)
-        if args.snapshot_every and iteration == 0:
-            logger.snapshot(version, policy)  # time 0 of the learning curve
-        admit(carried_keys)  # a resumed run continues the prompts that were in flight
+        if dist.is_main and args.snapshot_every and iteration == 0:
+            logger.snapshot(version, push_model)  # time 0 of the learning curve
+        if dist.is_main:
+            admit(carried_keys)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
         while iteration < args.num_iterations:
             iteration_start = time.time()
-            if args.intra:
-                chunk_before, chunk = chunk, chunk_for_iteration(iteration, chunk, args.chunk_candidates, args.chunk_tune_every, trial_seconds)
-                if chunk != chunk_before:
-                    sampler.set_stream_every(chunk)
-                if args.chunk_tune_every and iteration % args.chunk_tune_every == 0:
-                    trial_seconds = {}
-            # ---- Stage 1: fill the buffer to B + Delta prompts ----
-            while len(buffer) < B + delta:
-                if totals["skipped_prompts"] > 1000 and not totals["samples"]:
-                    raise SystemExit(f"error: every prompt so far is longer than {args.max_prompt_tokens} tokens")
-                wanted = B + delta - len(buffer)
-                admit(list(range(data_position, data_position + wanted)))
-                data_position += wanted
-            # the critic changed in the last update: carried sequences re-prefill it (reference and
-            # reward model are frozen, their caches stay valid)
-            for r in buffer.values():
-                r.prefix["critic"] = Prefix()
-            # ---- Stage 2: generate until B sequences have finished; intra: score chunks meanwhile ----
-            common.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
-            hidden_score = 0.0
-            while len(finished) < B:
-                receive(timeout=0.0 if args.intra else 0.05)
+            batch, unfinished, generate_seconds, hidden_score = None, 0, 0.0, 0.0
+            if dist.is_main:  # under torchrun rank 0 alone samples (Stages 1-2); the other ranks wait for its batch
                 if args.intra:
-                    score_start = time.time()
-                    score(list(buffer.values()))
-                    hidden_score += time.time() - score_start
-                    if len(finished) < B:
-                        receive(timeout=0.01)
-            generate_seconds = time.time() - iteration_start
-            unfinished = len(buffer) - len(finished)
-            if unfinished:
-                sampler.pause()  # the carried sequences wait, KV cache kept, until the new weights are in
-            batch, finished = finished[:B], finished[B:]
-            # admission order, not finishing order: the same sequences train the same way however they finished
-            batch.sort(key=lambda r: int(r.request_id))
-            for r in batch:
-                del buffer[r.request_id]
+                    chunk_before, chunk = chunk, chunk_for_iteration(iteration, chunk, args.chunk_candidates, args.chunk_tune_every, trial_seconds)
+                    if chunk != chunk_before:
+                        sampler.set_stream_every(chunk)
+                    if args.chunk_tune_every and iteration % args.chunk_tune_every == 0:
+                        trial_seconds = {}
+                # ---- Stage 1: fill the buffer to B + Delta prompts ----
+                while len(buffer) < B + delta:
+                    if totals["skipped_prompts"] > 1000 and not totals["samples"]:
+                        raise SystemExit(f"error: every prompt so far is longer than {args.max_prompt_tokens} tokens")
+                    wanted = B + delta - len(buffer)
+                    admit(list(range(data_position, data_position + wanted)))
+                    data_position += wanted
+                # the critic changed in the last update: carried sequences re-prefill it (reference and
+                # reward model are frozen, their caches stay valid)
+                for r in buffer.values():
+                    r.prefix["critic"] = Prefix()
+                # ---- Stage 2: generate until B sequences have finished; intra: score chunks meanwhile ----
+                common.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
+                while len(finished) < B:
+                    receive(timeout=0.0 if args.intra else 0.05)
+                    if args.intra:
+                        score_start = time.time()
+                        score(list(buffer.values()))
+                        hidden_score += time.time() - score_start
+                        if len(finished) < B:
+                            receive(timeout=0.01)
+                generate_seconds = time.time() - iteration_start
+                unfinished = len(buffer) - len(finished)
+                if unfinished:
+                    sampler.pause()  # the carried sequences wait, KV cache kept, until the new weights are in
+                batch, finished = finished[:B], finished[B:]
+                # admission order, not finishing order: the same sequences train the same way however they finished
+                batch.sort(key=lambda r: int(r.request_id))
+                for r in batch:
+                    del buffer[r.request_id]
+            batch = distributed.broadcast(batch, dist)  # every rank trains on the batch
             # ---- Stage 3: score what is left (intra: the last chunks; otherwise all), then PPO ----
             common.learner_threads(sampler)  # every core: the sampler is paused (carried sequences) or done
             score_start = time.time()
-            score(batch)
+            if dist.enabled:
+                mine = score_my_share(batch)
+            else:
+                score(batch)
+                mine = set(range(B))
             exposed_score = time.time() - score_start
             train_start = time.time()
-            scores = torch.tensor([scored(r, "rm", downstream["rm"]).item() if "rm" in downstream else task.reward(r.final.text, r.problem)
-                                   for r in batch])
+            if "rm" in downstream:  # (under torchrun each rank has its rows' scores: summed, every rank has all)
+                scores = distributed.all_sum(torch.tensor([scored(r, "rm", downstream["rm"]).item() if i in mine else 0.0
+                                                           for i, r in enumerate(batch)]), dist)
+            else:
+                scores = torch.tensor([task.reward(r.final.text, r.problem) for r in batch])
             no_eos = torch.tensor([r.final.finish_reason != "stop" for r in batch], dtype=torch.float32)
             scores = scores - eos_penalty * no_eos
             lengths = [len(r.response) for r in batch]
@@ -683,10 +745,12 @@ def main():
                 n = lengths[i]
                 resp_mask[i, :n] = 1
                 sampler_logp[i, :n] = torch.tensor(r.final.logprobs)  # the policy that sampled each token
-                ref_logp[i, :n] = scored(r, "ref", ref_policy).cpu()
-                values[i, :n] = scored(r, "critic", critic).cpu()
+                if i in mine:
+                    ref_logp[i, :n] = scored(r, "ref", ref_policy).cpu()
+                    values[i, :n] = scored(r, "critic", critic).cpu()
                 fresh[i, :n] = torch.tensor([float(v == version) for v in token_versions[i]])  # sampled by the current weights
                 r.prefix.clear()  # what the downstream models gave is read: free the batch's KV caches before the update
+            ref_logp, values = distributed.all_sum((ref_logp, values), dist)  # every rank's rows: GAE and whitening see the batch
             lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
             tis = {}
             if args.tis_cap is None:
@@ -695,8 +759,9 @@ def main():
                 policy.eval()
                 old_logp = torch.zeros((B, T))
                 for i, row in enumerate(learner_logprobs(policy, batch, tokenizer.pad_token_id, args.micro_batch_size, args.micro_batch_tokens,
-                                                         args.autocast_bf16, **processing)):
-                    old_logp[i, :lengths[i]] = row
+                                                         args.autocast_bf16, dist, **processing)):
+                    old_logp[i, :len(row)] = row  # (under torchrun another rank's rows are empty here)
+                old_logp = distributed.all_sum(old_logp, dist)
                 weights, tis = tis_weights(old_logp, sampler_logp, resp_mask, args.tis_cap)
                 diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
             kl = (old_logp - ref_logp) * resp_mask
@@ -709,20 +774,23 @@ def main():
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy")}
             total_tokens = sum(lengths)
-            parameters = list(learner.parameters())
             data = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=weights,
                         sampler_logp=sampler_logp, fresh=fresh)
             for epoch in range(args.num_ppo_epochs):
-                for m, minibatch in enumerate(np.array_split(np.random.permutation(B), args.num_minibatches)):
+                # rank 0's draw (its RNG is the one a checkpoint restores), the same minibatches on every rank
+                order = distributed.broadcast(np.random.permutation(B) if dist.is_main else None, dist)
+                for m, minibatch in enumerate(np.array_split(order, args.num_minibatches)):
                     optimizer.zero_grad()
                     # no step yet: the learner's logprobs at the sampler's weights (without TIS: with it, measured above)
                     first = args.tis_cap is None and epoch == 0 and m == 0
-                    out = ppo_backward(policy, critic, batch, minibatch.tolist(), data, args, tokenizer.pad_token_id, diff=first)
+                    out = ppo_backward(policy, critic, batch, minibatch.tolist(), data, args, tokenizer.pad_token_id, diff=first, d=dist)
+                    # every rank's verdict: one rank's NaN skips the step on all of them (a rank stepping alone would diverge)
+                    loss_is_finite = distributed.all_max(0.0 if out.pop("loss_is_finite") else 1.0, dist) == 0.0
+                    out = distributed.all_sum(out, dist)  # this rank's micro-batches' sums -> the minibatch's
                     for k in stats:
                         stats[k].append(out[k] / total_tokens)
                     if first:
                         diff_sum, diff_count = out["diff_sum"], out["diff_count"]
-                    loss_is_finite = out["loss_is_finite"]
                     stepped, grad_norm = guarded_step(optimizer, parameters, args.max_grad_norm, loss_is_finite)
                     if stepped:
                         version += 1
@@ -731,8 +799,12 @@ def main():
             critic.eval()
             train_seconds = time.time() - train_start
             # carried sequences continue exactly under the new policy; no push if every step was skipped
-            push_seconds = sampler.push_weights(version, recompute_kv=True) if version != sampler.version else 0.0
-            if unfinished:
+            push_seconds = 0.0
+            if version != pushed_version:
+                distributed.gather_into(policy, push_model, dist)  # under torchrun: every rank takes part, rank 0 pushes
+                push_seconds = sampler.push_weights(version, recompute_kv=True) if dist.is_main else 0.0
+                pushed_version = version
+            if unfinished:  # (rank 0's count: 0 on the other ranks)
                 sampler.resume()
             iteration += 1
 
@@ -783,20 +855,27 @@ def main():
                       f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
                       f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
                       f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
-            if args.snapshot_every and iteration % args.snapshot_every == 0:
-                logger.snapshot(version, policy)
-            if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):
-                common.save_checkpoint(logger.dir / "checkpoint.pt", learner, optimizer, version, data_position,
-                                       hf_model=policy, tokenizer=tokenizer, iteration=iteration,
-                                       totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
-                                       carried_keys=[r.key for r in buffer.values()])
-        sampler.abort(list(sampler.pending))
-        eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
+            if dist.is_main and args.snapshot_every and iteration % args.snapshot_every == 0:
+                logger.snapshot(version, push_model)
+            if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):  # (every rank; rank 0 writes)
+                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version,
+                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
+                                            totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
+                                            carried_keys=[r.key for r in buffer.values()])
+        eval_end = {}
+        if dist.is_main:
+            sampler.abort(list(sampler.pending))
+            eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                       chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
         logger.log(version, eval_end)
         memory = common.peak_memory_mib(sampler)
     finally:
-        sampler.close()
+        if sampler is not None:
+            sampler.close()
+        distributed.close(dist)
+
+    if not dist.is_main:  # rank 0 writes the report
+        return
 
     label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
     rows = [r for r in common.read_metrics(logger.dir) if "time/iteration_seconds" in r]

@@ -211,3 +211,35 @@ def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, ex
     assert len(rounds) == 2 and abs(rounds[0]["charts/kl"]) < 1e-3
     diffs = [r["charts/logprob_diff"] for r in rounds if "charts/logprob_diff" in r]
     assert diffs and all(d <= 1e-4 for d in diffs)
+
+
+def test_two_torchrun_ranks_train_as_one_process(tmp_path):
+    """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same rounds, pairs, losses
+    and trained weights as one process on the same global batches (a small --micro-batch-tokens, so
+    that each rank really gets several micro-batches of pairs and of reference rows); rank 0 alone
+    writes the run. --sync: every round is sampled by the weights just pushed, so
+    charts/logprob_diff checks each push of the gathered weights (the async schedule gives the same
+    numbers on both launchers too, but logs logprob_diff for its first round only). Resuming under
+    torchrun is left out: a third launch would add ~25 s (it goes through the same
+    distributed.load_checkpoint as rloo_kreuse.py's, whose test resumes)."""
+    from safetensors.torch import load_file
+
+    flags = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--seed", "3"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    runs = {}
+    for name, launcher in (("two", torchrun), ("one", [sys.executable])):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        out = subprocess.run([*launcher, str(ROOT / "online_dpo_async.py"), *flags, "--num-rounds", "2"], cwd=cwd,
+                             capture_output=True, text=True, timeout=300)
+        runs[name] = _run_dir(out, cwd)
+    assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
+    rows = {k: [r for r in common.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
+    assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] and rows["one"][-1]["step"] >= 1
+    for key in ("charts/reward", "charts/pairs", "charts/kl", "losses/loss", "losses/logits_margin", "losses/dpo_accuracy",
+                "losses/grad_norm"):
+        assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6, nan_ok=True), key
+    assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"] if r["charts/pairs"])  # rank 0 pushed the gathered weights
+    two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
+    assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
+

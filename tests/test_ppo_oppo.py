@@ -344,6 +344,41 @@ def test_reward_model_run_and_resume(tmp_path, tiny_reward_model):
     assert state["iteration"] == 3 and "critic.score.weight" in state["model"]
 
 
+def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
+    """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo) against one process with the
+    same flags and seed: the same steps, losses and trained actor and critic (checkpoints in the same
+    format); rank 0 alone writes the run. Synchronous PPO (--no-intra --no-inter): --intra is refused
+    under torchrun, and with the inter-step overlap how far the carried sequences get before the
+    pause depends on timing, so two runs would legitimately differ. The reward model and --tis-cap
+    send the scoring and pi_old's forward through the ranks' shares too; --micro-batch-size 3 makes
+    3 micro-batches of the 8 sequences, so rank 1 also runs a stand-in. (No torchrun resume here: a
+    third run, ~25 s of start-up; test_distributed.py covers the checkpoints both ways.)"""
+    from safetensors.torch import load_file
+
+    flags = ["--model", "tiny", "--no-intra", "--no-inter", "--batch-size", "8", "--max-new-tokens", "16", "--micro-batch-size", "3",
+             "--reward-model", tiny_reward_model, "--tis-cap", "2.0", "--eval-problems", "4", "--eval-samples", "1", "--seed", "3"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    runs = {}
+    for name, launcher in (("two", torchrun), ("one", [sys.executable])):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        out = subprocess.run([*launcher, str(ROOT / "ppo_oppo.py"), *flags, "--num-iterations", "2"], cwd=cwd, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
+    assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
+    rows = {k: [r for r in common.read_metrics(d) if "time/iteration_seconds" in r] for k, d in runs.items()}
+    assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]  # 2 epochs x 1 minibatch
+    for key in ("charts/reward", "charts/kl", "charts/explained_variance", "charts/tis_max_ratio", "losses/policy", "losses/value",
+                "losses/approx_kl", "losses/entropy", "losses/grad_norm"):
+        assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key
+    assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"])  # rank 0 pushed the gathered weights
+    two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
+    assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
+    two, one = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (runs["two"], runs["one"]))
+    assert sorted(two) == sorted(one) and max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"]) < 1e-5
+
+
 def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path):
     out = _run(tmp_path, "--delta", "20", "--delta-max", "16", expect_ok=False)
     assert out.returncode != 0 and "--delta" in out.stderr.strip().splitlines()[-1]
