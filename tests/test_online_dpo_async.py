@@ -15,6 +15,7 @@ import torch
 
 import common
 import online_dpo_async as dpo
+import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
@@ -92,17 +93,38 @@ def _run_dir(out, cwd=WORK) -> Path:
     (["--eval-problems", "0"], "--eval-problems"),  # the countdown generator has no whole test split
     (["--eval-decoding", "greedy", "--eval-samples", "4"], "--eval-samples"),
 ])
-def test_bad_flags_are_rejected_before_anything_starts(flags, flag):
-    out = _run(*flags, timeout=120)
+def test_bad_flags_are_rejected_before_anything_starts(monkeypatch, flags, flag):
+    """In this process (a command line each costs ~4 s of imports): main() stops with the one-line
+    error before it loads a model or starts a sampler; the command-line path is the next test's."""
+    def never(*a, **k):
+        raise AssertionError("got past the argument checks")
+
+    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
+    monkeypatch.setattr(common, "load_policy", never)
+    monkeypatch.setattr(sys, "argv", ["online_dpo_async.py", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        dpo.main()
+    message = str(exit_info.value.code)
+    assert message.startswith(f"error: {flag}:") and "\n" not in message
+
+
+def test_a_bad_flag_is_one_line_on_the_command_line():
+    out = _run("--temperature", "0", timeout=120)
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1  # one line that names the flag
-    assert out.stderr.startswith(f"error: {flag}:") and "Traceback" not in out.stderr and "run directory" not in out.stdout
+    assert out.stderr.startswith("error: --temperature:") and "Traceback" not in out.stderr and "run directory" not in out.stdout
 
 
 @pytest.mark.parametrize("flags, flag", [(["--loss-type", "kto"], "--loss-type"), (["--eos-penalty-mode", "clip"], "--eos-penalty-mode"),
                                          (["--num-completions", "4"], "--num-completions")])
-def test_choice_flags_and_the_old_name_are_refused_by_the_parser(flags, flag):
-    out = _run(*flags, timeout=120)
-    assert out.returncode != 0 and flag in out.stderr and "Traceback" not in out.stderr
+def test_choice_flags_and_the_old_name_are_refused_by_the_parser(flags, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        dpo.parse_args(flags)
+    assert exit_info.value.code != 0 and flag in capsys.readouterr().err
+
+
+def test_a_bad_choice_is_refused_on_the_command_line():
+    out = _run("--loss-type", "kto", timeout=120)
+    assert out.returncode != 0 and "--loss-type" in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("mode, minibatches", [("async", 1), ("sync", 1), ("async", 2)])
