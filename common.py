@@ -109,14 +109,15 @@ TINY = "tiny"
 CACHE_DIR = Path(os.environ.get("FASTRL_CACHE", Path.home() / ".cache" / "fastrl"))
 
 
-def resolve_model(name: str) -> str:
-    """`tiny` -> the built-in model's directory (tiny_model.py: built once, cached); anything else
-    is passed on as a local path or Hub id."""
+def resolve_model(name: str, task: str = "countdown") -> str:
+    """`tiny` -> the built-in model's directory (tiny_model.py: built once, cached; for
+    `countdown-steps` the one trained to answer step by step); anything else is passed on as a
+    local path or Hub id."""
     if name != TINY:
         return name
     import tiny_model
 
-    return str(tiny_model.tiny_model_path())
+    return str(tiny_model.tiny_model_path(tiny_model.TinyConfig(task="countdown-steps" if task == "countdown-steps" else "countdown")))
 
 
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:

@@ -74,8 +74,8 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id: the actor, and the init of critic and reference"""
-    task: Literal["countdown", "countdown-hub", "gsm8k"] = "countdown"
-    """countdown (offline generator), countdown-hub or gsm8k"""
+    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] = "countdown"
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub or gsm8k"""
     reward_model: str | None = None
     """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
@@ -569,7 +569,7 @@ def main():
     common.set_seed(args.seed)
     common.limit_cpu_threads()
     device = dist.device
-    model_path = common.resolve_model(args.model)
+    model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)

@@ -2,6 +2,8 @@
 
 - Countdown (TinyZero's task): reach a target with + - * / using each given number once; the
   answer is the last <answer>...</answer>; 1 if right, 0.1 if well-formed but wrong, 0 if absent.
+  `countdown-steps` is the long-tail workload: 3-7 numbers, few problems with many, answered step
+  by step, so that long answers are real answers.
   `countdown` is an offline generator (problem i of a split is a pure function of the seed, split
   and i; train and test are disjoint); `countdown-hub` is TinyZero's data on the Hub.
 - GSM8K (`gsm8k`, from the Hub): exact match on the final number, in the dataset's `#### n` format.
@@ -130,13 +132,16 @@ class Problem:
     numbers: list[int] = field(default_factory=list)
     target: int = 0
     answer: str = ""  # a known solution (Countdown) or the reference answer (GSM8K)
+    steps: list[str] = field(default_factory=list)  # Countdown: the known solution's steps, "a*b=c"
 
 
-def _solution_string(rng: np.random.Generator, numbers: list[int], max_target: int) -> tuple[str, int] | None:
+def _solution_string(rng: np.random.Generator, numbers: list[int], max_target: int) -> tuple[str, int, list[str]] | None:
     """Combine `numbers` in random order with random ops into one expression whose every
-    intermediate value is a non-negative integer; returns (expression, value)."""
+    intermediate value is a non-negative integer; returns (expression, value, the steps "a*b=c" in
+    the order they were taken)."""
     # each item: (text, value, precedence) with precedence 2 for atoms/products, 1 for sums
     items = [(str(n), n, 3) for n in numbers]
+    steps = []
     while len(items) > 1:
         i, j = rng.choice(len(items), size=2, replace=False)
         (a, va, pa), (b, vb, pb) = items[i], items[j]
@@ -153,17 +158,24 @@ def _solution_string(rng: np.random.Generator, numbers: list[int], max_target: i
             right = b if pb >= 3 else f"({b})"
             value, prec = (va * vb if op == "*" else va // vb), 2
             text = f"{left}{op}{right}"
+        steps.append(f"{va}{op}{vb}={value}")
         items = [it for k, it in enumerate(items) if k not in (i, j)] + [(text, value, prec)]
     text, value, _ = items[0]
     if not (1 <= value <= max_target):
         return None
-    return text, value
+    return text, value, steps
 
 
 TINY_PROMPT = "{numbers}->{target}:"
 # The tiny model's Countdown: three numbers 1-9, short prompts; small enough that a 0.8M-parameter
 # model starts with some success and RL has room to improve it.
 TINY_TASK = dict(min_numbers=3, max_numbers=3, max_number=9, max_target=100, prompt_template=TINY_PROMPT)
+# `countdown-steps`, the long-tail workload: 3 to 7 numbers, few problems with many (each number
+# count half as likely as the one before), and an answer worked step by step ("7*8=56;56-9=47;...;
+# <answer>7*8-9</answer>"): its length grows with the numbers, ~20 tokens for 3, ~80 for 7, and all
+# of it is answer, none is junk after it.
+STEPS_NUMBER_WEIGHTS = (16, 8, 4, 2, 1)  # numbers 3, 4, 5, 6, 7
+TINY_STEPS_TASK = dict(TINY_TASK, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, show_steps=True, name="countdown-steps")
 CHAT_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant "
     "solves it. The assistant first thinks about the reasoning process in the mind and then "
@@ -187,25 +199,33 @@ class CountdownTask:
     max_target: int = 100
     prompt_template: str = TINY_PROMPT
     name: str = "countdown"
+    number_weights: tuple[float, ...] | None = None
+    """relative frequency of each number count min_numbers..max_numbers (None: uniform)"""
+    show_steps: bool = False
+    """the supervised completion works the solution step by step before the answer"""
 
     def problem(self, split: str, index: int) -> Problem:
         attempt = 0
         while True:
             rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, index, attempt])
             attempt += 1
-            count = int(rng.integers(self.min_numbers, self.max_numbers + 1))
+            if self.number_weights is None:
+                count = int(rng.integers(self.min_numbers, self.max_numbers + 1))
+            else:
+                p = np.asarray(self.number_weights, dtype=float)
+                count = self.min_numbers + int(rng.choice(len(p), p=p / p.sum()))
             numbers = [int(x) for x in rng.integers(1, self.max_number + 1, size=count)]
             made = _solution_string(rng, numbers, self.max_target)
             if made is None:
                 continue
-            solution, target = made
+            solution, target, steps = made
             in_test = int(hashlib.sha1(f"{sorted(numbers)}|{target}".encode()).hexdigest(), 16) % 10 == 0
             if in_test != (split == "test"):
                 continue
             prompt = self.prompt_template.format(
                 numbers=" ".join(map(str, numbers)), numbers_list=numbers, target=target
             )
-            return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution)
+            return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution, steps=steps)
 
     def reward(self, completion: str, problem: Problem) -> float:
         return countdown_reward(completion, problem.numbers, problem.target)
@@ -215,7 +235,8 @@ class CountdownTask:
 
     def completion_text(self, problem: Problem) -> str:
         """The supervised target used to build the tiny model."""
-        return f"<answer>{problem.answer}</answer>"
+        worked = "".join(f"{step};" for step in problem.steps) if self.show_steps else ""
+        return f"{worked}<answer>{problem.answer}</answer>"
 
 
 @dataclass
@@ -253,7 +274,8 @@ def _load_hub_dataset(*args, **kwargs):
 
 
 def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) -> Any:
-    """`countdown`: the offline generator. `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
+    """`countdown`: the offline generator. `countdown-steps`: the same with 3-7 numbers, long-tailed
+    (the tiny model is built to answer it step by step: answers of widely varying length). `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
     TinyZero data; its first `test_size` shuffled rows are held out). `gsm8k`: openai/gsm8k with its
     own train/test splits. Hub tasks need network access to the Hub."""
     template = TINY_PROMPT if tiny_prompts else CHAT_PROMPT
@@ -261,6 +283,11 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) ->
         if tiny_prompts:
             return CountdownTask(seed=seed, **TINY_TASK)
         return CountdownTask(seed=seed, max_number=99, prompt_template=template)
+    if name == "countdown-steps":  # the long-tail workload (a real model works its steps in <think>)
+        if tiny_prompts:
+            return CountdownTask(seed=seed, **TINY_STEPS_TASK)
+        return CountdownTask(seed=seed, max_number=99, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, prompt_template=template,
+                             name="countdown-steps")
     if name == "countdown-hub":
         rows = _load_hub_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
         problems = [
@@ -277,6 +304,6 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) ->
         # the whole test split (1319 problems): evaluate(num_problems=None) scores all of it, as the paper does
         return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],
                         name, lambda c, p: gsm8k_reward(c, p.answer))
-    raise SystemExit(f"error: --task: unknown task {name!r} (countdown, countdown-hub, gsm8k)")
+    raise SystemExit(f"error: --task: unknown task {name!r} (countdown, countdown-steps, countdown-hub, gsm8k)")
 
 

@@ -1,6 +1,7 @@
 """The built-in tiny model (`--model tiny`): a 0.8M-parameter Qwen2 with tied embeddings, like
 Qwen2.5-0.5B, and a character tokenizer, briefly supervised on the offline Countdown generator so
-that it starts with some success and RL has room to improve it. Built on first use, cached in
+that it starts with some success and RL has room to improve it (with `--task countdown-steps`, a
+second one supervised on that task's step-by-step answers). Built on first use, cached in
 common.CACHE_DIR, the same for a given seed everywhere. `cached_build` is the cache's rule (also
 used by the tests' realistic fixture)."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +41,34 @@ class TinyConfig:
     sft_steps: int = 450
     sft_batch_size: int = 64
     sft_lr: float = 2e-3
+    task: str = "countdown"
+    """what it is supervised on: `countdown`, or `countdown-steps` (answers worked step by step)"""
+    tokenizer: str = "byte-level"
+    """the tokenizer's spelling (part of the cache key: models built with the earlier one lost spaces on load)"""
 
     def key(self) -> str:
         return hashlib.sha1(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _tiny_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    """One token per character, spelled the byte-level way Qwen2's tokenizer spells bytes (space
+    "Ġ", newline "Ċ"): transformers loads a saved Qwen2 model's tokenizer as `Qwen2Tokenizer`, which
+    rebuilds the byte-level pipeline around the saved vocabulary, so a vocabulary with a plain " "
+    lost every space after a save and load (the model was supervised on "5 7 3->15:" and prompted
+    with "573->15:"). build_tiny_model trains with the tokenizer as it loads, to stay honest."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(TINY_SPECIAL)}
+    byte_level = ByteLevel.alphabet()
     for c in "\n" + "".join(chr(i) for i in range(32, 127)):
-        vocab[c] = len(vocab)
-    # BPE with no merges splits text into single characters; Fuse joins them back on decode
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
+        spelled = {" ": "\u0120", "\n": "\u010a"}.get(c, c)  # (printable ASCII is its own byte-level spelling)
+        assert spelled in byte_level
+        vocab[spelled] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))  # no merges: one token per character
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True) for t in TINY_SPECIAL])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in TINY_ADDED])
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
@@ -77,8 +92,13 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
             tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
         )
+        # train with the tokenizer exactly as the scripts will load it (next to a Qwen2 config, which picks its class)
+        with tempfile.TemporaryDirectory() as saved:
+            tokenizer.save_pretrained(saved)
+            model_config.save_pretrained(saved)
+            tokenizer = common.load_tokenizer(saved)
         model = Qwen2ForCausalLM(model_config)
-        task = tasks.CountdownTask(seed=config.seed, **tasks.TINY_TASK)
+        task = tasks.make_task(config.task, seed=config.seed, tiny_prompts=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
         start = time.time()
@@ -109,7 +129,8 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
 
 
 def tiny_model_path(config: TinyConfig = TinyConfig(), log=print) -> Path:
-    """The cached tiny model, built on first use (about 2 minutes on 2 cores)."""
+    """The cached tiny model, built on first use (about 2 minutes on 2 cores; the step-by-step one
+    longer)."""
     return cached_build(common.CACHE_DIR / f"tiny-qwen2-{config.key()}", lambda path: build_tiny_model(path, config, log=log),
                         lambda: log(f"building the tiny model into {common.CACHE_DIR} (once; cached afterwards)"))
 

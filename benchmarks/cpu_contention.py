@@ -8,7 +8,6 @@ processes at once. With two independent cores the ratio is ~1.0; every pipelined
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,6 +5,7 @@ training wall-clock, over seeds, and the time until pass@1 first reaches a targe
     .venv/bin/python benchmarks/learning_speed.py dpo        # sync, async, async with 2 minibatches
     .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL
     .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults)
+    .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # (and ppo): answers of widely varying length
 
 How it measures:
 - Every run keeps its weights every few rounds with the run's wall time (the scripts'
@@ -16,6 +17,10 @@ How it measures:
   a run, and every arm is judged by one protocol.
 - Seeds run one after another, the arms in alternated order (A B C, then C B A: this machine
   drifts 10-30% in minutes).
+- Workloads: `default` is each script's tiny default (Countdown with 3 numbers, answers of ~12
+  tokens); `long-tail` is `--task countdown-steps` (3-7 numbers, few problems with many, answers
+  worked step by step: ~20 tokens for 3 numbers, ~70 for 7, and all of it answer), the workload
+  PipelineRL's and OPPO's claims are about (generation waits on the longest answers).
 - Target: unless --target is given, 75% of the way from the mean pass@1 at time 0 to the lowest
   final pass@1 of any run (its last two snapshots' mean), so that every run reaches it. Time to
   target: where the curve first reaches it, linear between the two snapshots around it.
@@ -73,6 +78,10 @@ PAPERS = {
         "OPPO": ([], 2),
     }),
 }
+WORKLOADS = {
+    "default": [],
+    "long-tail": ["--task", "countdown-steps", "--max-new-tokens", "80"],  # the tiny model's context: 128 = prompt + 80 fits
+}
 
 
 @dataclass
@@ -89,6 +98,8 @@ class Args:
     """samples per problem (pass@1 is their mean accuracy)"""
     target: float | None = None
     """pass@1 target (None: see the module docstring)"""
+    workload: Literal["default", "long-tail"] = "default"
+    """the scripts' tiny default, or the long-tail one (see above)"""
     arms: tuple[str, ...] | None = None
     """a subset of the paper's arms, by name (None: all)"""
     out: str = "docs"
@@ -136,7 +147,7 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
     first = {k: settings[0].get(k) for k in keys}
     if any({k: s.get(k) for k in keys} != first for s in settings):
         raise SystemExit("error: the runs differ in model, task or sampling settings; they cannot share one evaluation")
-    model_path = common.resolve_model(first["model"])
+    model_path = common.resolve_model(first["model"], first["task"])
     tokenizer = common.load_tokenizer(model_path)
     task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == common.TINY)  # the held-out split is fixed
     policy = common.load_policy(model_path, "cpu")
@@ -210,7 +221,10 @@ def main():
         for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
             flags, every = arms[arm]
             print(f"[{time.perf_counter() - start:6.0f}s] {args.paper} {arm} seed {seed}", flush=True)
-            runs[arm].append(train(script, [*shared, *flags, "--snapshot-every", str(every)], args.seconds, seed, arm))
+            if args.workload == "long-tail":
+                every = max(1, every // 2)  # (longer rounds: as many snapshots per second of training)
+            runs[arm].append(train(script, [*shared, *WORKLOADS[args.workload], *flags, "--snapshot-every", str(every)],
+                                   args.seconds, seed, arm))
     print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
     curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples)
     by_arm = {arm: [curves[d] for d in dirs] for arm, dirs in runs.items()}
@@ -218,7 +232,7 @@ def main():
     start_pass = float(np.mean([c[0][1] for cs in by_arm.values() for c in cs]))
     lowest_final = min(np.mean([y for _, y in c[-2:]]) for cs in by_arm.values() for c in cs)
     target = args.target if args.target is not None else start_pass + 0.75 * (lowest_final - start_pass)
-    print(f"\n{args.paper}: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s of training each; held-out pass@1 on "
+    print(f"\n{args.paper}, {args.workload} workload: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s of training each; held-out pass@1 on "
           f"{args.eval_problems} problems x {args.eval_samples} samples; start {start_pass:.3f}, target {target:.3f}"
           + (" (given)" if args.target is not None else f" (75% of the way to the lowest final pass@1, {lowest_final:.3f})") + "\n")
     print("| arm | seconds to target, mean | sd | per seed | vs " + list(arms)[0] + " | pass@1 at the end, mean |")
@@ -230,8 +244,9 @@ def main():
         base = base or mean
         final = np.mean([np.mean([y for _, y in c[-2:]]) for c in cs])
         print(f"| {arm} | {mean:.1f} | {np.std(times):.1f} | {' '.join(f'{t:.1f}' for t in times)} | {base / mean:.2f}x | {final:.3f} |")
-    out = plot(by_arm, target, args.seconds, f"{args.paper}: held-out pass@1, mean and sd over {len(args.seeds)} seeds",
-               Path(args.out) / f"learning_speed_{args.paper}.png")
+    suffix = "" if args.workload == "default" else "_" + args.workload.replace("-", "_")
+    out = plot(by_arm, target, args.seconds, f"{args.paper} ({args.workload}): held-out pass@1, mean and sd over {len(args.seeds)} seeds",
+               Path(args.out) / f"learning_speed_{args.paper}{suffix}.png")
     print(f"\nplot: {out}\nthis command took {time.perf_counter() - start:.0f} s")
 
 

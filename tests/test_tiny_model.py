@@ -43,6 +43,42 @@ def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
     assert not all(torch.equal(pa, pc) for pa, pc in zip(ma.parameters(), mc.parameters()))
 
 
+def test_the_tokenizer_loads_as_it_was_trained(tmp_path):
+    """transformers loads a saved Qwen2 model's tokenizer as Qwen2Tokenizer, which rebuilds a
+    byte-level pipeline around the vocabulary: the tiny tokenizer must encode the same after a save
+    and a load (a plain-" " vocabulary once lost every space: trained on "5 7 3->15:", prompted with
+    "573->15:"), and so must the steps task's prompts and answers."""
+    built = tiny_model.build_tiny_model(tmp_path / "m", tiny_model.TinyConfig(sft_steps=1), log=lambda *_: None)
+    loaded, fresh = common.load_tokenizer(str(built)), tiny_model._tiny_tokenizer()
+    assert type(loaded).__name__ == "Qwen2Tokenizer"  # what the scripts and vLLM get
+    texts = ["5 7 3->15:", "a b\nc  d"]
+    for name in ("countdown", "countdown-steps"):
+        task = tasks.make_task(name, seed=0, tiny_prompts=True)
+        texts += [text for p in (task.problem("train", i) for i in range(20)) for text in (p.prompt, task.completion_text(p))]
+    for text in texts:
+        ids = loaded(text)["input_ids"]
+        assert ids == fresh(text)["input_ids"] and loaded.decode(ids) == text, text
+    assert loaded(" ")["input_ids"] != [] and loaded.unk_token_id not in loaded("5 7 3->15:")["input_ids"]
+
+
+def test_steps_task_answers_vary_in_length_and_score(tmp_path):
+    """The long-tail workload: 3-7 numbers, each count half as frequent as the one before, answers
+    worked step by step whose length grows with the numbers; its own worked answer scores 1."""
+    import numpy as np
+
+    task = tasks.make_task("countdown-steps", seed=0, tiny_prompts=True)
+    problems = [task.problem("train", i) for i in range(1000)]
+    counts = np.bincount([len(p.numbers) for p in problems], minlength=8)[3:]
+    assert counts.sum() == 1000 and all(a > b for a, b in zip(counts, counts[1:])) and counts[-1] > 0
+    tokenizer = tiny_model._tiny_tokenizer()
+    lengths = {n: np.mean([len(tokenizer(task.completion_text(p))["input_ids"]) for p in problems if len(p.numbers) == n]) for n in range(3, 8)}
+    assert all(lengths[n] < lengths[n + 1] for n in range(3, 7)) and lengths[7] > 2.5 * lengths[3]  # tokens: ~20 -> ~65
+    assert all(task.reward(task.completion_text(p), p) == 1.0 for p in problems)
+    assert task.completion_text(problems[0]).count(";") == len(problems[0].numbers) - 1  # one step per combination
+    plain = tasks.make_task("countdown", seed=0, tiny_prompts=True)
+    assert plain.completion_text(plain.problem("train", 0)).startswith("<answer>")  # the default task is unchanged
+
+
 def test_bad_model_path_is_one_clear_line(tmp_path):
     out = subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--model", str(tmp_path / "missing")],
                          capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
