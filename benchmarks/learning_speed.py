@@ -223,7 +223,10 @@ def main():
             print(f"[{time.perf_counter() - start:6.0f}s] {args.paper} {arm} seed {seed}", flush=True)
             if args.workload == "long-tail":
                 every = max(1, every // 2)  # (longer rounds: as many snapshots per second of training)
-            runs[arm].append(train(script, [*shared, *WORKLOADS[args.workload], *flags, "--snapshot-every", str(every)],
+            workload = WORKLOADS[args.workload]
+            if workload and script == "pipeline_rl.py":
+                workload = [*workload, "--max-prompt-tokens", "48"]  # (its tiny default of 64 + 80 would not fit)
+            runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every)],
                                    args.seconds, seed, arm))
     print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
     curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples)

@@ -3,7 +3,7 @@
 (reliability), test_gpu_path and test_memory.
 
 Markers: `gpu` needs CUDA. `slow` is added here to every test that starts a sampler or a script
-(it uses the `sampler` or `server_url` fixture, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
+(it uses the `sampler`, `server_url` or `error_before_start` fixture, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
 the unit tests in under a minute."""
 
 import inspect
@@ -23,7 +23,7 @@ SLOW_CALLS = ("_run(", "_run_realistic(", "subprocess.", "start_sampler(", "Samp
 def pytest_collection_modifyitems(items):
     for item in items:
         source = inspect.getsource(item.function) if hasattr(item, "function") else ""
-        if {"sampler", "server_url"} & set(item.fixturenames) or any(call in source for call in SLOW_CALLS):
+        if {"sampler", "server_url", "error_before_start"} & set(item.fixturenames) or any(call in source for call in SLOW_CALLS):
             item.add_marker(pytest.mark.slow)
 
 
@@ -58,3 +58,29 @@ def realistic_path():
     from realistic_model import realistic_model_path
 
     return str(realistic_model_path())
+
+
+@pytest.fixture
+def error_before_start(monkeypatch):
+    """`error_before_start(script_module, *flags)`: run the script's main() in this process with those
+    flags and return the one-line SystemExit message it stops with; fails if it gets as far as
+    loading a model or starting a sampler. (A command line costs ~4 s of imports each; every
+    script also has one test of the real command line.)"""
+    import common
+    import vllm_sampler
+
+    def never(*args, **kwargs):
+        raise AssertionError("got past the argument checks")
+
+    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
+    monkeypatch.setattr(common, "load_policy", never)
+
+    def run(script, *flags) -> str:
+        monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *flags])
+        with pytest.raises(SystemExit) as exit_info:
+            script.main()
+        message = str(exit_info.value.code)
+        assert "\n" not in message, message
+        return message
+
+    return run

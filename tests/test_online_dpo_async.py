@@ -15,7 +15,6 @@ import torch
 
 import common
 import online_dpo_async as dpo
-import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
@@ -93,19 +92,8 @@ def _run_dir(out, cwd=WORK) -> Path:
     (["--eval-problems", "0"], "--eval-problems"),  # the countdown generator has no whole test split
     (["--eval-decoding", "greedy", "--eval-samples", "4"], "--eval-samples"),
 ])
-def test_bad_flags_are_rejected_before_anything_starts(monkeypatch, flags, flag):
-    """In this process (a command line each costs ~4 s of imports): main() stops with the one-line
-    error before it loads a model or starts a sampler; the command-line path is the next test's."""
-    def never(*a, **k):
-        raise AssertionError("got past the argument checks")
-
-    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
-    monkeypatch.setattr(common, "load_policy", never)
-    monkeypatch.setattr(sys, "argv", ["online_dpo_async.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        dpo.main()
-    message = str(exit_info.value.code)
-    assert message.startswith(f"error: {flag}:") and "\n" not in message
+def test_bad_flags_are_rejected_before_anything_starts(error_before_start, flags, flag):
+    assert error_before_start(dpo, *flags).startswith(f"error: {flag}:")
 
 
 def test_a_bad_flag_is_one_line_on_the_command_line():

@@ -373,16 +373,8 @@ def test_realistic_model_with_top_p_and_chat_template(realistic_path):
     (["--temperature", "0"], "--temperature"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--steps-per-rl-step", "0"], "--steps-per-rl-step"), (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-lag", "-1"], "--max-lag"), (["--chat-template"], "--chat-template")])  # the tiny tokenizer has no template
-def test_bad_flags_are_one_line_errors_before_the_sampler_starts(monkeypatch, flags, flag):
-    def never(*a, **k):
-        raise AssertionError("got past the argument checks")
-
-    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
-    monkeypatch.setattr(common, "load_policy", never)
-    monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        prl.main()
-    assert str(exit_info.value.code).startswith(f"error: {flag}:")
+def test_bad_flags_are_one_line_errors_before_the_sampler_starts(error_before_start, flags, flag):
+    assert error_before_start(prl, *flags).startswith(f"error: {flag}:")
 
 
 def test_bad_flags_are_rejected_from_the_command_line():

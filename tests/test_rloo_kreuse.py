@@ -160,19 +160,8 @@ def test_overlap_mode_runs_one_round_off_policy():
                                          (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
                                          (["--tis-cap", "2", "--overlap"], "--tis-cap"),
                                          (["--snapshot-every", "-1"], "--snapshot-every")])
-def test_bad_flags_are_rejected_at_start(monkeypatch, flags, flag):
-    """In this process (a command line each costs ~4 s of imports): main() stops with the one-line
-    error before it loads a model or starts a sampler; the command-line path is the next test's."""
-    def never(*a, **k):
-        raise AssertionError("got past the argument checks")
-
-    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
-    monkeypatch.setattr(common, "load_policy", never)
-    monkeypatch.setattr(sys, "argv", ["rloo_kreuse.py", *flags])
-    with pytest.raises(SystemExit) as exit_info:
-        rloo.main()
-    message = str(exit_info.value.code)
-    assert message.startswith(f"error: {flag}") and "\n" not in message
+def test_bad_flags_are_rejected_at_start(error_before_start, flags, flag):
+    assert error_before_start(rloo, *flags).startswith(f"error: {flag}")
 
 
 def test_a_bad_flag_is_one_line_on_the_command_line():
