@@ -221,8 +221,6 @@ def main():
         for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
             flags, every = arms[arm]
             print(f"[{time.perf_counter() - start:6.0f}s] {args.paper} {arm} seed {seed}", flush=True)
-            if args.workload == "long-tail":
-                every = max(1, every // 2)  # (longer rounds: as many snapshots per second of training)
             workload = WORKLOADS[args.workload]
             if workload and script == "pipeline_rl.py":
                 workload = [*workload, "--max-prompt-tokens", "48"]  # (its tiny default of 64 + 80 would not fit)
