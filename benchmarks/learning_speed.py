@@ -112,7 +112,10 @@ def train(script: str, flags: list[str], seconds: float, seed: int, name: str) -
     exp = "lspeed_" + "".join(c if c.isalnum() else "_" for c in name)
     command = [sys.executable, str(ROOT / script), *flags, "--seed", str(seed), "--exp-name", exp]
     log = open(ROOT / "runs" / f"{exp}__{seed}.log", "w")
-    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # SIGINT's default disposition in the child: a benchmark started in the background of a shell
+    # inherits SIGINT ignored, and the run would then train on until the SIGKILL 30 s later
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run_dir, started = None, None
     deadline = time.monotonic() + 600  # start-up and the first snapshot
     while process.poll() is None:
@@ -140,8 +143,11 @@ def train(script: str, flags: list[str], seconds: float, seed: int, name: str) -
     return run_dir
 
 
-def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: int) -> dict[Path, list[tuple[float, float]]]:
-    """(seconds of training, held-out pass@1) of every snapshot of every run, by one sampler."""
+def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: int,
+                       seconds: float = float("inf")) -> dict[Path, list[tuple[float, float]]]:
+    """(seconds of training, held-out pass@1) of every snapshot of every run within `seconds` of
+    training (a run stopped late is cut there: every arm is judged on the same training time), by
+    one sampler."""
     settings = [json.loads((d / "args.json").read_text()) for d in run_dirs]
     keys = ("model", "task", "temperature", "top_p", "max_new_tokens", "max_prompt_tokens", "chat_template")
     first = {k: settings[0].get(k) for k in keys}
@@ -159,6 +165,7 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
                                     max_model_len=max_prompt_tokens + first["max_new_tokens"]) as sampler:
         for run_dir in run_dirs:
             snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")), key=lambda s: s["step"])
+            snapshots = [s for s in snapshots if s["wall"] - snapshots[0]["wall"] <= seconds]
             curve = []
             for snap in snapshots:
                 policy.load_state_dict(snap["model"])
@@ -227,7 +234,7 @@ def main():
             runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every)],
                                    args.seconds, seed, arm))
     print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
-    curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples)
+    curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples, args.seconds)
     by_arm = {arm: [curves[d] for d in dirs] for arm, dirs in runs.items()}
 
     start_pass = float(np.mean([c[0][1] for cs in by_arm.values() for c in cs]))

@@ -136,12 +136,24 @@ def test_short_run_and_lag_from_sampler_versions(mode, minibatches, tmp_path):
     assert all("charts/kl" in r and "charts/kl_to_init" not in r and r["charts/nonfinite_skipped"] == 0 for r in rounds)
 
 
-def test_async_at_staleness_zero_reproduces_sync(tmp_path):
+# --sync on a fixed seed: the run that both the staleness-0 parity test and the torchrun test compare
+# against (one launch for two tests). A small --micro-batch-tokens, so that under torchrun each rank
+# gets several micro-batches of pairs and of reference rows.
+SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("dpo_sync")
+    return _run_dir(_run(*SYNC, "--exp-name", "pytest_dpo_parity_sync", cwd=cwd), cwd)
+
+
+def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     """The asynchronous loop with the next round submitted only after the push is the synchronous
     schedule: on a fixed seed, the same sampled tokens (the same rewards, lengths, pairs), the same
     losses and the same final weights."""
-    flags = ["--num-rounds", "3", *SMALL, "--seed", "3"]
-    sync_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_sync", "--sync", cwd=tmp_path), tmp_path)
+    flags = [f for f in SYNC if f != "--sync"]
+    sync_dir = sync_run
     lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path), tmp_path)
     sync_rows, lag0_rows = common.read_metrics(sync_dir), common.read_metrics(lag0_dir)
     assert len(sync_rows) == len(lag0_rows) == 6  # eval, 3 rounds, eval, the end-of-run report
@@ -223,26 +235,19 @@ def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, ex
     assert diffs and all(d <= 1e-4 for d in diffs)
 
 
-def test_two_torchrun_ranks_train_as_one_process(tmp_path):
+def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same rounds, pairs, losses
-    and trained weights as one process on the same global batches (a small --micro-batch-tokens, so
-    that each rank really gets several micro-batches of pairs and of reference rows); rank 0 alone
-    writes the run. --sync: every round is sampled by the weights just pushed, so
-    charts/logprob_diff checks each push of the gathered weights (the async schedule gives the same
-    numbers on both launchers too, but logs logprob_diff for its first round only). Resuming under
-    torchrun is left out: a third launch would add ~25 s (it goes through the same
-    distributed.load_checkpoint as rloo_kreuse.py's, whose test resumes)."""
+    and trained weights as one process on the same global batches (sync_run); rank 0 alone writes
+    the run. --sync: every round is sampled by the weights just pushed, so charts/logprob_diff checks
+    each push of the gathered weights (the async schedule gives the same numbers on both launchers
+    too, but logs logprob_diff for its first round only). Resuming under torchrun is left out: a
+    third launch would add ~25 s (it goes through the same distributed.load_checkpoint as
+    rloo_kreuse.py's, whose test resumes)."""
     from safetensors.torch import load_file
 
-    flags = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--seed", "3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    runs = {}
-    for name, launcher in (("two", torchrun), ("one", [sys.executable])):
-        cwd = tmp_path / name
-        cwd.mkdir()
-        out = subprocess.run([*launcher, str(ROOT / "online_dpo_async.py"), *flags, "--num-rounds", "2"], cwd=cwd,
-                             capture_output=True, text=True, timeout=300)
-        runs[name] = _run_dir(out, cwd)
+    out = subprocess.run([*torchrun, str(ROOT / "online_dpo_async.py"), *SYNC], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    runs = {"two": _run_dir(out, tmp_path), "one": sync_run}
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
     rows = {k: [r for r in common.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] and rows["one"][-1]["step"] >= 1
@@ -252,4 +257,3 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path):
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"] if r["charts/pairs"])  # rank 0 pushed the gathered weights
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
-
