@@ -116,7 +116,8 @@ def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     - CUDA graphs on a GPU (enforce_eager only on CPU): the layerwise reload copies new weights
       into the original storages, which keeps captured graphs valid
       (vllm/model_executor/model_loader/reload/layerwise.py, "preserves cudagraph refs");
-    - bf16 weights on a GPU unless asked, fp32 on CPU (exact comparisons with the learner)."""
+    - bf16 weights on a GPU unless asked, fp32 on CPU (exact comparisons with the learner);
+    - on CPU with a known context, no chunked prefill (seeded requests with long prompts crashed)."""
     on_gpu = placement != "cpu"
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     settings: dict[str, Any] = dict(
@@ -129,6 +130,13 @@ def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
         settings["gpu_memory_utilization"] = utilization if utilization is not None else (0.3 if placement == "colocate" else 0.85)
     else:
         settings["kv_cache_memory_bytes"] = config.kv_cache_bytes
+        if config.max_model_len:
+            # a prompt's prefill is never split: vLLM's CPU runner cannot rewind a seeded request's
+            # generator after a partial prefill (vllm/v1/worker/gpu_model_runner.py _bookkeeping_sync:
+            # "CPU Generator does not use offset"); vLLM turns chunked prefill off on CPU itself for MLA
+            # (vllm/platforms/cpu.py), and then needs a step's budget to hold the longest sequence
+            settings["enable_chunked_prefill"] = False
+            settings["max_num_batched_tokens"] = max(config.max_model_len, 2048)
     return settings
 
 

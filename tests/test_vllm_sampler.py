@@ -56,6 +56,18 @@ def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
         _check_push_matches_learner(model, tokenizer, own)
 
 
+def test_seeded_requests_longer_than_a_step_are_never_split(tiny_path, tokenizer):
+    """vLLM's CPU runner cannot rewind a seeded request's generator after a partial prefill ("CPU
+    Generator does not use offset": pipeline_rl.py crashed on the long-tail task); with a known
+    context the sampler never splits a prefill. 80 seeded prompts of 40 tokens: 3200 prompt tokens,
+    more than one step's budget of 2048."""
+    prompts = [tokenizer(f"{i % 10} " * 20)["input_ids"][:40] for i in range(80)]
+    assert all(len(p) == 40 for p in prompts)
+    with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0, max_model_len=128) as own:
+        samples = own.generate(prompts, n=1, temperature=1.0, max_tokens=8, seed=7)  # (failed here, in the sampler)
+    assert len(samples) == 80 and all(s.finished and 1 <= len(s.token_ids) <= 8 for s in samples)
+
+
 def _check_push_matches_learner(model, tokenizer, sampler):
     _, prompts = _prompts(tokenizer, 24)
 
