@@ -243,6 +243,9 @@ def main():
     print(f"\n{args.paper}, {args.workload} workload: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s of training each; held-out pass@1 on "
           f"{args.eval_problems} problems x {args.eval_samples} samples; start {start_pass:.3f}, target {target:.3f}"
           + (" (given)" if args.target is not None else f" (75% of the way to the lowest final pass@1, {lowest_final:.3f})") + "\n")
+    if target <= start_pass + 0.02:  # (~the sd of a pass@1 over 400 samples)
+        print("warning: the target is within noise of the start (a run ended near or below where it began): the times below "
+              "measure noise; compare the final pass@1, or rerun with --target\n")
     print("| arm | seconds to target, mean | sd | per seed | vs " + list(arms)[0] + " | pass@1 at the end, mean |")
     print("|---|---|---|---|---|---|")
     base = None
@@ -251,7 +254,8 @@ def main():
         mean = float(np.mean(times))
         base = base or mean
         final = np.mean([np.mean([y for _, y in c[-2:]]) for c in cs])
-        print(f"| {arm} | {mean:.1f} | {np.std(times):.1f} | {' '.join(f'{t:.1f}' for t in times)} | {base / mean:.2f}x | {final:.3f} |")
+        ratio = f"{base / mean:.2f}x" if base and mean else "n/a"  # (a time of 0: at the target from the start)
+        print(f"| {arm} | {mean:.1f} | {np.std(times):.1f} | {' '.join(f'{t:.1f}' for t in times)} | {ratio} | {final:.3f} |")
     suffix = "" if args.workload == "default" else "_" + args.workload.replace("-", "_")
     out = plot(by_arm, target, args.seconds, f"{args.paper} ({args.workload}): held-out pass@1, mean and sd over {len(args.seeds)} seeds",
                Path(args.out) / f"learning_speed_{args.paper}{suffix}.png")
