@@ -36,8 +36,9 @@ class Args:
     """samples per prompt"""
     max_tokens: int = 48
     """completion length cap (ignore_eos: every completion has exactly this many tokens)"""
-    repeats: int = 7
-    """timed calls per side, alternating ours / direct (after one warm-up call each); medians reported"""
+    repeats: int = 15
+    """timed calls per side, alternating ours / direct (after one warm-up call each); medians reported
+    (consecutive calls on this machine differ by up to 20%: 7 pairs gave medians from 0.90 to 0.99)"""
     push_repeats: int = 5
     """timed weight pushes per model"""
 

@@ -43,6 +43,7 @@ def test_engine_settings_per_placement(placement, eager, dtype, memory):
     assert settings["enforce_eager"] is eager and settings["dtype"] == dtype and settings[memory[0]] == memory[1]
     assert settings["async_scheduling"] is False  # updates between step() calls must not race a running batch
     assert settings["logprobs_mode"] == "processed_logprobs"
+    assert settings["disable_log_stats"] is True  # as vLLM's LLM: collecting them cost the sampler ~5%
     if placement == "cpu":  # a known context on CPU: prefills are never split (seeded requests need it)
         known = vllm_sampler.engine_settings(vllm_sampler.SamplerConfig(model="m", max_model_len=4096), placement)
         assert known["enable_chunked_prefill"] is False and known["max_num_batched_tokens"] >= 4096

@@ -24,3 +24,11 @@ def test_every_arm_of_every_paper_names_a_script_that_exists():
     for paper, (script, shared, arms) in learning_speed.PAPERS.items():
         assert (root / script).is_file(), paper
         assert arms and all(every >= 1 for _, every in arms.values())
+
+
+def test_a_target_some_seeds_never_reach_is_summarized_over_those_that_did():
+    assert learning_speed.summarize([2.0, 4.0, 6.0]) == (pytest.approx(4.0), pytest.approx(math.sqrt(8 / 3)), 3)
+    mean, sd, reached = learning_speed.summarize([2.0, float("nan"), 6.0])
+    assert (mean, sd, reached) == (pytest.approx(4.0), pytest.approx(2.0), 2)
+    mean, sd, reached = learning_speed.summarize([float("nan")] * 3)
+    assert math.isnan(mean) and math.isnan(sd) and reached == 0
