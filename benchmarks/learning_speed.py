@@ -3,9 +3,9 @@ training wall-clock, over seeds, and the time until pass@1 first reaches a targe
 
     .venv/bin/python benchmarks/learning_speed.py rloo --target 0.45   # K = 1, 2, 4, 8 (~14 min)
     .venv/bin/python benchmarks/learning_speed.py rloo-overlap         # K = 4 with and without --overlap (~7 min)
-    .venv/bin/python benchmarks/learning_speed.py dpo        # sync, async, async with 2 minibatches
-    .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL
-    .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults)
+    .venv/bin/python benchmarks/learning_speed.py dpo        # sync, async, async with 2 minibatches (~10 min)
+    .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL (~10 min)
+    .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults; ~14 min)
     .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # (and ppo): answers of widely varying length
 
 How it measures:
