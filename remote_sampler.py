@@ -100,6 +100,8 @@ def server_command(model: str, port: int, host: str = "127.0.0.1", placement: st
     dtype, kv_cache_bytes, max_num_seqs, ...) as flags, plus the RL and scale-out endpoints and the
     weight-transfer backend ("gloo" on CPU, "nccl" on a GPU of its own)."""
     settings = engine_settings(SamplerConfig(model=model, placement=placement, **config), placement)
+    # a server keeps its statistics: /metrics is how its users (and our tests) watch it
+    settings.pop("disable_log_stats")
     backend = backend or ("gloo" if placement == "cpu" else "nccl")
     command = [sys.executable, "-m", SERVER_MODULE, "--host", host, "--port", str(port), "--enable-scale-out",
                "--weight-transfer-config", json.dumps({"backend": backend})]

@@ -363,3 +363,10 @@ def test_a_hung_then_a_dead_server_is_an_error_within_the_timeout(server, tiny_p
         with pytest.raises(SamplerError):
             sampler.resume()
         assert time.monotonic() - start < 3
+
+
+def test_a_server_keeps_its_statistics():
+    """The local sampler turns vLLM's per-step statistics off (vllm_sampler.engine_settings); a
+    server keeps them: its /metrics gauges are how users, and the tests above, watch it."""
+    command = remote_sampler.server_command("m", 8000)
+    assert "--disable-log-stats" not in command and "--logprobs-mode" in command
