@@ -6,7 +6,7 @@ training wall-clock, over seeds, and the time until pass@1 first reaches a targe
     .venv/bin/python benchmarks/learning_speed.py dpo        # sync, async, async with 2 minibatches (~10 min)
     .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL (~10 min)
     .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults; ~14 min)
-    .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # (and ppo): answers of widely varying length
+    .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # answers of widely varying length (~10 min; ppo: ~14 min)
 
 How it measures:
 - Every run keeps its weights every few rounds with the run's wall time (the scripts'
