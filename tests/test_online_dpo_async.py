@@ -115,11 +115,8 @@ def test_a_bad_choice_is_refused_on_the_command_line():
     assert out.returncode != 0 and "--loss-type" in out.stderr and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("mode, minibatches", [("async", 1), ("sync", 1), ("async", 2)])
-def test_short_run_and_lag_from_sampler_versions(mode, minibatches, tmp_path):
-    flags = ["--exp-name", f"pytest_dpo_{mode}", "--num-rounds", "3", "--num-prompts", "16", "--eval-problems", "8",
-             "--eval-samples", "2", "--num-minibatches", str(minibatches)] + (["--sync"] if mode == "sync" else [])
-    run_dir = _run_dir(_run(*flags, cwd=tmp_path), tmp_path)
+def _check_rounds(run_dir, mode, minibatches, num_prompts):
+    """A short run's rounds: the lag of each batch from the sampler's versions, the pairs, the KL."""
     rounds = [r for r in common.read_metrics(run_dir) if "charts/lag_min" in r]
     assert len(rounds) == 3 and (run_dir / "checkpoint.pt").exists()
     lags = [(r["charts/lag_min"], r["charts/lag_max"]) for r in rounds]
@@ -132,8 +129,16 @@ def test_short_run_and_lag_from_sampler_versions(mode, minibatches, tmp_path):
         assert lags == [(0, 0)] + [(steps[i] - steps[i - 1],) * 2 for i in (1, 2)]
         assert steps[1] == minibatches  # (a round whose prompts all tie takes no step)
         assert "charts/logprob_diff" not in rounds[1] and rounds[1]["charts/lag_min"] > 0  # only where the weights are the sampler's
-    assert all(r["charts/pairs"] + r["charts/ties_dropped"] == 16 * minibatches for r in rounds)
+    assert all(r["charts/pairs"] + r["charts/ties_dropped"] == num_prompts * minibatches for r in rounds)
     assert all("charts/kl" in r and "charts/kl_to_init" not in r and r["charts/nonfinite_skipped"] == 0 for r in rounds)
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_async_short_run_and_lag_from_sampler_versions(minibatches, tmp_path):
+    """(--sync's: test_sync_run_has_lag_0, on the shared sync run below)"""
+    flags = ["--exp-name", "pytest_dpo_async", "--num-rounds", "3", "--num-prompts", "16", "--eval-problems", "8",
+             "--eval-samples", "2", "--num-minibatches", str(minibatches)]
+    _check_rounds(_run_dir(_run(*flags, cwd=tmp_path), tmp_path), "async", minibatches, num_prompts=16)
 
 
 # --sync on a fixed seed: the run that both the staleness-0 parity test and the torchrun test compare
@@ -146,6 +151,10 @@ SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "-
 def sync_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("dpo_sync")
     return _run_dir(_run(*SYNC, "--exp-name", "pytest_dpo_parity_sync", cwd=cwd), cwd)
+
+
+def test_sync_run_has_lag_0(sync_run):
+    _check_rounds(sync_run, "sync", minibatches=1, num_prompts=8)
 
 
 def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
