@@ -371,13 +371,11 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
     assert sorted(two) == sorted(one) and max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"]) < 1e-5
 
 
-def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path):
-    out = _run(tmp_path, "--delta", "20", "--delta-max", "16", expect_ok=False)
-    assert out.returncode != 0 and "--delta" in out.stderr.strip().splitlines()[-1]
-    out = _run(tmp_path, "--reward-model", str(tmp_path / "missing"), expect_ok=False)
+def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path, error_before_start):
+    assert "--delta" in error_before_start(po, "--model", "tiny", "--delta", "20", "--delta-max", "16")
+    assert "context" in error_before_start(po, "--model", "tiny", "--max-new-tokens", "500")
+    out = _run(tmp_path, "--reward-model", str(tmp_path / "missing"), expect_ok=False)  # (and one on the command line)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --reward-model")
-    out = _run(tmp_path, "--max-new-tokens", "500", expect_ok=False)
-    assert out.returncode != 0 and "context" in out.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("seeds", [(), ("--request-seeds",)], ids=["engine-seed", "request-seeds"])
