@@ -252,8 +252,9 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
             logp = common.token_logprobs(policy, ids, attn, cmask, **processing)
         if part:
             w = token_weights(logp.detach(), behaviour, mask)
-            for i, row in enumerate(rows):
-                token_w[row, :len(micro[i].token_ids)] = w[i][mask[i].bool()]
+            for i, row in enumerate(rows):  # (rows are right-padded: a slice, not a mask, so no shape depends on data)
+                first = len(micro[i].prompt_token_ids) - 1  # mask = cmask[:, 1:]: the response's first logprob sits here
+                token_w[row, :len(micro[i].token_ids)] = w[i, first:first + len(micro[i].token_ids)]
             # sampler vs learner on sequences generated wholly by the learner's current weights (their
             # KV cache too): the training-inference mismatch alone, ~1e-6 in fp32
             fresh = torch.tensor([c.version_min == step for c in micro], device=device)
