@@ -193,3 +193,16 @@ def test_dpo_peak_memory_is_flat_in_the_batch_at_a_fixed_token_budget(realistic_
     grows = peaks[BIG, 32] / peaks[BIG, 16]
     assert flat < 1.10, peaks
     assert grows > 1.5, peaks  # the test can fail: the same step without micro-batches
+
+
+@pytest.mark.parametrize("script", ["rloo", "dpo", "pipeline"])
+def test_learner_steps_run_on_fake_tensors(realistic_path, script):
+    """benchmarks/memory.py runs each script's own learner step on fake tensors. A step where a
+    shape depends on data (a boolean index) breaks it, as pipeline_rl.py's token weights did from
+    273448f to 1d9d2e6 unnoticed, since only DPO's step ran here. (PPO's step, 120 sequences with a
+    KV cache each, takes ~30 s even at these shapes: it runs in the benchmark only.)"""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(realistic_path)
+    result = memory.measure(lambda tracker: memory.STEPS[script](config, tracker=tracker, prompt=32, response=32))
+    assert result["peak"] > 0
