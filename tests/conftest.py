@@ -3,7 +3,7 @@
 (reliability), test_gpu_path and test_memory.
 
 Markers: `gpu` needs CUDA. `slow` is added here to every test that starts a sampler or a script
-(it uses the `sampler`, `server_url` or `error_before_start` fixture, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
+(it uses one of SLOW_FIXTURES, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
 the unit tests in under a minute."""
 
 import inspect
@@ -17,13 +17,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# a sampler, a server, a script's main(), or a script's run shared by several tests
+SLOW_FIXTURES = {"sampler", "server_url", "error_before_start", "sync_run", "zero_lag_pipeline"}
 SLOW_CALLS = ("_run(", "_run_realistic(", "subprocess.", "start_sampler(", "Sampler(", ".main(", "_check_push_matches_learner(")
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
         source = inspect.getsource(item.function) if hasattr(item, "function") else ""
-        if {"sampler", "server_url", "error_before_start"} & set(item.fixturenames) or any(call in source for call in SLOW_CALLS):
+        if SLOW_FIXTURES & set(item.fixturenames) or any(call in source for call in SLOW_CALLS):
             item.add_marker(pytest.mark.slow)
 
 
