@@ -104,6 +104,13 @@ def sampler_cuda_device(placement: str, visible: str | None, device_count: int) 
     return devices[wanted]
 
 
+def resolve_dtype(dtype: str, placement: str) -> str:
+    """The sampler's weight dtype: "auto" is bfloat16 on a GPU (fast kernels, half the KV cache), float32 on
+    CPU (exact comparisons with the learner). A dtype other than float32 is the training-inference mismatch
+    that the methods' truncated importance sampling corrects."""
+    return dtype if dtype != "auto" else ("float32" if resolve_placement(placement) == "cpu" else "bfloat16")
+
+
 def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     """vLLM EngineArgs for the sampler, by placement. Pure, so each placement is unit-tested.
     - logprobs of the distribution actually sampled (the logprob contract);
@@ -121,7 +128,7 @@ def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     - no per-step engine statistics, as vLLM's own `LLM` (vllm/entrypoints/llm.py:226-227): nothing
       here reads them, and collecting them cost ~5% of the sampler's time (py-spy, tiny model)."""
     on_gpu = placement != "cpu"
-    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    dtype = resolve_dtype(config.dtype, placement)
     settings: dict[str, Any] = dict(
         model=config.model, seed=config.seed, dtype=dtype, max_model_len=config.max_model_len,
         enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
