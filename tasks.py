@@ -4,9 +4,14 @@
   answer is the last <answer>...</answer>; 1 if right, 0.1 if well-formed but wrong, 0 if absent.
   `countdown-steps` is the long-tail workload: 3-7 numbers, few problems with many, answered step
   by step, so that long answers are real answers.
-  `countdown` is an offline generator (problem i of a split is a pure function of the seed, split
-  and i; train and test are disjoint); `countdown-hub` is TinyZero's data on the Hub.
-- GSM8K (`gsm8k`, from the Hub): exact match on the final number, in the dataset's `#### n` format.
+  `countdown` is an offline generator (train problem i is a pure function of the seed and i, test
+  problem i of i alone; train and test are disjoint); `countdown-hub` is TinyZero's data on the Hub.
+- GSM8K (`gsm8k`, from the Hub): exact match on the final number, in the dataset's `#### n` format
+  (strict: a completion without `#### n` scores 0; loose: it falls back to its last number).
+
+Held-out problems do not depend on the seed (HELD_OUT_SEED): runs on different seeds are evaluated
+on the same test problems, so an average over seeds is over one test set; only the train problems
+(their choice or order) follow the seed.
 
 Scoring is safe and bounded: arithmetic is evaluated with `ast` and exact fractions (no `eval`),
 and every reward runs in time linear in the completion.
@@ -25,6 +30,7 @@ from typing import Any
 import numpy as np
 
 COUNTDOWN_FORMAT_SCORE = 0.1  # TinyZero: a well-formed but wrong answer
+HELD_OUT_SEED = 0  # the test split's seed, whatever --seed is (0: the split the tests and the tiny model's checks always used)
 _MAX_ABS_VALUE = 10**12  # larger intermediate values are treated as malformed
 
 
@@ -102,22 +108,28 @@ _NUMBER_RE = re.compile(_NUMBER)
 _MARKED_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 
 
-def gsm8k_extract(text: str) -> str | None:
+def gsm8k_extract(text: str, match: str = "strict") -> str | None:
     """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the
     first number after the last '####' that is followed by one (text after the answer, or a
-    trailing '####', does not change it). Without a marked answer, the last number in the text.
-    Unicode minus signs count as minus."""
+    trailing '####', does not change it). Without a marked answer: None when `match` is "strict"
+    (the paper's reward, §6 and A.3: 1 only if the answer string matches; the authors' grader
+    `extract_answer` reads `#### n` only), the last number in the text when "loose" (this file's
+    rule before issue #27). Unicode minus signs count as minus."""
     text = text.replace("\u2212", "-")
     marked = _MARKED_RE.findall(text)
     if marked:
         return marked[-1].replace(",", "")
+    if match == "strict":
+        return None
     found = _NUMBER_RE.findall(text)
     return found[-1].replace(",", "") if found else None
 
 
-def gsm8k_reward(completion: str, answer: str) -> float:
-    """Exact match on the final number, commas removed, compared numerically ("18.00" == "18")."""
-    predicted, expected = gsm8k_extract(completion), gsm8k_extract(answer)
+def gsm8k_reward(completion: str, answer: str, match: str = "strict") -> float:
+    """Exact match on the final number, commas removed, compared numerically ("18.00" == "18").
+    match: "strict" (only a `#### n` answer counts) or "loose" (else the completion's last number);
+    the reference answer is always the dataset's `#### n`."""
+    predicted, expected = gsm8k_extract(completion, match), gsm8k_extract(answer, "strict")
     if predicted is None or expected is None:
         return 0.0
     try:
@@ -189,8 +201,9 @@ CHAT_PROMPT = (
 
 @dataclass
 class CountdownTask:
-    """Offline Countdown generator: problem i of a split is a pure function of (seed, split, i),
-    so a data position is one integer. Train and test are disjoint by a hash of the problem."""
+    """Offline Countdown generator: train problem i is a pure function of (seed, i), test problem i
+    of i alone (HELD_OUT_SEED: every seed is evaluated on the same problems), so a data position is
+    one integer. Train and test are disjoint by a hash of the problem."""
 
     seed: int = 0
     min_numbers: int = 3
@@ -207,7 +220,8 @@ class CountdownTask:
     def problem(self, split: str, index: int) -> Problem:
         attempt = 0
         while True:
-            rng = np.random.default_rng([self.seed, 0 if split == "train" else 1, index, attempt])
+            train = split == "train"
+            rng = np.random.default_rng([self.seed if train else HELD_OUT_SEED, 0 if train else 1, index, attempt])
             attempt += 1
             if self.number_weights is None:
                 count = int(rng.integers(self.min_numbers, self.max_numbers + 1))
@@ -273,11 +287,14 @@ def _load_hub_dataset(*args, **kwargs):
         ) from e
 
 
-def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) -> Any:
+def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict") -> Any:
     """`countdown`: the offline generator. `countdown-steps`: the same with 3-7 numbers, long-tailed
     (the tiny model is built to answer it step by step: answers of widely varying length). `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
-    TinyZero data; its first `test_size` shuffled rows are held out). `gsm8k`: openai/gsm8k with its
-    own train/test splits. Hub tasks need network access to the Hub."""
+    TinyZero data; the first `test_size` rows of a shuffle by HELD_OUT_SEED are held out, the rest
+    is the train split, in an order drawn from `seed`). `gsm8k`: openai/gsm8k with its own
+    train/test splits in the dataset's order, scored by `gsm8k_match` ("strict": only `#### n`
+    counts; "loose": else the last number). The test split never depends on `seed`. Hub tasks need
+    network access to the Hub."""
     template = TINY_PROMPT if tiny_prompts else CHAT_PROMPT
     if name == "countdown":
         if tiny_prompts:
@@ -295,15 +312,20 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200) ->
                     numbers=list(r["nums"]), target=int(r["target"]))
             for r in rows
         ]
-        random.Random(seed).shuffle(problems)
-        return ListTask(problems[test_size:], problems[:test_size], name,
+        random.Random(HELD_OUT_SEED).shuffle(problems)  # the held-out rows: the same for every seed
+        train = problems[test_size:]
+        random.Random(seed).shuffle(train)
+        return ListTask(train, problems[:test_size], name,
                         lambda c, p: countdown_reward(c, p.numbers, p.target))
     if name == "gsm8k":
+        if gsm8k_match not in ("strict", "loose"):
+            raise SystemExit(f"error: --gsm8k-match: strict or loose, got {gsm8k_match!r}")
         data = _load_hub_dataset("openai/gsm8k", "main")
         to_problem = lambda r: Problem(prompt=f"Question: {r['question']}\nAnswer:", answer=r["answer"])  # noqa: E731
-        # the whole test split (1319 problems): evaluate(num_problems=None) scores all of it, as the paper does
+        # the whole test split (1319 problems), in the dataset's order whatever the seed: evaluate(num_problems=None)
+        # scores all of it, as the paper does
         return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],
-                        name, lambda c, p: gsm8k_reward(c, p.answer))
+                        name, lambda c, p: gsm8k_reward(c, p.answer, gsm8k_match))
     raise SystemExit(f"error: --task: unknown task {name!r} (countdown, countdown-steps, countdown-hub, gsm8k)")
 
 

@@ -1,5 +1,6 @@
 import pytest
 
+import tasks
 from common import encode_prompts
 from tasks import CountdownTask, countdown_reward, gsm8k_reward, make_task, safe_arithmetic
 
@@ -45,27 +46,32 @@ def test_safe_arithmetic_rejects_names_and_calls():
 
 
 @pytest.mark.parametrize(
-    "completion, answer, expected",
+    "completion, answer, strict, loose",
     [
-        ("The answer is 18.", "so #### 18", 1.0),
-        ("#### 18.00", "#### 18", 1.0),
-        ("It costs $1,234 in total", "#### 1234", 1.0),
-        ("first 5 then 7", "#### 7", 1.0),  # the last number counts
-        ("first 7 then 5", "#### 7", 0.0),
-        ("-3 degrees", "#### -3", 1.0),
-        ("0.5", "#### .5", 1.0),
-        ("no number here", "#### 4", 0.0),
-        ("#### 17", "#### 18", 0.0),
-        ("\u221218 degrees", "#### -18", 1.0),  # a Unicode minus is a minus
-        ("\u221218 degrees", "#### 18", 0.0),
-        ("1,5", "#### 15", 0.0),  # a comma only separates thousands
-        ("so #### 18 ####", "#### 18", 1.0),  # a trailing marker does not drop the answer
-        ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0),  # text after the answer is not the answer
-        ("#### $1,000,000", "#### 1000000", 1.0),
+        ("The answer is 18.", "so #### 18", 0.0, 1.0),  # strict: no `#### n`, no answer
+        ("#### 18.00", "#### 18", 1.0, 1.0),
+        ("It costs $1,234 in total", "#### 1234", 0.0, 1.0),
+        ("first 5 then 7", "#### 7", 0.0, 1.0),  # loose: the last number counts
+        ("first 7 then 5", "#### 7", 0.0, 0.0),
+        ("-3 degrees", "#### -3", 0.0, 1.0),
+        ("0.5", "#### .5", 0.0, 1.0),
+        ("no number here", "#### 4", 0.0, 0.0),
+        ("#### 17", "#### 18", 0.0, 0.0),
+        ("#### \u221218 degrees", "#### -18", 1.0, 1.0),  # a Unicode minus is a minus
+        ("\u221218 degrees", "#### -18", 0.0, 1.0),
+        ("\u221218 degrees", "#### 18", 0.0, 0.0),
+        ("1,5", "#### 15", 0.0, 0.0),  # a comma only separates thousands
+        ("so #### 18 ####", "#### 18", 1.0, 1.0),  # a trailing marker does not drop the answer
+        ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0, 1.0),  # text after the answer is not the answer
+        ("#### $1,000,000", "#### 1000000", 1.0, 1.0),
+        ("18 #### 17", "#### 18", 0.0, 0.0),  # a marked answer wins over the numbers around it, in both modes
+        ("#### 18", "The answer is 18.", 0.0, 0.0),  # a reference without `#### n` is never guessed at
     ],
 )
-def test_gsm8k_reward(completion, answer, expected):
-    assert gsm8k_reward(completion, answer) == expected
+def test_gsm8k_reward_strict_and_loose(completion, answer, strict, loose):
+    assert gsm8k_reward(completion, answer) == strict  # strict is the default
+    assert gsm8k_reward(completion, answer, "strict") == strict
+    assert gsm8k_reward(completion, answer, "loose") == loose
 
 
 def test_countdown_generator_is_deterministic_solvable_and_split():
@@ -79,6 +85,50 @@ def test_countdown_generator_is_deterministic_solvable_and_split():
     key = lambda p: (tuple(sorted(p.numbers)), p.target)  # noqa: E731
     assert not {key(p) for p in train} & {key(p) for p in test}
     assert [p.prompt for p in train] != [CountdownTask(seed=4).problem("train", i).prompt for i in range(200)]
+
+
+# small local stand-ins for the Hub datasets (the tests never reach the Hub)
+GSM8K_ROWS = {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?", answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
+                      for i in range(first, first + 12)] for split, first in (("train", 0), ("test", 100))}
+COUNTDOWN_HUB_ROWS = [dict(nums=[i, i + 1, i + 2], target=3 * i + 3) for i in range(1, 61)]
+
+
+def local_hub(name, *args, **kwargs):
+    return GSM8K_ROWS if name == "openai/gsm8k" else COUNTDOWN_HUB_ROWS
+
+
+@pytest.mark.parametrize("name", ["countdown", "countdown-steps", "countdown-hub", "gsm8k"])
+def test_held_out_problems_do_not_depend_on_the_seed(name, monkeypatch):
+    """Two seeds: the same test problems (an average over seeds is over one test set); different
+    train problems where the task draws them from the seed (gsm8k's train split stays in the
+    dataset's order: the scripts shuffle it per epoch)."""
+    monkeypatch.setattr(tasks, "_load_hub_dataset", local_hub)
+    for tiny_prompts in (True, False):
+        one, two = (make_task(name, seed, tiny_prompts=tiny_prompts, test_size=20) for seed in (1, 2))
+        test = lambda task: [task.problem("test", i).prompt for i in range(20)]  # noqa: E731
+        train = lambda task: [task.problem("train", i).prompt for i in range(20)]  # noqa: E731
+        assert test(one) == test(two) == test(make_task(name, tasks.HELD_OUT_SEED, tiny_prompts=tiny_prompts, test_size=20))
+        assert len(set(test(one))) > 10  # 20 problems, not one (the tiny generator may repeat a few)
+        if name == "gsm8k":
+            assert train(one) == train(two) == [f"Question: {r['question']}\nAnswer:" for r in GSM8K_ROWS["train"][:12] * 2][:20]
+            assert test(one)[0] == f"Question: {GSM8K_ROWS['test'][0]['question']}\nAnswer:"  # the dataset's order
+        else:
+            assert train(one) != train(two)
+            assert not set(train(one)) & set(test(one))
+    if name == "countdown-hub":  # the same held-out rows, the rest is the train split (in a seed's order)
+        assert len(one.train) == len(two.train) == 40 and {p.prompt for p in one.train} == {p.prompt for p in two.train}
+        assert not {p.prompt for p in one.train} & {p.prompt for p in one.test}
+
+
+def test_gsm8k_task_scores_strict_by_default_and_loose_on_request(monkeypatch):
+    monkeypatch.setattr(tasks, "_load_hub_dataset", local_hub)
+    problem = make_task("gsm8k", 1, tiny_prompts=False).problem("test", 0)  # 100 + 101 = 201
+    for match, unmarked in (("strict", 0.0), ("loose", 1.0)):
+        task = make_task("gsm8k", 1, tiny_prompts=False, gsm8k_match=match)
+        assert task.reward("so 100+101=201", problem) == unmarked and task.is_correct("so 100+101=201", problem) == bool(unmarked)
+        assert task.reward("100+101=201\n#### 201", problem) == 1.0 and task.reward("#### 200", problem) == 0.0
+    with pytest.raises(SystemExit, match="^error: --gsm8k-match"):
+        make_task("gsm8k", 1, tiny_prompts=False, gsm8k_match="lenient")
 
 
 def test_hub_task_without_network_is_a_clear_error(monkeypatch):
