@@ -36,6 +36,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 from transformers import set_seed  # noqa: F401  (python, numpy, torch and CUDA generators)
 
+import vllm_sampler
 from vllm_sampler import peak_rss_mib
 
 if TYPE_CHECKING:  # annotations only
@@ -58,6 +59,17 @@ def check_sampler_urls(urls: list[str] | None) -> None:
     for url in urls or []:
         check_args(url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0, "--sampler-url",
                    f"must be the http(s):// URL of a running vLLM server, got {url!r}")
+
+
+def mismatch_correction(tis: str, sampler_dtype: str, placement: str, learner_bf16: bool) -> bool:
+    """Whether truncated importance sampling corrects the training-inference mismatch (`--tis`): "on",
+    "off", or "auto" = on exactly when the sampler's numbers differ from the learner's beyond float
+    noise: a sampler not in fp32 (the GPU default: bf16, vllm_sampler.resolve_dtype) or a learner
+    computing in bf16 (autocast, bf16 weights): two bf16 engines round differently too. Runs in fp32 on
+    both sides (the CPU default) keep the plain method."""
+    if tis != "auto":
+        return tis == "on"
+    return vllm_sampler.resolve_dtype(sampler_dtype, placement) != "float32" or learner_bf16
 
 
 def limit_cpu_threads() -> None:

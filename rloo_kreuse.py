@@ -43,7 +43,7 @@ class Args:
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
-    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
 
@@ -81,12 +81,16 @@ class Args:
     ppo_clip: float | None = None
     """epsilon: use the PPO-style clipped ratio instead (Proximal RLOO, async-RLHF paper App. B)"""
     recompute_old_logprobs: bool = False
-    """recompute log pi_theta0 with the learner on the sampling weights instead of using the
-    sampler's logprobs (exact on-policy start; costs one extra forward per round)"""
-    tis_cap: float | None = None
-    """training-inference mismatch correction (off by default: on CPU in fp32 the mismatch is ~0):
-    log pi_theta0 is the learner's recomputation and the loss is weighted by the truncated importance
-    weight min(pi_learner / pi_sampler, C) at --iw-level, kept apart from K-reuse's own weights"""
+    """recompute log pi_theta0 with the learner on the sampling weights even when --tis is off (it is
+    recomputed whenever --tis is on; costs one extra forward per round)"""
+    tis: Literal["auto", "on", "off"] = "auto"
+    """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
+    numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL
+    (vllm_importance_sampling_correction) and verl do. On: log pi_theta0 is the learner's own recomputation, the
+    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --iw-level, kept apart from
+    K-reuse's own weights. Not with --overlap (the learner no longer holds the sampling weights)"""
+    tis_cap: float = 2.0
+    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
     overlap: bool = False
@@ -267,16 +271,21 @@ def main():
     common.check_args(args.ppo_clip is None or 0 < args.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)")
     common.check_args(not (args.recompute_old_logprobs and args.overlap), "--recompute-old-logprobs",
                       "cannot be combined with --overlap: the learner no longer holds the sampling weights")
-    common.check_args(args.tis_cap is None or args.tis_cap >= 1, "--tis-cap", f"must be >= 1, got {args.tis_cap}")
-    common.check_args(not (args.tis_cap and args.overlap), "--tis-cap",
-                      "cannot be combined with --overlap: the learner no longer holds the sampling weights")
+    common.check_args(args.tis_cap >= 1, "--tis-cap", f"must be >= 1, got {args.tis_cap}")
+    common.check_args(not (args.tis == "on" and args.overlap), "--tis",
+                      "on cannot be combined with --overlap: the learner no longer holds the sampling weights")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
     common.check_sampler_urls(args.sampler_url)
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
     common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
-    args.recompute_old_logprobs = args.recompute_old_logprobs or args.tis_cap is not None
+    # pi_theta0 at the learner's precision whenever the sampler's differs; the sampler's logprobs then enter only the correction
+    tis_on = not args.overlap and common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16)
+    if args.overlap and args.tis == "auto" and common.mismatch_correction("auto", args.sampler_dtype, args.placement, args.autocast_bf16):
+        print("note: --overlap with a sampler whose precision differs from the learner's: log pi_theta0 is the sampler's "
+              "(the learner no longer holds the sampling weights), so K-reuse's weights include the mismatch")
+    args.recompute_old_logprobs = args.recompute_old_logprobs or tis_on
     args.tis_level = "sequence" if args.ppo_clip is not None else args.iw_level
     args.batch_size = args.num_prompts * args.group_size  # episodes per round
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
@@ -369,11 +378,11 @@ def main():
             micro = distributed.my_micro_batches(common.micro_batches(lengths, args.micro_batch_tokens), dist)
             # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
             ref_logp = distributed.all_sum(batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
-            # log pi_theta0: the sampler's logprobs, or the learner's own recomputation (--recompute-old-logprobs, --tis-cap)
+            # log pi_theta0: the learner's own recomputation (--tis on, --recompute-old-logprobs), or the sampler's logprobs
             old_logp = (distributed.all_sum(batch_logprobs(policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
                         if args.recompute_old_logprobs else sampler_logp)
             tis, mismatch = None, {}
-            if args.tis_cap is not None:
+            if tis_on:
                 tis, tis_stats = truncated_mismatch_weights(old_logp, sampler_logp, mask, args.tis_level, args.tis_cap)
                 mismatch = {"charts/tis_max_ratio": tis_stats["max_ratio"], "charts/tis_truncated_fraction": tis_stats["truncated_fraction"]}
             # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator

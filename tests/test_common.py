@@ -66,6 +66,15 @@ def test_checkpoint_roundtrip_restores_model_optimizer_rng_and_position(tmp_path
         common.load_checkpoint(tmp_path / "nowhere", fresh, fresh_opt)
 
 
+def test_mismatch_correction_is_on_by_default_exactly_when_the_precisions_differ():
+    on = common.mismatch_correction
+    assert not on("auto", "auto", "cpu", False) and not on("auto", "float32", "colocate", False)  # fp32 sampler, fp32 learner
+    assert on("auto", "auto", "colocate", False) and on("auto", "auto", "separate", False)  # a GPU sampler is bf16 by default
+    assert on("auto", "bfloat16", "cpu", False) and on("auto", "float16", "cpu", False)
+    assert on("auto", "float32", "cpu", True)  # a bf16-autocast learner against an fp32 sampler
+    assert on("on", "float32", "cpu", False) and not on("off", "bfloat16", "colocate", True)
+
+
 def test_check_args_names_the_flag():
     with pytest.raises(SystemExit, match="--k"):
         common.check_args(0 >= 1, "--k", "must be >= 1")

@@ -162,7 +162,7 @@ def test_overlap_mode_runs_one_round_off_policy():
 @pytest.mark.parametrize("flags, flag", [(["--k", "0"], "--k"), (["--group-size", "1"], "--group-size"),
                                          (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
                                          (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
-                                         (["--tis-cap", "2", "--overlap"], "--tis-cap"),
+                                         (["--tis", "on", "--overlap"], "--tis"),
                                          (["--snapshot-every", "-1"], "--snapshot-every")])
 def test_bad_flags_are_rejected_at_start(error_before_start, flags, flag):
     assert error_before_start(rloo, *flags).startswith(f"error: {flag}")
@@ -200,6 +200,53 @@ def test_kl_estimators_by_hand_and_their_gradients():
     assert torch.allclose(grad_k3, (1 - torch.exp(d)) * mask)
 
 
+def test_which_sequence_level_kl_gradient_each_estimator_gives():
+    """Exact expectations over every sequence of a two-token, two-step policy (no sampling noise): the
+    gradient the method gets from each estimator, against the gradient of the report's sequence-level
+    KL(pi || pi_ref). k1 folded into the reward (the default) gives it exactly; k2 as a loss gives only
+    the per-token KLs' gradient at the sampled prefixes (it misses how the first token moves the second
+    step's KL); k3 as a loss gives neither."""
+    torch.manual_seed(0)
+    theta1, theta2 = torch.randn(2, requires_grad=True), torch.randn(2, 2, requires_grad=True)  # step 2's logits depend on y1
+    ref1, ref2 = torch.randn(2).log_softmax(0), torch.randn(2, 2).log_softmax(1)
+    seqs = [(a, b) for a in range(2) for b in range(2)]
+
+    def token_logps():
+        lp1, lp2 = theta1.log_softmax(0), theta2.log_softmax(1)
+        return torch.stack([torch.stack([lp1[a], lp2[a, b]]) for a, b in seqs])  # [4 sequences, 2 tokens]
+
+    ref = torch.stack([torch.stack([ref1[a], ref2[a, b]]) for a, b in seqs])
+    mask = torch.ones(4, 2)
+    logp = token_logps()
+    prob = logp.sum(1).exp()
+    true_grad = torch.autograd.grad((prob * (logp.sum(1) - ref.sum(1))).sum(), (theta1, theta2))
+
+    def expected_grad(estimator):
+        logp = token_logps()
+        weight = logp.sum(1).exp().detach()  # E over y ~ pi, the sampling itself carries no gradient
+        total = 0.0
+        for i in range(4):
+            one = (logp[i:i + 1], logp[i:i + 1].detach(), ref[i:i + 1], torch.zeros(1, 2), mask[i:i + 1])
+            if estimator == "k1":  # main(): r - beta_kl * k1, here with r = 0 and beta_kl = 1, no baseline
+                advantage = -rloo.kl_penalty(logp[i:i + 1].detach(), ref[i:i + 1], mask[i:i + 1], "k1")
+                loss, _ = rloo.rloo_loss(*one, advantage, _args(beta_kl=1.0, kl_estimator="k1"))
+            else:
+                loss, _ = rloo.rloo_loss(*one, torch.zeros(1), _args(beta_kl=1.0, kl_estimator=estimator))
+            total = total + weight[i] * loss
+        return torch.autograd.grad(total, (theta1, theta2))
+
+    def close(a, b):
+        return all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+
+    assert close(expected_grad("k1"), true_grad)
+    assert not close(expected_grad("k2"), true_grad) and not close(expected_grad("k3"), true_grad)
+    # k2: the gradient of the per-token KLs with the prefix's probability held fixed
+    lp1, lp2 = theta1.log_softmax(0), theta2.log_softmax(1)
+    kl1 = (lp1.exp() * (lp1 - ref1)).sum()
+    kl2 = (lp2.exp() * (lp2 - ref2)).sum(1)
+    assert close(expected_grad("k2"), torch.autograd.grad(kl1 + (lp1.exp().detach() * kl2).sum(), (theta1, theta2)))
+
+
 def test_k1_is_folded_into_the_reward_not_the_loss():
     logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -1.0]])
     loss, stats = rloo.rloo_loss(logp, logp, ref, torch.zeros_like(logp), torch.ones_like(logp), torch.zeros(1),
@@ -231,21 +278,26 @@ def test_sequence_weights_never_overflow():
     assert torch.isfinite(w).all() and rloo.ess(torch.cat([w, torch.ones(3)])) > 0
 
 
-def test_realistic_model_paper_settings_k1_on_policy_with_tis(realistic_path):
-    """The path users run: BPE tokenizer with pad == eos, bf16 checkpoint, T 0.8 / top-p 0.95 (the
-    paper's defaults for a non-tiny model), sizes shrunk. K=1 is exactly on-policy; the mismatch
-    correction sees ratio 1."""
+def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
+    """The path users run on a GPU, on CPU: BPE tokenizer with pad == eos, bf16 checkpoint, T 0.8 / top-p
+    0.95 (the paper's defaults for a non-tiny model), a bf16 sampler against the fp32 learner, every other
+    flag at its default (sizes shrunk). The precision split turns the mismatch correction on by itself:
+    pi_theta0 is the learner's, so K=1's weight is 1 in every round, and the sampler's bf16 logprobs enter
+    only the truncated weight (ratio near 1, not exactly 1)."""
     out = _run("--model", realistic_path, "--exp-name", "pytest_rloo_real", "--k", "1", "--num-prompts", "4", "--group-size", "2",
-               "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2", "--tis-cap", "2")
+               "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2", "--sampler-dtype", "bfloat16")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     args = json.loads((run_dir / "args.json").read_text())
-    assert (args["temperature"], args["top_p"], args["max_new_tokens"]) == (0.8, 0.95, 48)
+    assert (args["temperature"], args["top_p"], args["max_new_tokens"], args["tis"]) == (0.8, 0.95, 48, "auto")
     rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
     assert len(rounds) == 2
     for r in rounds:
-        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/logprob_diff"] < 1e-4
-        assert r["charts/tis_max_ratio"] == pytest.approx(1.0, abs=1e-3) and r["charts/tis_truncated_fraction"] == 0
+        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-6)
+        assert r["charts/logprob_diff"] > 1e-4  # the split is real: bf16 against fp32
+        assert r["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6) and r["charts/tis_max_ratio"] < 2.0
+        assert r["charts/tis_truncated_fraction"] == 0
+    assert rounds[0]["charts/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at round 0, both the learner's
 
 
 def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
