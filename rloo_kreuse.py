@@ -37,8 +37,9 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
-    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's data) or gsm8k"""
+    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] | None = None
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    data, the report's Sec. 4.1) or gsm8k [paper countdown-hub; tiny countdown]"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -59,9 +60,10 @@ class Args:
     learning_rate: float | None = None
     """Adam learning rate, constant [paper 1e-6; tiny 1e-4]"""
     beta_kl: float = 0.01
-    """KL penalty coefficient (the paper's beta_KL)"""
-    kl_estimator: Literal["k3", "k2", "k1"] = "k3"
-    """how the KL penalty enters (see kl_penalty): k3 or k2 as a loss term, k1 folded into the reward"""
+    """KL penalty coefficient (the paper's beta_KL, Eq. 4); 0 loads no reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """how the KL penalty enters (see kl_penalty): k1 folded into the reward (the gradient of the report's sequence-level
+    KL(pi || pi_ref), Eq. 4), or as a loss term k2 (the per-token KLs' gradient only) or k3 (GRPO's; neither)"""
     beta_ent: float | None = None
     """entropy bonus coefficient [paper 0.05; tiny 0.01]"""
     max_grad_norm: float = 0.5
@@ -122,9 +124,9 @@ class Args:
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
 
 
-PAPER = dict(group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50,
+PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50,
              max_prompt_tokens=256)
-TINY = dict(group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, max_new_tokens=32, eval_problems=200,
+TINY = dict(task="countdown", group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, max_new_tokens=32, eval_problems=200,
             max_prompt_tokens=64)
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
@@ -146,12 +148,14 @@ def importance_weights(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.T
 def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     """Per-sequence KL term between pi and pi_ref, summed over the response ([N]), for samples
     drawn from pi (Schulman's k1/k2/k3; Tang & Munos 2025 for their gradients as losses):
+    - k1 = log pi - log pi_ref (the default): its gradient as a loss is zero in expectation, so it
+      is not used as a loss; main() subtracts beta_kl * k1 from the reward instead (RLHF's KL-shaped
+      reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4;
+    - k2 = (log pi - log pi_ref)^2 / 2 per token: as a loss, the gradient of each token's
+      KL(pi || pi_ref) at the sampled prefix, which leaves out how earlier tokens move later tokens' KL;
     - k3 = r - log r - 1 with r = pi_ref/pi: its value estimates KL(pi || pi_ref) without bias and
-      never goes negative, but as a loss its gradient is that of KL(pi_ref || pi) (GRPO's choice);
-    - k2 = (log pi - log pi_ref)^2 / 2: as a loss, its gradient is that of KL(pi || pi_ref);
-    - k1 = log pi - log pi_ref: its gradient as a loss is zero in expectation, so it is not used
-      as a loss; main() subtracts beta_kl * k1 from the reward instead (RLHF's KL-shaped reward),
-      which gives the REINFORCE gradient of KL(pi || pi_ref)."""
+      never goes negative, but as a loss its gradient is per token that of KL(pi_ref || pi) (GRPO's).
+    (tests/test_rloo_kreuse.py checks the three by exact enumeration over a small policy.)"""
     log_ratio = (ref_logp - logp) * mask
     if estimator == "k3":
         return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
@@ -180,7 +184,8 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, args, tis=Non
             pg = -w * tis * advantages * seq_logp
         else:
             pg = -(w * tis * logp * mask).sum(1) * advantages
-    kl = kl_penalty(logp, ref_logp, mask, args.kl_estimator) if args.kl_estimator != "k1" else torch.zeros_like(advantages)
+    no_kl_loss = args.kl_estimator == "k1" or ref_logp is None  # (None: --beta-kl 0, no reference model)
+    kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, args.kl_estimator)
     tokens = mask.sum(1).clamp(min=1)
     mean_entropy = (entropy * mask).sum(1) / tokens
     loss = (pg + args.beta_kl * kl - args.beta_ent * mean_entropy).mean()
@@ -240,7 +245,7 @@ def rloo_backward(policy, ids, attn, cmask, lengths: list[int], micro: list[tupl
         cut = lambda x: x[rows, :logp.shape[1]]  # noqa: E731  (the micro-batch's rows and width)
         if sampler_logp is not None:
             diff_sum += part * ((logp.detach() - cut(sampler_logp)).abs() * cut(mask)).sum().item()
-        mb_loss, mb_stats = rloo_loss(logp, cut(old_logp), cut(ref_logp), entropy, cut(mask), advantages[rows], args,
+        mb_loss, mb_stats = rloo_loss(logp, cut(old_logp), None if ref_logp is None else cut(ref_logp), entropy, cut(mask), advantages[rows], args,
                                       None if tis is None else (tis[rows] if tis.dim() == 1 else cut(tis)))
         share = part * len(rows) / len(lengths)
         (mb_loss * share).backward()  # micro-batch means add up to the batch mean
@@ -304,10 +309,12 @@ def main():
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    # the reference model only when a term uses it
+    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.beta_kl else None
     # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
     push_model = distributed.push_copy(policy, dist)
-    policy, ref_policy = distributed.shard(policy, dist), distributed.shard(ref_policy, dist)
+    policy = distributed.shard(policy, dist)
+    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
     print(f"run directory: {logger.dir}")
@@ -377,7 +384,8 @@ def main():
             # each cut to its longest row (rows are right-padded); under torchrun each rank takes its share
             micro = distributed.my_micro_batches(common.micro_batches(lengths, args.micro_batch_tokens), dist)
             # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
-            ref_logp = distributed.all_sum(batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
+            ref_logp = (distributed.all_sum(batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
+                        if ref_policy is not None else None)
             # log pi_theta0: the learner's own recomputation (--tis on, --recompute-old-logprobs), or the sampler's logprobs
             old_logp = (distributed.all_sum(batch_logprobs(policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
                         if args.recompute_old_logprobs else sampler_logp)
@@ -386,8 +394,8 @@ def main():
                 tis, tis_stats = truncated_mismatch_weights(old_logp, sampler_logp, mask, args.tis_level, args.tis_cap)
                 mismatch = {"charts/tis_max_ratio": tis_stats["max_ratio"], "charts/tis_truncated_fraction": tis_stats["truncated_fraction"]}
             # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
-            kl_value = kl_penalty(old_logp, ref_logp, mask, "k3").mean().item()
-            if args.kl_estimator == "k1":  # KL-shaped reward: r - beta_kl * sum_t log(pi / pi_ref), before the baseline
+            kl_value = kl_penalty(old_logp, ref_logp, mask, "k3").mean().item() if ref_logp is not None else float("nan")
+            if args.kl_estimator == "k1" and ref_logp is not None:  # KL-shaped reward: r - beta_kl * sum_t log(pi / pi_ref), before the baseline
                 rewards_for_baseline = rewards.to(device) - args.beta_kl * kl_penalty(old_logp, ref_logp, mask, "k1")
             else:
                 rewards_for_baseline = rewards.to(device)

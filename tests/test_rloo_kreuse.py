@@ -159,6 +159,28 @@ def test_overlap_mode_runs_one_round_off_policy():
     assert any(not torch.equal(snapshots[0]["model"][k], v) for k, v in trained.items())
 
 
+class _Loaded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("flags, models", [([], 2), (["--beta-kl", "0"], 1)])
+def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tiny_path, flags, models):
+    import distributed
+
+    loads = []
+    real_load = common.load_policy
+    monkeypatch.setattr(common, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+
+    def stop(*a, **k):
+        raise _Loaded
+
+    monkeypatch.setattr(distributed, "push_copy", stop)  # right after the models load, before any sampler
+    monkeypatch.setattr(sys, "argv", ["rloo_kreuse.py", "--model", "tiny", *flags])
+    with pytest.raises(_Loaded):
+        rloo.main()
+    assert len(loads) == models
+
+
 @pytest.mark.parametrize("flags, flag", [(["--k", "0"], "--k"), (["--group-size", "1"], "--group-size"),
                                          (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
                                          (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
@@ -284,7 +306,7 @@ def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
     flag at its default (sizes shrunk). The precision split turns the mismatch correction on by itself:
     pi_theta0 is the learner's, so K=1's weight is 1 in every round, and the sampler's bf16 logprobs enter
     only the truncated weight (ratio near 1, not exactly 1)."""
-    out = _run("--model", realistic_path, "--exp-name", "pytest_rloo_real", "--k", "1", "--num-prompts", "4", "--group-size", "2",
+    out = _run("--model", realistic_path, "--task", "countdown", "--exp-name", "pytest_rloo_real", "--k", "1", "--num-prompts", "4", "--group-size", "2",
                "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2", "--sampler-dtype", "bfloat16")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
