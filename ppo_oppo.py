@@ -21,8 +21,9 @@ OPPO adds two overlaps, each with a switch for the paper's ablation (both off = 
 Numerics: the sampler returns the logprobs of the distribution it sampled (after temperature and
 top-p); the learner's actor and reference logprobs, chunked or not, apply the same processing
 (common.sampling_logits), so the ratios and the KL compare like with like (charts/logprob_diff).
-The trained models are fp32 whatever the checkpoint's dtype (--dtype). --tis-cap corrects what
-mismatch is left with truncated importance weights. A NaN/inf loss or gradient skips its optimizer
+The trained models are fp32 whatever the checkpoint's dtype (--dtype). When the sampler's precision
+differs from the learner's (a bf16 sampler on a GPU), PPO's old logprobs and the KL-in-reward's policy
+term are the learner's own recomputation and truncated importance weights correct the mismatch (--tis). A NaN/inf loss or gradient skips its optimizer
 step (charts/nonfinite_skipped). The RM score is read where transformers reads it (rm_position).
 
 Terms: an *iteration* is one PPO iteration (the paper's "training step": generate, score, update);
@@ -44,7 +45,7 @@ sharding avoids); without it the scoring is split over the ranks instead of hidd
     python ppo_oppo.py --model tiny
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
     torchrun --nproc-per-node 2 ppo_oppo.py --model tiny --no-intra   # data-parallel learner (FSDP2)
-    python ppo_oppo.py --model Qwen/Qwen2.5-3B-Instruct --chat-template --top-p 0.95 --tis-cap 2.0
+    python ppo_oppo.py --model Qwen/Qwen2.5-3B-Instruct --chat-template --top-p 0.95
 """
 
 from __future__ import annotations
@@ -78,11 +79,14 @@ class Args:
     """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub or gsm8k"""
     reward_model: str | None = None
     """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
+    critic_model: str | None = None
+    """the critic's initial weights (a sequence-classification head on top) [default: --reward-model when one is given, as TRL's
+    PPOTrainer (which OPPO builds on) and OpenRLHF start the value model; otherwise --model]"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
-    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    stays in --dtype either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -136,13 +140,15 @@ class Args:
     top_p: float = 1.0
     """nucleus sampling; the learner's logprobs use the same truncated distribution (the logprob contract)
     [1.0: TRL's PPOTrainer, which the paper builds on, samples without a nucleus; the paper states none]"""
-    tis_cap: float | None = None
-    """truncated importance sampling (verl, open-instruct): PPO's old logprobs become the learner's own, recomputed
-    at the start of the iteration, and each token's policy loss is weighted by min(pi_old_learner / pi_sampler, C).
-    Corrects a sampler whose numerics differ from the learner's (bf16, other kernels) and the staleness of
-    carried-over sequences. Off (None) by default: the sampler here runs in fp32, its logprobs are the
-    learner's (charts/logprob_diff ~1e-6) and, as PPO's old logprobs, already make the ratio of a carried-over
-    token off-policy correct (and clipped); on costs one more forward per iteration. 2.0 is a common C"""
+    tis: Literal["auto", "on", "off"] = "auto"
+    """training-inference mismatch correction (truncated importance sampling, verl, open-instruct): auto = on whenever
+    the sampler's numbers differ from the learner's (a sampler not in fp32, the GPU default; a bf16 learner). On: PPO's
+    old logprobs and the KL-in-reward's policy term are the learner's own, recomputed at the start of the iteration,
+    and each token's policy loss is weighted by min(pi_old_learner / pi_sampler, --tis-cap), which also corrects the
+    staleness of carried-over sequences (one more forward per iteration). Off: the sampler's logprobs are PPO's old
+    logprobs (exact when both sides run fp32: charts/logprob_diff ~1e-6)"""
+    tis_cap: float = 2.0
+    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
     request_seeds: bool = False
     """seed every request (from --seed, its data position and its request id), so that its tokens do not depend
     on the other requests in the engine. Off: vLLM's own generator, seeded by --seed, is used; still reproducible
@@ -164,7 +170,7 @@ class Args:
     chunk_tune_every: int | None = None
     """iterations between chunk-size trials (0: keep --chunk-size) [tiny 20; otherwise 50, the paper's]"""
     delta: int = 8
-    """Delta: over-committed prompts at the start"""
+    """Delta: over-committed prompts at the start (0: none, and the controller leaves it at 0)"""
     delta_min: int = 0
     """lower bound of Delta"""
     delta_max: int = 16
@@ -237,7 +243,8 @@ def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mas
     vf = 0.5 * torch.max((values_pred - returns) ** 2, (clipped_values - returns) ** 2)
     n = mask.sum()
     stats = dict(clipfrac=(((ratio - 1).abs() > clip_coef).float() * mask).sum() / n,
-                 approx_kl=(0.5 * (logp - old_logp) ** 2 * mask).sum() / n)
+                 approx_kl=(0.5 * (logp - old_logp) ** 2 * mask).sum() / n,
+                 ratio_deviation=((ratio.detach() - 1).abs() * mask).sum() / n)
     return (pg * mask).sum() / n, (vf * mask).sum() / n, stats
 
 
@@ -462,7 +469,7 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
     minibatch's. data: [B, T] response-aligned tensors old_logp, advantages, values, returns, and
     weights (TIS), sampler_logp and fresh (1 on tokens the current weights sampled) when used.
     Returns token-weighted sums over the micro-batches (divide by `tokens` for means) of pg, vf,
-    clipfrac, approx_kl and entropy, whether every loss was finite, and with `diff` the sum of
+    clipfrac, approx_kl, ratio_deviation (|ratio - 1|) and entropy, whether every loss was finite, and with `diff` the sum of
     |learner - sampler| logprobs over the fresh tokens and their count.
     Under torchrun: this rank's micro-batches of the minibatch (distributed.my_micro_batches; the
     shares stay those of the whole minibatch, so the summed gradient is the single-process one) and
@@ -470,7 +477,8 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
     device = next(policy.parameters()).device
     lengths = [len(r.response) for r in batch]
     minibatch_tokens = sum(lengths[i] for i in minibatch)
-    out = dict(pg=0.0, vf=0.0, clipfrac=0.0, approx_kl=0.0, entropy=0.0, tokens=0.0, loss_is_finite=True, diff_sum=0.0, diff_count=0.0)
+    out = dict(pg=0.0, vf=0.0, clipfrac=0.0, approx_kl=0.0, ratio_deviation=0.0, entropy=0.0, tokens=0.0, loss_is_finite=True,
+               diff_sum=0.0, diff_count=0.0)
     # micro-batches of similar length: long-tailed responses would pad everything to the longest
     plan = common.micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, max_rows=args.micro_batch_size)
     for micro, weight in distributed.my_micro_batches(plan, d):  # weight 0: a stand-in that must change nothing
@@ -496,7 +504,7 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
         loss.backward()
         n = tokens.item() * weight
         for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
-                     ("entropy", entropy.sum() / tokens)):
+                     ("ratio_deviation", extra["ratio_deviation"]), ("entropy", entropy.sum() / tokens)):
             out[k] += v.item() * n
         out["tokens"] += n
         if diff and weight:
@@ -506,12 +514,15 @@ def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str
     return out
 
 
-def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None):
-    """Actor, critic (the policy's architecture with a fresh 1-output score head) and frozen
-    reference, all in `dtype` whatever the checkpoint's (from_pretrained would keep a bf16
-    checkpoint in bf16); the reward model, frozen, in its checkpoint's dtype."""
+def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None, critic_model: str | None = None):
+    """Actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a
+    fresh 1-output score head) and frozen reference, all in `dtype` whatever the checkpoint's
+    (from_pretrained would keep a bf16 checkpoint in bf16); the reward model, frozen, in its
+    checkpoint's dtype."""
     policy = common.load_policy(model_path, device, dtype=dtype)
-    critic = common.load_hf(AutoModelForSequenceClassification, model_path, quiet=True, num_labels=1, dtype=dtype).to(device)
+    critic_path = critic_model or reward_model or model_path  # a reward model already reads whole responses into one score
+    critic = common.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path, num_labels=1,
+                            flag="--critic-model" if critic_model else "--reward-model" if reward_model else "--model", dtype=dtype).to(device)
     ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
     rm = None
     if reward_model:
@@ -548,7 +559,9 @@ def main():
     common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")
     common.check_args(args.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)")
     common.check_args(0 < args.top_p <= 1, "--top-p", "must be in (0, 1]")
-    common.check_args(args.tis_cap is None or args.tis_cap > 0, "--tis-cap", "must be > 0 (or left out: off)")
+    common.check_args(args.tis_cap > 0, "--tis-cap", f"must be > 0, got {args.tis_cap}")
+    # old logprobs at the learner's precision whenever the sampler's differs; the sampler's enter only the correction
+    tis_on = common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
     common.check_args(args.micro_batch_size >= 1 and args.micro_batch_tokens >= 1, "--micro-batch-size/--micro-batch-tokens", "must be >= 1")
     common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     if args.chunk_tune_every:
@@ -572,8 +585,12 @@ def main():
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
+    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):  # before any model loads
+        common.check_args(path is None or common.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
+                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
     common.check_chat_template(tokenizer, args.chat_template)
-    policy, critic, ref_policy, reward_model = load_models(model_path, device, getattr(torch, args.dtype), args.reward_model)
+    policy, critic, ref_policy, reward_model = load_models(model_path, device, getattr(torch, args.dtype), args.reward_model,
+                                                           args.critic_model)
     if args.gradient_checkpointing:  # active in train mode only: the update's; the critic's prefill keeps its KV cache in eval
         policy.gradient_checkpointing_enable()
         critic.gradient_checkpointing_enable()
@@ -584,8 +601,6 @@ def main():
         reward_model = distributed.shard(reward_model, dist)
     downstream = dict(critic=critic, ref=ref_policy)
     if reward_model is not None:
-        common.check_args(common.load_tokenizer(args.reward_model, "--reward-model").get_vocab() == tokenizer.get_vocab(), "--reward-model",
-                          "must share the policy's tokenizer: it prefills the actor's token ids as they stream")
         downstream["rm"] = reward_model
     processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution, everywhere
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
@@ -753,8 +768,8 @@ def main():
             ref_logp, values = distributed.all_sum((ref_logp, values), dist)  # every rank's rows: GAE and whitening see the batch
             lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
             tis = {}
-            if args.tis_cap is None:
-                old_logp, weights = sampler_logp, None  # fp32 sampler: its logprobs are the learner's (logprob_diff)
+            if not tis_on:
+                old_logp, weights = sampler_logp, None  # same precision on both sides: the sampler's logprobs are the learner's
             else:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
                 policy.eval()
                 old_logp = torch.zeros((B, T))
@@ -782,7 +797,7 @@ def main():
                 for m, minibatch in enumerate(np.array_split(order, args.num_minibatches)):
                     optimizer.zero_grad()
                     # no step yet: the learner's logprobs at the sampler's weights (without TIS: with it, measured above)
-                    first = args.tis_cap is None and epoch == 0 and m == 0
+                    first = not tis_on and epoch == 0 and m == 0
                     out = ppo_backward(policy, critic, batch, minibatch.tolist(), data, args, tokenizer.pad_token_id, diff=first, d=dist)
                     # every rank's verdict: one rank's NaN skips the step on all of them (a rank stepping alone would diverge)
                     loss_is_finite = distributed.all_max(0.0 if out.pop("loss_is_finite") else 1.0, dist) == 0.0
@@ -791,6 +806,8 @@ def main():
                         stats[k].append(out[k] / total_tokens)
                     if first:
                         diff_sum, diff_count = out["diff_sum"], out["diff_count"]
+                    if epoch == 0 and m == 0:  # no step yet: how far pi_old is from the learner (0 when pi_old is the learner's)
+                        first_ratio_deviation = out["ratio_deviation"] / max(out["tokens"], 1e-9)
                     stepped, grad_norm = guarded_step(optimizer, parameters, args.max_grad_norm, loss_is_finite)
                     if stepped:
                         version += 1
@@ -810,7 +827,7 @@ def main():
 
             # ---- controllers: Delta (Algorithm 1 lines 22-27) and the chunk size ----
             reward_history.append(scores.mean().item())
-            if args.inter:
+            if args.inter and args.delta > 0:  # --delta 0 pins it: no over-commitment at all
                 delta, reward_history = next_delta(delta, reward_history, args.delta_window, args.delta_min, args.delta_max, args.delta_rule)
             if args.intra and args.chunk_tune_every and (iteration - 1) % args.chunk_tune_every < len(args.chunk_candidates):
                 trial_seconds[chunk] = generate_seconds + exposed_score
@@ -835,6 +852,9 @@ def main():
                 # mean |sampler - learner| logprob over the tokens the current weights sampled: the numerical mismatch
                 "charts/logprob_diff": diff_sum / diff_count if diff_count else float("nan"),
                 "charts/nonfinite_skipped": totals["nonfinite_skipped"],
+                # mean |pi / pi_old - 1| over the first minibatch's tokens, before any step: the precision split's imprint on
+                # PPO's ratio when pi_old is the sampler's; 0 when it is the learner's (--tis) and nothing is carried over
+                "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"],
                 "charts/skipped_long_prompts": totals["skipped_prompts"],
@@ -845,7 +865,7 @@ def main():
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
             }
-            if args.tis_cap is not None:
+            if tis_on:
                 metrics.update({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]})
             logger.log(version, metrics, echo=False)
             if iteration == 1:  # what the model really sees (chat template, special tokens) and writes

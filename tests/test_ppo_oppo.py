@@ -35,6 +35,16 @@ def tiny_reward_model(tiny_path, tmp_path_factory):
     return str(path)
 
 
+def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, tiny_reward_model):
+    rm_score = common.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
+    _, critic, _, rm = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
+    assert torch.equal(critic.score.weight, rm_score) and critic.score.weight.data_ptr() != rm.score.weight.data_ptr()
+    _, critic, _, _ = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model, critic_model=tiny_path)
+    assert not torch.equal(critic.score.weight, rm_score)  # --critic-model: the policy's checkpoint, a fresh head
+    _, critic, _, rm = po.load_models(tiny_path, "cpu", torch.float32)
+    assert rm is None and not torch.equal(critic.score.weight, rm_score)
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_chunked_prefill_equals_full_forward(tiny_path, tokenizer, tiny_reward_model, chunk):
     """Responses arrive in chunks of `chunk` tokens (plus a per-sequence offset, so chunk borders
@@ -341,14 +351,14 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
     same flags and seed: the same steps, losses and trained actor and critic (checkpoints in the same
     format); rank 0 alone writes the run. Synchronous PPO (--no-intra --no-inter): --intra is refused
     under torchrun, and with the inter-step overlap how far the carried sequences get before the
-    pause depends on timing, so two runs would legitimately differ. The reward model and --tis-cap
+    pause depends on timing, so two runs would legitimately differ. The reward model and --tis on
     send the scoring and pi_old's forward through the ranks' shares too; --micro-batch-size 3 makes
     3 micro-batches of the 8 sequences, so rank 1 also runs a stand-in. (No torchrun resume here: a
     third run, ~25 s of start-up; test_distributed.py covers the checkpoints both ways.)"""
     from safetensors.torch import load_file
 
     flags = ["--model", "tiny", "--no-intra", "--no-inter", "--batch-size", "8", "--max-new-tokens", "16", "--micro-batch-size", "3",
-             "--reward-model", tiny_reward_model, "--tis-cap", "2.0", "--eval-problems", "4", "--eval-samples", "1", "--seed", "3"]
+             "--reward-model", tiny_reward_model, "--tis", "on", "--eval-problems", "4", "--eval-samples", "1", "--seed", "3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     runs = {}
     for name, launcher in (("two", torchrun), ("one", [sys.executable])):
@@ -385,12 +395,14 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
     rewards, and losses equal to float tolerance (chunked prefill vs one forward)."""
     common_flags = ("--num-iterations", "3", "--max-new-tokens", "24", "--micro-batch-size", "2", "--num-minibatches", "2",
                     "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *seeds)
-    _run(tmp_path, "--exp-name", "oppo0", "--delta", "0", "--delta-max", "0", "--chunk-size", "4", *common_flags)
+    # --delta 0 pins Delta (the controller, here asked to move it every iteration, leaves it at 0)
+    _run(tmp_path, "--exp-name", "oppo0", "--delta", "0", "--delta-window", "1", "--chunk-size", "4", *common_flags)
     out = _run(tmp_path, "--exp-name", "plain", "--no-intra", "--no-inter", *common_flags)
     oppo_run, oppo = _metrics(tmp_path, "oppo0")
     plain_run, plain = _metrics(tmp_path, "plain")
     assert len(oppo) == len(plain) == 3
     assert all(r["time/score_hidden_seconds"] > 0 for r in oppo)  # it really streamed
+    assert all(r["charts/delta"] == 0 for r in oppo)
     # plain PPO: no carry-over, nothing scored during generation, and its name in the summary
     assert all(r["charts/carried_in_batch"] == 0 and r["charts/lag_max"] == 0 and r["time/score_hidden_seconds"] == 0 for r in plain)
     assert "| plain PPO |" in out.stdout
@@ -410,9 +422,11 @@ def test_chat_template_flag_needs_a_template(tmp_path):
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --chat-template")
 
 
-def _run_realistic(tmp_path, realistic_path, exp_name, *flags):
+def _run_realistic(tmp_path, realistic_path, exp_name, *flags, bf16_sampler: bool = False):
     """The realistic model with the script's non-tiny (paper) defaults, temperature 0.7 included,
-    top-p 0.95; only sizes and counts shrunk."""
+    top-p 0.95; only sizes and counts shrunk. `bf16_sampler`: --sampler-dtype bfloat16 (a GPU's
+    default precision split)."""
+    flags = (*flags, "--sampler-dtype", "bfloat16") if bf16_sampler else flags
     cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", realistic_path, "--exp-name", exp_name, "--top-p", "0.95",
            "--num-iterations", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1", *flags]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -422,18 +436,29 @@ def _run_realistic(tmp_path, realistic_path, exp_name, *flags):
     args = json.loads((run / "args.json").read_text())
     assert args["temperature"] == 0.7 and args["top_p"] == 0.95 and args["delta"] == 8 and args["num_ppo_epochs"] == 4
     diffs = [r["charts/logprob_diff"] for r in rows if not math.isnan(r["charts/logprob_diff"])]
-    assert diffs and max(diffs) <= 1e-4, diffs  # the logprob contract holds under top-p on a bf16 checkpoint
+    if bf16_sampler:
+        assert diffs and min(diffs) > 1e-4, diffs  # the split is real: a bf16 sampler against the fp32 learner
+    else:
+        assert diffs and max(diffs) <= 1e-4, diffs  # the logprob contract holds under top-p on a bf16 checkpoint
     assert all(r["charts/nonfinite_skipped"] == 0 for r in rows)
     return out, rows
 
 
 def test_realistic_model_end_to_end(tmp_path, realistic_path):
-    _run_realistic(tmp_path, realistic_path, "realistic")
+    _, rows = _run_realistic(tmp_path, realistic_path, "realistic")
+    # fp32 on both sides: no mismatch correction by default, and the sampler's logprobs serve as pi_old
+    assert not any("charts/tis_max_ratio" in r for r in rows)
+    assert rows[0]["charts/first_ratio_deviation"] < 1e-4
 
 
-def test_realistic_model_chat_template_and_tis(tmp_path, realistic_path):
-    out, rows = _run_realistic(tmp_path, realistic_path, "realistic_tis", "--chat-template", "--tis-cap", "2.0")
+def test_realistic_model_chat_template_and_bf16_sampler_by_default(tmp_path, realistic_path):
+    """The GPU's precision split, every other flag at its default: pi_old (the ratio's denominator and the
+    KL-in-reward's policy term) is the learner's own recomputation, the sampler's bf16 logprobs enter only
+    the truncated weights."""
+    out, rows = _run_realistic(tmp_path, realistic_path, "realistic_tis", "--chat-template", bf16_sampler=True)
     assert "<|im_start|>user" in out.stdout and "<|im_start|>assistant" in out.stdout  # the printed sample prompt
-    assert all(0.0 <= r["charts/tis_truncated_fraction"] <= 1.0 for r in rows)
-    # nothing stale in the first batch: the learner recomputes pi_old at the sampler's weights, every ratio ~1
-    assert rows[0]["charts/tis_max_ratio"] == pytest.approx(1.0, abs=1e-3) and rows[0]["charts/tis_truncated_fraction"] == 0.0
+    for r in rows:  # before the first step of every iteration, the ratio is 1: pi_old is the learner's
+        assert r["charts/first_ratio_deviation"] < 1e-3
+        assert r["charts/tis_max_ratio"] < 2.0 and 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0
+    assert rows[0]["charts/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at iteration 0
+    assert rows[0]["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6)  # the bf16 sampler's own numbers are corrected
