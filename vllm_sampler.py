@@ -467,6 +467,7 @@ class Sampler(WeightPusher):
         return self
 
     _ready = False
+    _heard = False  # any message yet (the heartbeat starts once the child has imported what it needs)
 
     def close(self) -> None:
         """Stop the sampler process; safe to call twice and from error paths."""
@@ -520,7 +521,9 @@ class Sampler(WeightPusher):
             if not self.process.is_alive():
                 raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above")
             silent = time.monotonic() - self._last_heard
-            if silent > self.config.silence_timeout:
+            # before its first word the child is still importing (spawn re-imports the script, then torch and vLLM): on a
+            # busy machine that alone can take longer than the silence timeout, so only the startup timeout applies then
+            if self._heard and silent > self.config.silence_timeout:
                 raise SamplerError(f"the sampler process (pid {self.process.pid}) is alive but has not answered for {silent:.0f}s "
                                    "(stopped, frozen or swapped out?)")
             return
@@ -528,6 +531,7 @@ class Sampler(WeightPusher):
             kind, call_id, payload = self.conn.recv()
         except (EOFError, ConnectionResetError, OSError) as e:
             raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above") from e
+        self._heard = True
         self._last_heard = time.monotonic()
         if kind == "alive":
             return
