@@ -521,9 +521,9 @@ class Sampler(WeightPusher):
             if not self.process.is_alive():
                 raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above")
             silent = time.monotonic() - self._last_heard
-            # before its first word the child is still importing (spawn re-imports the script, then torch and vLLM): on a
-            # busy machine that alone can take longer than the silence timeout, so only the startup timeout applies then
-            if self._heard and silent > self.config.silence_timeout:
+            # before its first word the child is still importing (spawn re-imports the script, then torch and vLLM), which
+            # on a busy machine alone took longer than 15 s: it gets 4x the silence timeout for that
+            if silent > self.config.silence_timeout * (1 if self._heard else 4):
                 raise SamplerError(f"the sampler process (pid {self.process.pid}) is alive but has not answered for {silent:.0f}s "
                                    "(stopped, frozen or swapped out?)")
             return
