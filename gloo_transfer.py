@@ -163,8 +163,42 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def start_weight_update(self):
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._loaded: set[str] = set()  # the model's parameters this update loaded (in place; see params_not_loaded)
         if self.kept_linears() is None:
             initialize_layerwise_reload(self.model)
+
+    def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load (checkpoint name, tensor) pairs into the model and remember which of its parameters they
+        filled (vLLM's load_weights returns their names: vllm/model_executor/models/utils.py
+        AutoWeightsLoader.load_weights). A tensor vLLM rejects (a wrong shape, a name it does not know) is
+        an error naming that tensor: vLLM's own assertion names neither (weight_utils.py:1485-1488). In
+        place, a failed chunk is loaded again tensor by tensor to find it (a copy again is harmless); vLLM's
+        layerwise reload cannot take a tensor twice (a failed call leaves its layer half set up), so there
+        each tensor is its own call (the fallback path: ~50 calls for the tiny model)."""
+        in_place = self.kept_linears() is not None
+        for batch in [weights] if in_place else [[pair] for pair in weights]:
+            try:
+                loaded = self.model.load_weights(batch)
+            except Exception as e:
+                for name, tensor in batch if in_place else []:
+                    try:
+                        self.model.load_weights([(name, tensor)])
+                    except Exception as single:
+                        e = single
+                        batch = [(name, tensor)]
+                        break
+                if len(batch) == 1:
+                    name, tensor = batch[0]
+                    raise TransferError(f"the sampler could not load {name!r} (shape {list(tensor.shape)}, "
+                                        f"{str(tensor.dtype).split('.')[-1]}): {e}") from e
+                raise TransferError(f"the sampler could not load a chunk of {len(batch)} tensors: {e}") from e
+            self._loaded.update(loaded or ())
+
+    def params_not_loaded(self) -> list[str]:
+        """After an in-place update (kept_linears), before finish: the model's parameters that no pushed
+        tensor filled; each keeps its old weights. named_parameters() lists a tied lm_head once, under
+        the embedding's name, so it is never reported."""
+        return sorted({name for name, _ in self.model.named_parameters()} - self._loaded)
 
     def update_weights(self, update_info):
         self.receive_weights(self.parse_update_info(update_info))  # no accelerator sync on CPU
@@ -179,7 +213,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 numel = math.prod(update_info.shapes[i])
                 views.append((update_info.names[i], flat[offset: offset + numel].view(update_info.shapes[i])))
                 offset += numel
-            self.model.load_weights(views)
+            self.load(views)
 
     def finish_weight_update(self):
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -294,6 +328,61 @@ def weight_load_path(worker) -> str:
     if not hasattr(engine, "kept_linears"):
         return "not the gloo engine"
     return "in place" if engine.kept_linears() is not None else "layerwise"
+
+
+def layerwise_layers_not_loaded(model: torch.nn.Module) -> list[str]:
+    """During vLLM's layerwise reload, before finalize_layerwise_reload: the layers that received no
+    weights. vLLM's finalize puts such a layer's old weights back and only logs "<class>: Failed to load
+    weights" (vllm/model_executor/model_loader/reload/layerwise.py:255-267, the `load_numel <= 0` branch),
+    and then resets the counts this reads (:277 info.reset()). A layer fully loaded was processed and
+    reset already (:400, so `can_load()` is False). Two such layers are expected and not reported, the ones
+    vLLM logs harmlessly at every push:
+    - a tensor that is a non-persistent buffer is never in a checkpoint (the rotary embedding's
+      cos_sin_cache, vllm/model_executor/layers/rotary_embedding/base.py:63, persistent=False);
+    - a tensor shared with another layer that did load (a tied lm_head holds embed_tokens' weight,
+      vllm/model_executor/layers/vocab_parallel_embedding.py:88-92 tie_weights, models/qwen2.py:486-487).
+    A layer loaded in part (fewer elements than it holds) is left to vLLM: padding (a padded vocabulary)
+    does that normally (layerwise.py:269-275, "Delayed processing")."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    holders: dict[int, list[tuple[torch.nn.Module, bool]]] = {}  # id(tensor) -> (module, whether it loaded)
+    for _, module in model.named_modules():
+        info = LAYERWISE_INFO.get(module)
+        pending = info is not None and info.can_load()
+        tensors = list(module._parameters.values()) + list(module._buffers.values())
+        if pending and info.kernel_tensors is not None:  # its original tensors, while it sits on the meta device
+            tensors += list(info.kernel_tensors[0].values()) + list(info.kernel_tensors[1].values())
+        loaded = not pending or info.load_numel > 0
+        for tensor in tensors:
+            if tensor is not None:
+                holders.setdefault(id(tensor), []).append((module, loaded))
+    failed = []
+    for name, layer in model.named_modules():
+        info = LAYERWISE_INFO.get(layer)
+        if info is None or not info.can_load() or is_deferred_attention_layer(layer) or info.load_numel > 0 \
+                or not info.load_numel_total:
+            continue
+        kernel_params, kernel_buffers = info.kernel_tensors or ({}, {})
+        kernel = {**kernel_params, **kernel_buffers}
+        stale = [tensor_name for tensor_name in kernel if tensor_name not in SKIP_LOAD_TENSORS
+                 and tensor_name not in info.kernel_non_persistent_buffers
+                 and not any(module is not layer and loaded for module, loaded in holders.get(id(kernel[tensor_name]), []))]
+        if stale:
+            failed.append(f"{name} ({type(layer).__name__}: {', '.join(stale)})")
+    return failed
+
+
+def weights_not_loaded(worker) -> list[str]:
+    """(Run in the sampler's worker, between update_weights and finish_weight_update.) What this update
+    left with its old weights: parameters (an in-place update of ours) or layers (vLLM's layerwise reload,
+    which its nccl and ipc engines and ours without kept weights use). Empty when every weight arrived."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if hasattr(engine, "kept_linears") and engine.kept_linears() is not None:
+        return engine.params_not_loaded()
+    model = engine.model if engine is not None else worker.model_runner.get_model()
+    return layerwise_layers_not_loaded(model)
 
 
 def register() -> None:

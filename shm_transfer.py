@@ -124,7 +124,7 @@ class ShmWeightTransferEngine(GlooWeightTransferEngine):
             raise TransferError("init_weight_transfer_engine was not called")
         dtypes = [getattr(torch, d) for d in update_info.dtype_names]
         tensors = views(self.buffer, dtypes, update_info.shapes, update_info.offsets)
-        self.model.load_weights(list(zip(update_info.names, tensors)))
+        self.load(list(zip(update_info.names, tensors)))  # the gloo engine's: records what loaded, names a bad tensor
 
     def shutdown(self):
         self.buffer = None  # unmapped once the last view is gone

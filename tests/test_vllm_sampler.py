@@ -41,19 +41,45 @@ def _learner_logprobs(model, samples, pad_id):
 
 
 def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
+    # the sampler path the GPU pins too (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
+    assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner", "top_k_top_p": "pytorch"}
     model = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(model)
     assert sampler.weight_load_path() == "in place"  # the CPU sampler kept its linear weights: no layerwise reload
     _check_push_matches_learner(model, tokenizer, sampler)
+    # a push that leaves a parameter out fails in the learner, naming it (it used to keep its old weights silently)
+    _check_push_without_a_layer_fails(tiny_path, sampler, "model.layers.0.mlp.down_proj.weight")
+    sampler.init_weight_sync(model)  # the next whole push brings it back (the session's sampler serves other tests)
+    sampler.push_weights(sampler.version + 1)
+    _check_push_matches_learner(model, tokenizer, sampler)
 
 
 def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
-    """The fallback for samplers whose linear weights were not kept: vLLM's layerwise reload."""
+    """The fallback for samplers whose linear weights were not kept: vLLM's layerwise reload (also how
+    vLLM's own nccl and ipc engines load on a GPU). A layer that receives nothing, or a tensor of the wrong
+    shape, fails the push in the learner with the layer's name."""
     model = common.load_policy(tiny_path, "cpu")
     with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0, in_place_updates=False) as own:
         own.init_weight_sync(model)
         assert own.weight_load_path() == "layerwise"
         _check_push_matches_learner(model, tokenizer, own)
+        _check_push_without_a_layer_fails(tiny_path, own, r"model.layers.0.mlp.down_proj \(RowParallelLinear: weight\)")
+        bad = common.load_policy(tiny_path, "cpu")
+        weight = bad.model.layers[1].self_attn.o_proj.weight
+        bad.model.layers[1].self_attn.o_proj.weight = torch.nn.Parameter(weight[:, :-1].clone())
+        own.init_weight_sync(bad)
+        with pytest.raises(vllm_sampler.SamplerError, match=r"could not load 'model.layers.1.self_attn.o_proj.weight' \(shape"):
+            own.push_weights(own.version + 1)
+
+
+def _check_push_without_a_layer_fails(tiny_path, sampler, named):
+    partial = common.load_policy(tiny_path, "cpu")
+    partial.model.layers[0].mlp.down_proj = torch.nn.Identity()  # its weight is not pushed
+    sampler.init_weight_sync(partial)
+    version = sampler.version
+    with pytest.raises(vllm_sampler.SamplerError, match=f"weight push {version + 1} failed: nothing was loaded into {named}"):
+        sampler.push_weights(version + 1)
+    assert sampler.version == version
 
 
 def test_seeded_requests_longer_than_a_step_are_never_split(tiny_path, tokenizer):
