@@ -111,12 +111,14 @@ class Args:
     """token budget of one forward/backward of the update (actor and critic) and of TIS's forward: sequences sorted by
     length are packed into micro-batches of at most this many padded tokens (rows x longest row; a longer sequence goes
     alone) and at most --micro-batch-size rows; the gradients accumulate to exactly the minibatch's"""
-    autocast_bf16: bool = False
-    """run the learner's forwards (actor, critic, reference, reward model) under bf16 autocast; the trained weights,
-    gradients and Adam stay in --dtype. The logprobs are then bf16-accurate (see charts/logprob_diff)"""
-    gradient_checkpointing: bool = False
-    """actor and critic recompute each decoder layer in the backward pass instead of keeping its activations
-    (less memory, ~1/3 more compute)"""
+    autocast_bf16: bool | None = None
+    """run the learner's forwards (actor, critic, reference, reward model) under bf16 autocast; weights, gradients and Adam stay in --dtype. The logprobs are then
+    bf16-accurate (see charts/logprob_diff, --tis) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    gradient_checkpointing: bool | None = None
+    """actor and critic recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
+    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    sampler_gpu_memory: float | None = None
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
     learning_rate: float | None = None
     """Adam learning rate for actor and critic [tiny 1e-4; otherwise 3e-6, TRL's]"""
     max_grad_norm: float = 1.0
@@ -545,6 +547,8 @@ def main():
     for name, value in (TINY if tiny else PAPER).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    common.memory_defaults(args)
+    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
     args.chunk_size = args.chunk_size or max(1, args.max_new_tokens // 4)
     args.chunk_candidates = args.chunk_candidates or tuple(max(1, args.max_new_tokens // d) for d in (8, 4, 2))
     B = args.batch_size
@@ -627,6 +631,7 @@ def main():
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+                                         gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
                                          urls=args.sampler_url, weights=push_model, version=version) if dist.is_main else None
     pushed_version = version  # what the sampler holds

@@ -117,11 +117,17 @@ class Args:
     micro_batch_tokens: int = 8192
     """token budget of one forward/backward: sequences sorted by length are packed into micro-batches of at most this
     many padded tokens (rows x longest row; a longer sequence goes alone); the gradients accumulate to exactly the batch's"""
-    autocast_bf16: bool = False
-    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay fp32.
-    The logprobs are then bf16-accurate (see charts/logprob_diff)"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
+    autocast_bf16: bool | None = None
+    """run the learner's forwards under bf16 autocast; weights, gradients and Adam stay in --dtype. The logprobs are then
+    bf16-accurate (see charts/logprob_diff, --tis) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    gradient_checkpointing: bool | None = None
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
+    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
+    on most weights"""
+    sampler_gpu_memory: float | None = None
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
 
 
 PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50,
@@ -267,6 +273,7 @@ def main():
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    common.memory_defaults(args)
     common.check_args(args.k >= 1, "--k", f"must be >= 1, got {args.k}")
     common.check_args(args.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {args.group_size}")
     common.check_args(args.num_prompts >= 1 and args.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1")
@@ -283,11 +290,13 @@ def main():
     common.check_sampler_urls(args.sampler_url)
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
+    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
     common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
     common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
     # pi_theta0 at the learner's precision whenever the sampler's differs; the sampler's logprobs then enter only the correction
-    tis_on = not args.overlap and common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16)
-    if args.overlap and args.tis == "auto" and common.mismatch_correction("auto", args.sampler_dtype, args.placement, args.autocast_bf16):
+    learner_bf16 = args.autocast_bf16 or args.dtype == "bfloat16"
+    tis_on = not args.overlap and common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
+    if args.overlap and args.tis == "auto" and common.mismatch_correction("auto", args.sampler_dtype, args.placement, learner_bf16):
         print("note: --overlap with a sampler whose precision differs from the learner's: log pi_theta0 is the sampler's "
               "(the learner no longer holds the sampling weights), so K-reuse's weights include the mismatch")
     args.recompute_old_logprobs = args.recompute_old_logprobs or tis_on
@@ -305,12 +314,12 @@ def main():
     common.check_chat_template(tokenizer, args.chat_template)
     task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    policy = common.load_policy(model_path, device)
+    policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype))
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
     # the reference model only when a term uses it
-    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.beta_kl else None
+    ref_policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False) if args.beta_kl else None
     # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
     push_model = distributed.push_copy(policy, dist)
     policy = distributed.shard(policy, dist)
@@ -328,6 +337,7 @@ def main():
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+                                         gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
                                          weights=push_model, version=step) if dist.is_main else None
     try:
