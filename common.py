@@ -329,12 +329,14 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
 
 def peak_memory_mib(sampler=None) -> dict[str, float]:
     """Peak memory of this run: the learner's resident memory, its GPU memory (torch's peak
-    allocation) when it has a GPU, and the sampler process's resident memory."""
+    allocation) when it has a GPU, and the sampler process's: resident, and its GPU memory beside the
+    learner's when it has one (vllm_sampler.sampler_peak_memory_mib; a remote sampler: resident only, NaN)."""
     memory = {"learner": peak_rss_mib()}
     if torch.cuda.is_available():
         memory["learner_gpu"] = torch.cuda.max_memory_allocated() / 2**20
     if sampler is not None:
-        memory["sampler"] = sampler.peak_rss_mib()
+        peaks = getattr(sampler, "peak_memory_mib", None)
+        memory.update(peaks() if peaks is not None else {"sampler": sampler.peak_rss_mib()})
     return memory
 
 

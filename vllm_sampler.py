@@ -237,6 +237,20 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def sampler_peak_memory_mib() -> dict[str, float]:
+    """(In the sampler process.) Its peak memory: resident ("sampler") and, on a GPU, torch's peak allocation
+    ("sampler_gpu", the learner's own measure). The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+    a single-process executor), so torch's statistics here are vLLM's: weights, the KV cache (it takes what
+    gpu_memory_utilization leaves, vllm/v1/worker/gpu_worker.py:679 memory_profiling) and activations. vLLM
+    resets the peak while profiling (vllm/utils/mem_utils.py:286), before it allocates the KV cache, so the
+    peak still covers every allocation that lives on. Not counted, as for the learner: memory outside torch's
+    allocator (NCCL buffers, cuBLAS workspaces, the CUDA context)."""
+    memory = {"sampler": peak_rss_mib()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        memory["sampler_gpu"] = torch.cuda.max_memory_allocated() / 2**20
+    return memory
+
+
 def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str | None, tmpdir: str) -> None:
     """Entry point of the spawned sampler process: owns an in-process vLLM engine and drives it
     step by step, so that commands (new requests, weight updates, pause) are applied between
@@ -329,7 +343,7 @@ class SamplerServer:
 
     COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause", "resume": "resume",
                 "weights_init": "weights_init", "weights_start": "weights_start", "weights_update": "weights_update",
-                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
+                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "peak_memory": "peak_memory", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
                 "shutdown": "shutdown"}
 
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
@@ -417,6 +431,9 @@ class SamplerServer:
 
     def peak_rss(self, _) -> float:
         return peak_rss_mib()
+
+    def peak_memory(self, _) -> dict[str, float]:
+        return sampler_peak_memory_mib()
 
     def weight_load_path(self, _) -> str:
         import gloo_transfer
@@ -743,6 +760,11 @@ class Sampler(WeightPusher):
     def peak_rss_mib(self) -> float:
         """The sampler process's peak resident memory."""
         return self._call("peak_rss")
+
+    def peak_memory_mib(self) -> dict[str, float]:
+        """The sampler process's peaks: {"sampler": resident MiB} and on a GPU "sampler_gpu" (torch's peak
+        allocation, as the learner's "learner_gpu"; sampler_peak_memory_mib)."""
+        return self._call("peak_memory")
 
     def weight_load_path(self) -> str:
         """How the CPU sampler loads a push: "in place" (fast) or "layerwise" (vLLM's reload);

@@ -214,6 +214,14 @@ def test_sampler_error_is_reported_not_hung(sampler):
     sampler.generate([[5, 6, 7]], n=1, max_tokens=2, timeout=60)  # still serving afterwards
 
 
+def test_end_of_run_memory_has_the_samplers_peak(sampler):
+    """On CPU the summary's sampler memory is its peak resident memory (vLLM, torch and the model: well over
+    100 MiB), and no GPU figure; on a GPU "sampler_gpu" joins it (test_gpu_path)."""
+    memory = common.peak_memory_mib(sampler)
+    assert set(memory) == {"learner", "sampler"} | ({"learner_gpu"} if torch.cuda.is_available() else set())
+    assert 100 < memory["sampler"] <= sampler.peak_rss_mib()  # a peak only grows
+
+
 def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
     sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
