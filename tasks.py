@@ -112,7 +112,7 @@ def gsm8k_extract(text: str, match: str = "strict") -> str | None:
     """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the
     first number after the last '####' that is followed by one (text after the answer, or a
     trailing '####', does not change it). Without a marked answer: None when `match` is "strict"
-    (the paper's reward, §6 and A.3: 1 only if the answer string matches; the authors' grader
+    (the paper's reward, §5.2: 1 only if the answer string matches; the authors' grader
     `extract_answer` reads `#### n` only), the last number in the text when "loose" (this file's
     rule before issue #27). Unicode minus signs count as minus."""
     text = text.replace("\u2212", "-")
