@@ -11,11 +11,13 @@ on-policy baseline: generate, then train, alternating.
 
     python online_dpo_async.py --model tiny           # async, the built-in model, CPU
     python online_dpo_async.py --model tiny --sync    # the synchronous baseline
+    python online_dpo_async.py --task gsm8k --model realtreetune/rho-1b-sft-GSM8K   # §A.3: Table 10's defaults
     torchrun --nproc-per-node 2 online_dpo_async.py   # the learner data-parallel (FSDP2, distributed.py)
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -62,13 +64,22 @@ class Args:
     group_size: int | None = None
     """samples per prompt; chosen = best reward, rejected = worst [paper 2, gsm8k 4; tiny 4]"""
     num_prompts: int | None = None
-    """prompts per minibatch [paper 64; tiny 32]"""
+    """prompts per minibatch [paper 64; gsm8k with a real model 252 (Table 10's batch size: the authors' online DPO counts it
+    in prompts, 6 x 14 gradient accumulation x 3 GPUs); tiny 32]"""
     num_minibatches: int = 1
     """N: minibatches generated per round and N optimizer steps on them (the paper's off-policyness knob)"""
     num_rounds: int | None = None
-    """sampling rounds [paper ~ 512k episodes / batch; tiny 60]"""
+    """sampling rounds [paper ~ 512k episodes / batch; gsm8k with a real model 512 (Table 10: 129024 prompts seen / 252;
+    Table 11's 218 min at §A.3's 25.5 s a step); tiny 60]"""
     loss_type: Literal["dpo", "ipo"] = "dpo"
     """dpo (sigmoid) or ipo"""
+    loss_average: Literal["kept", "all"] = "kept"
+    """kept: a minibatch's loss is the mean over its kept pairs (tied groups dropped), which scales the effective learning
+    rate by 1/(kept fraction) against all (half the prompts tied: twice the gradient per pair; under Adam a constant factor
+    mostly cancels, what stays is that rounds with many ties weigh more than rounds with few, and --max-grad-norm sees the
+    larger norm); all: the kept pairs' summed loss over the minibatch's prompts, a tied prompt contributing 0 (the authors'
+    released code: a tied group gives chosen = rejected, zero gradient, averaged with the rest). The paper does not say:
+    kept is this script's rule from before #27"""
     beta: float | None = None
     """DPO beta [0.1; gsm8k 0.05]"""
     learning_rate: float | None = None
@@ -83,8 +94,17 @@ class Args:
     """response length cap [paper 512; tiny 32]"""
     missing_eos_penalty: float = 1.0
     """penalty for a completion that ends without EOS (cut at --max-new-tokens); see --eos-penalty-mode"""
-    eos_penalty_mode: Literal["replace", "subtract"] = "replace"
-    """replace: such a completion scores -penalty (the paper's code: 'penalty reward value' -1); subtract: score - penalty"""
+    eos_penalty_mode: Literal["replace", "subtract", "off"] | None = None
+    """replace: such a completion scores -penalty (Table 4 / the paper's code: 'penalty reward value' -1); subtract:
+    score - penalty; off: no penalty [gsm8k off (the authors' released GSM8K configs: non_eos_penalty False, so a correct
+    answer cut at --max-new-tokens is not made the rejected side); replace]"""
+    gsm8k_match: Literal["strict", "loose"] = "strict"
+    """--task gsm8k's reward and evaluation: strict: only a '#### n' answer counts (§5.2: 1 if the answer string matches;
+    the authors' grader reads '#### n' only); loose: else the completion's last number (this script's rule before #27)"""
+    shuffle_train: bool = True
+    """a fixed dataset's train split (gsm8k, countdown-hub) read in a new order every epoch, drawn from --seed and the epoch
+    (the authors' code: DataLoader(shuffle=True) seeded by the seed); --no-shuffle-train: the split's own order, epoch after
+    epoch (before #27). The countdown generators have no epochs: every position is a new problem"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
 
@@ -119,8 +139,12 @@ PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, 
              max_new_tokens=512, eval_problems=50)
 TINY = dict(group_size=4, num_prompts=32, num_rounds=60, learning_rate=1e-4, temperature=1.0,
             max_new_tokens=32, eval_problems=200)
-# Table 10 (Appendix A.3) and §A.3's evaluation: greedy pass@1 on the whole GSM8K test set
-GSM8K = dict(group_size=4, beta=0.05, eval_decoding="greedy", eval_problems=0)
+# Table 10 (Appendix A.3) and §A.3's evaluation: greedy pass@1 on the whole GSM8K test set; the authors' GSM8K configs:
+# no missing-EOS penalty
+GSM8K = dict(group_size=4, beta=0.05, eval_decoding="greedy", eval_problems=0, eos_penalty_mode="off")
+# Table 10's batch and length, for a real model only (the tiny model keeps its own): 252 prompts a step, 129024 prompts
+# (516096 episodes, 4 a prompt) = 512 steps; one minibatch a round (num_mini_batches 1), so one round = one step
+GSM8K_PAPER = dict(num_prompts=252, num_rounds=512)
 FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fixed list (--eval-problems 0 = all of it)
 
 
@@ -128,14 +152,17 @@ def parse_args(argv: list[str] | None = None) -> Args:
     """The command line, with every None default filled in (an explicit flag wins, then the task's
     defaults, then the model's: paper or tiny) and every value checked before anything starts."""
     args = tyro.cli(Args, args=argv)
-    task_defaults = GSM8K if args.task == "gsm8k" else {}
-    model_defaults = TINY if args.model == common.TINY else PAPER
+    tiny = args.model == common.TINY
+    task_defaults = (GSM8K | ({} if tiny else GSM8K_PAPER)) if args.task == "gsm8k" else {}
+    model_defaults = TINY if tiny else PAPER
     for defaults in (task_defaults, model_defaults):
         for name, value in defaults.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)
     if args.beta is None:
         args.beta = 0.1
+    if args.eos_penalty_mode is None:
+        args.eos_penalty_mode = "replace"
     if args.eval_decoding is None:
         args.eval_decoding = "sample"
     if args.eval_samples is None:
@@ -180,15 +207,51 @@ def penalize_missing_eos(scores: torch.Tensor, ended_with_eos: torch.Tensor, pen
     """Scores with the completions that ended without EOS penalised. replace: their score becomes
     -penalty whatever the verifier or reward model said (the paper's code: a truncated completion
     is never preferred to one that finished); subtract: penalty is subtracted from their score
-    (TRL's missing_eos_penalty). scores: [n] float; ended_with_eos: [n] bool."""
+    (TRL's missing_eos_penalty); off: the scores as they are (the authors' GSM8K runs: a correct
+    answer cut before EOS still scores 1). scores: [n] float; ended_with_eos: [n] bool."""
+    if mode == "off":
+        return scores
     if mode == "replace":
         return torch.where(ended_with_eos, scores, torch.full_like(scores, -penalty))
     return scores - penalty * (~ended_with_eos).to(scores.dtype)
 
 
+def minibatch_pairs(keep: torch.Tensor, num_minibatches: int, average: str) -> list[tuple[np.ndarray, int]]:
+    """The round's N minibatches: for each, the kept pairs it trains on (indices into the kept
+    pairs, in prompt order) and the count its summed loss is divided by. keep: [prompts] bool
+    (select_pairs). kept: the kept pairs split evenly, each minibatch's loss the mean over its pairs,
+    so the step scales by 1/(kept fraction); all: the prompts split evenly, a minibatch's kept pairs
+    summed and divided by its number of prompts, a tied prompt counting 0 (the authors' code)."""
+    keep = keep.cpu().numpy()
+    if average == "kept":
+        return [(mb, len(mb)) for mb in np.array_split(np.arange(int(keep.sum())), num_minibatches)]
+    pair_of_prompt = np.cumsum(keep) - 1  # a kept prompt's index among the kept pairs
+    return [(pair_of_prompt[prompts][keep[prompts]], len(prompts)) for prompts in np.array_split(np.arange(len(keep)), num_minibatches)]
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+def train_index(position: int, split_size: int | None, seed: int, shuffle: bool) -> int:
+    """The train problem read at data position `position` (positions run on across epochs): epoch
+    position // split_size reads the split in a permutation drawn from (seed, epoch), a pure
+    function, so a resumed run reads what the uninterrupted one would have (--shuffle-train).
+    split_size None (a generator: no epochs) or shuffle off: the position itself (a list task wraps it)."""
+    if split_size is None or not shuffle:
+        return position
+    epoch, offset = divmod(position, split_size)
+    return int(_epoch_order(seed, epoch, split_size)[offset])
+
+
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str = "dpo"):
     """Per-pair loss from sequence log-probs. h = log pi(y+)/pi_ref(y+) - log pi(y-)/pi_ref(y-).
-    DPO: -log sigmoid(beta h). IPO: (h - 1/(2 beta))^2. Returns (loss [pairs], beta h [pairs])."""
+    DPO: -log sigmoid(beta h). IPO: (h - 1/(2 beta))^2. Returns (loss [pairs], beta h [pairs]).
+    What a step averages these over is minibatch_pairs' choice (--loss-average): the mean over the
+    kept pairs (default) scales the effective learning rate by 1/(kept fraction) against the mean
+    over all prompts, since tied groups are dropped, not counted as zeros (under Adam a constant
+    factor mostly cancels; a kept fraction that varies from round to round does not)."""
     h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
     if loss_type == "dpo":
         return -F.logsigmoid(beta * h), beta * h
@@ -215,17 +278,19 @@ def sequence_logprobs(model, ids, attn, cmask, lengths: list[int], args: Args, d
 
 
 def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, rejected_rows, ref_seq, args: Args, sampler_logp=None,
-                 d: distributed.Dist | None = None):
-    """The DPO loss of one minibatch of pairs (its mean over the pairs) and its gradient, accumulated
-    over micro-batches of whole pairs within --micro-batch-tokens: each micro-batch's summed per-pair
-    loss is divided by the minibatch's number of pairs, so the accumulated gradient is exactly the
-    mean's. chosen_rows, rejected_rows: [pairs] rows of the right-padded batch; ref_seq: [rows] the
-    reference's sequence logprobs. Returns (mean loss, beta h [pairs], and, with sampler_logp, the sum of
+                 d: distributed.Dist | None = None, divisor: int | None = None):
+    """The DPO loss of one minibatch of pairs (its summed per-pair loss / divisor: the number of pairs
+    by default, the mean, or minibatch_pairs' count) and its gradient, accumulated over micro-batches
+    of whole pairs within --micro-batch-tokens: each micro-batch's summed per-pair loss is divided by
+    the same divisor, so the accumulated gradient is exactly the minibatch loss's. chosen_rows,
+    rejected_rows: [pairs] rows of the right-padded batch; ref_seq: [rows] the reference's sequence
+    logprobs. Returns (the minibatch loss, beta h [pairs], and, with sampler_logp, the sum of
     |learner - sampler| token logprobs over the pairs' completion tokens and their count). Under
     torchrun each rank runs its micro-batches of the minibatch's plan (distributed.my_micro_batches):
     the gradients are summed over ranks (distributed.shard), so they are the single-process mean's,
     and the returned values are the whole minibatch's on every rank."""
     n, device = len(chosen_rows), ids.device
+    divisor = divisor or n
     chosen_rows, rejected_rows = chosen_rows.to(device), rejected_rows.to(device)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
     losses, margins = torch.zeros(n, device=device), torch.zeros(n, device=device)
@@ -239,7 +304,7 @@ def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, reje
                                                temperature=args.temperature, top_p=args.top_p)
         logp, ref = token_logp.sum(1), ref_seq[rows]
         loss, margin = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], args.beta, args.loss_type)
-        (loss.sum() / n * weight).backward()
+        (loss.sum() / divisor * weight).backward()
         if not weight:
             continue
         losses[pairs], margins[pairs] = loss.detach(), margin.detach()
@@ -248,7 +313,7 @@ def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, reje
             diff_sum += ((token_logp.detach() - sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
             diff_tokens += mask.sum().item()
     losses, margins, diff = distributed.all_sum((losses, margins, (diff_sum, diff_tokens)), d)  # every rank's pairs
-    return losses.mean(), margins, diff
+    return losses.sum() / divisor, margins, diff
 
 
 def main():
@@ -274,7 +339,8 @@ def main():
     push_model = distributed.push_copy(policy, dist)
     policy, ref_policy = distributed.shard(policy, dist), distributed.shard(ref_policy, dist)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, gsm8k_match=args.gsm8k_match)
+    train_size = len(task.train) if isinstance(task, tasks.ListTask) else None  # a fixed train split has epochs (--shuffle-train)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     # rank 0 scores and hands every rank the rewards (the pairs must be the same on every rank): only it needs the reward model
     reward_model = common.RewardModel(args.reward_model, device=str(device)) if args.reward_model and dist.is_main else None
@@ -308,9 +374,9 @@ def main():
             """Queue the next round's prompts; the sampler generates them with its current weights."""
             nonlocal data_position, next_round
             position = data_position
+            indices = [train_index(position + i, train_size, args.seed, args.shuffle_train) for i in range(args.prompts_per_round)]
             problems, prompts, skipped = common.encode_prompts(
-                tokenizer, [task.problem("train", position + i) for i in range(args.prompts_per_round)], args.max_prompt_tokens,
-                args.chat_template)
+                tokenizer, [task.problem("train", i) for i in indices], args.max_prompt_tokens, args.chat_template)
             data_position += args.prompts_per_round
             next_round += 1
             ids = sampler.submit(prompts, n=args.group_size, **sampling)
@@ -383,14 +449,14 @@ def main():
             # ---- N DPO steps, one per minibatch of pairs ----
             losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = [], [], [], [], 0.0, 0.0
             num_pairs = len(pair_rows)
-            for mb in np.array_split(np.arange(num_pairs), args.num_minibatches):
+            for mb, divisor in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
                 optimizer.zero_grad()
                 # micro-batches of whole pairs within --micro-batch-tokens; the gradient accumulates to the minibatch mean's
                 # (under torchrun each rank takes its share and the results are the minibatch's on every rank)
                 loss, logits, (mb_diff, mb_tokens) = dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb],
-                                                                  ref_seq, args, sampler_logp if fresh else None, dist)
+                                                                  ref_seq, args, sampler_logp if fresh else None, dist, divisor)
                 # fresh: no step on this batch yet, the sampling weights (~1e-6 in fp32); free, on the pairs' tokens
                 diff_sum, diff_tokens = diff_sum + mb_diff, diff_tokens + mb_tokens
                 grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))

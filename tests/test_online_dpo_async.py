@@ -10,6 +10,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +57,11 @@ def test_missing_eos_penalty_replaces_or_subtracts_by_hand():
                                                                        1.0, "replace"))
     assert keep.tolist() == [True] and (chosen.item(), rejected.item()) == (1, 0)
     assert dpo.penalize_missing_eos(torch.tensor([2.0]), torch.tensor([False]), 1.0, "subtract").item() == 1.0  # still the best
+    # off (GSM8K's default): the scores as they are, so a correct answer cut before EOS is the chosen side, not the rejected
+    assert dpo.penalize_missing_eos(scores, eos, 1.0, "off").tolist() == scores.tolist()
+    chosen, rejected, keep = dpo.select_pairs(dpo.penalize_missing_eos(torch.tensor([[1.0, 0.0]]), torch.tensor([[False, True]]),
+                                                                       1.0, "off"))
+    assert keep.tolist() == [True] and (chosen.item(), rejected.item()) == (0, 1)
     assert dpo.parse_args([]).eos_penalty_mode == "replace"
 
 
@@ -63,16 +71,85 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
     # Table 10: 4 completions per prompt, beta 0.05, T 0.7; evaluation: greedy pass@1 on the whole test set
     assert (gsm8k.group_size, gsm8k.beta, gsm8k.temperature, gsm8k.top_p) == (4, 0.05, 0.7, 1.0)
     assert (gsm8k.eval_decoding, gsm8k.eval_problems, gsm8k.eval_samples) == ("greedy", 0, 1)
+    # Table 10: batch 252 prompts, 129024 prompts seen = 512 steps of one minibatch; lr 3e-6 constant, 512 tokens
+    assert (gsm8k.num_prompts, gsm8k.num_rounds, gsm8k.num_minibatches, gsm8k.learning_rate, gsm8k.max_new_tokens) == \
+        (252, 512, 1, 3e-6, 512)
+    assert gsm8k.num_prompts * gsm8k.num_rounds == 129024 and gsm8k.num_prompts * gsm8k.num_rounds * gsm8k.group_size == 516096
+    # the authors' GSM8K configs: no missing-EOS penalty; the paper's reward: `#### n` only; data reshuffled every epoch
+    assert (gsm8k.eos_penalty_mode, gsm8k.gsm8k_match, gsm8k.shuffle_train, gsm8k.loss_average) == ("off", "strict", True, "kept")
     tldr_like = dpo.parse_args(["--model", "some/model"])
     assert (tldr_like.group_size, tldr_like.beta, tldr_like.temperature) == (2, 0.1, 0.7)
     assert (tldr_like.eval_decoding, tldr_like.eval_problems, tldr_like.eval_samples) == ("sample", 50, 4)
+    assert (tldr_like.num_prompts, tldr_like.num_rounds, tldr_like.eos_penalty_mode) == (64, 2000, "replace")
     tiny = dpo.parse_args([])
     assert (tiny.group_size, tiny.temperature, tiny.staleness, tiny.sync) == (4, 1.0, 1, False)
+    tiny_gsm8k = dpo.parse_args(["--task", "gsm8k"])  # Table 10's batch is for a real model; the task's rules hold for any
+    assert (tiny_gsm8k.num_prompts, tiny_gsm8k.num_rounds, tiny_gsm8k.eos_penalty_mode, tiny_gsm8k.group_size) == (32, 60, "off", 4)
     explicit = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--group-size", "2", "--beta", "0.1",
-                               "--eval-decoding", "sample", "--eval-problems", "100"])
+                               "--eval-decoding", "sample", "--eval-problems", "100", "--num-prompts", "64", "--num-rounds", "2000",
+                               "--eos-penalty-mode", "replace", "--gsm8k-match", "loose", "--no-shuffle-train",
+                               "--loss-average", "all"])
     assert (explicit.group_size, explicit.beta, explicit.eval_decoding, explicit.eval_problems, explicit.eval_samples) == \
         (2, 0.1, "sample", 100, 4)
+    assert (explicit.num_prompts, explicit.num_rounds, explicit.eos_penalty_mode, explicit.gsm8k_match, explicit.shuffle_train,
+            explicit.loss_average) == (64, 2000, "replace", "loose", False, "all")
     assert (dpo.parse_args(["--sync"]).staleness, dpo.parse_args(["--staleness", "0"]).sync) == (0, True)
+
+
+def test_minibatch_pairs_kept_or_all_by_hand():
+    keep = torch.tensor([True, False, True, True, False, False])  # 6 prompts, 3 kept pairs (prompts 0, 2, 3)
+    # kept: the 3 pairs split in 2, each minibatch the mean over its own pairs
+    assert [(mb.tolist(), n) for mb, n in dpo.minibatch_pairs(keep, 2, "kept")] == [([0, 1], 2), ([2], 1)]
+    # all: the 6 prompts split in 2 (0-2 and 3-5), each minibatch's pairs summed over its 3 prompts
+    assert [(mb.tolist(), n) for mb, n in dpo.minibatch_pairs(keep, 2, "all")] == [([0, 1], 3), ([2], 3)]
+    assert [(mb.tolist(), n) for mb, n in dpo.minibatch_pairs(keep, 1, "kept")] == [([0, 1, 2], 3)]
+    assert [(mb.tolist(), n) for mb, n in dpo.minibatch_pairs(keep, 1, "all")] == [([0, 1, 2], 6)]
+    # every prompt tied: no pair to train on in either mode (the loop skips the step)
+    assert all(len(mb) == 0 for average in ("kept", "all") for mb, _ in dpo.minibatch_pairs(torch.zeros(4, dtype=torch.bool), 2, average))
+
+
+def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
+    """The real dpo_backward on the tiny model: 3 prompts x 2 samples, one tied; --loss-average all
+    divides the 2 kept pairs' summed loss by 3 prompts, so its loss and gradient are the kept mean's
+    times 2/3 (the kept mean's effective learning rate is 1/(kept fraction) = 3/2 times all's)."""
+    policy = common.load_policy(tiny_path, "cpu")
+    ref = common.load_policy(tiny_path, "cpu").eval().requires_grad_(False)
+    with torch.no_grad():  # away from the reference: a non-zero gradient
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    prompts = [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [10, 11, 12, 13], [10, 11, 12, 13]]
+    completions = [[20, 21, 1], [22, 1], [23, 24, 25], [26, 1], [27, 1], [28, 29, 30, 1]]
+    ids, attn, cmask = common.pad_prompt_completions(prompts, completions, 0)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    args = SimpleNamespace(temperature=0.7, top_p=1.0, beta=0.1, loss_type="dpo", autocast_bf16=False, micro_batch_tokens=8192)
+    chosen, rejected, keep = dpo.select_pairs(torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]))
+    pair_rows = torch.arange(3)[keep]
+    chosen_rows, rejected_rows = pair_rows * 2 + chosen[keep], pair_rows * 2 + rejected[keep]
+    assert chosen_rows.tolist() == [0, 5] and rejected_rows.tolist() == [1, 4]
+    ref_seq = dpo.sequence_logprobs(ref, ids, attn, cmask, lengths, args)
+    results = {}
+    for average in ("kept", "all"):
+        [(mb, divisor)] = dpo.minibatch_pairs(keep, 1, average)
+        policy.zero_grad()
+        loss, _, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb], ref_seq, args, divisor=divisor)
+        results[average] = loss.item(), [p.grad.clone() for p in policy.parameters()]
+    assert results["all"][0] == pytest.approx(results["kept"][0] * 2 / 3, rel=1e-6)
+    for a, k in zip(results["all"][1], results["kept"][1]):
+        torch.testing.assert_close(a, k * 2 / 3, atol=1e-4 * k.abs().max().item(), rtol=1e-4)  # (fp32 sums in another order)
+    assert sum(g.abs().sum().item() for g in results["kept"][1]) > 0
+
+
+def test_train_index_reshuffles_every_epoch_from_the_seed():
+    order = [dpo.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # 3 epochs of a 5-problem split
+    epochs = [order[0:5], order[5:10], order[10:15]]
+    assert all(sorted(e) == [0, 1, 2, 3, 4] for e in epochs)  # each epoch reads every problem once
+    assert len({tuple(e) for e in epochs}) == 3 and [0, 1, 2, 3, 4] not in epochs  # a new order every epoch, not the split's
+    assert epochs[1] == [int(i) for i in np.random.default_rng([1, 1]).permutation(5)]  # drawn from (seed, epoch)
+    assert order == [dpo.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # a pure function: resume reads the same
+    assert order != [dpo.train_index(p, 5, seed=2, shuffle=True) for p in range(15)]
+    # --no-shuffle-train (before #27) and the countdown generator (no epochs): the position itself
+    assert [dpo.train_index(p, 5, seed=1, shuffle=False) for p in range(7)] == list(range(7))
+    assert [dpo.train_index(p, None, seed=1, shuffle=True) for p in range(7)] == list(range(7))
 
 
 def _run(*flags, cwd=WORK, timeout=600):
@@ -178,14 +255,67 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     assert all(torch.allclose(sync_weights[n], lag0_weights[n], atol=1e-6) for n in sync_weights)
 
 
-def test_resume_continues_from_the_checkpoint(tmp_path):
-    flags = ["--exp-name", "pytest_dpo_resume", "--num-prompts", "16", "--eval-problems", "8", "--eval-samples", "2"]
-    run_dir = _run_dir(_run(*flags, "--num-rounds", "2", cwd=tmp_path), tmp_path)
-    resumed = _run(*flags, "--num-rounds", "3", "--resume", str(run_dir), cwd=tmp_path)
+# GSM8K without the Hub: 8 train and 4 test problems in the dataset's format, short enough for the tiny model's prompt budget
+GSM8K_LOCAL = {split: [dict(question=f"{a} and {a + 1} more?", answer=f"{a}+{a + 1}={2 * a + 1}\n#### {2 * a + 1}") for a in range(first, first + n)]
+               for split, first, n in (("train", 1, 8), ("test", 20, 4))}
+
+
+def _run_gsm8k_local(*flags, cwd):
+    """The script's main() on --task gsm8k with GSM8K_LOCAL in place of the Hub's dataset; prints
+    every train position it reads and the split index it reads there ("train position p -> i")."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        import online_dpo_async as dpo
+        import tasks
+        tasks._load_hub_dataset = lambda *args, **kwargs: {GSM8K_LOCAL!r}
+        read = dpo.train_index
+        def spy(position, *args):
+            index = read(position, *args)
+            print(f"train position {{position}} -> {{index}}", flush=True)
+            return index
+        dpo.train_index = spy
+        sys.argv = ["online_dpo_async.py", "--task", "gsm8k", *{list(flags)!r}]
+        if __name__ == "__main__":
+            dpo.main()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600)
+    reads = [tuple(int(x) for x in line.split("train position ")[1].split(" -> ")) for line in out.stdout.splitlines()
+             if line.startswith("train position ")]
+    return out, reads
+
+
+@pytest.mark.slow
+def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
+    """--task gsm8k on local data (8 train problems, 8 prompts a round: one round = one epoch), run
+    for 2 rounds and resumed for a third: the GSM8K defaults reach the run; every epoch reads the
+    split in a new order drawn from the seed, the order the prompts really went out in; the resumed
+    run goes on at the next position (the third epoch) and steps from the saved step. The missing-EOS
+    penalty, off for GSM8K, is turned on here by its flag: the tiny model never writes `#### n`, and
+    the penalty is what ranks its completions (finished over cut), so that the rounds take steps."""
+    flags = ["--exp-name", "pytest_dpo_resume", "--num-prompts", "8", "--eval-samples", "1", "--eos-penalty-mode", "replace"]
+    out, reads = _run_gsm8k_local(*flags, "--num-rounds", "2", cwd=tmp_path)
+    run_dir = _run_dir(out, tmp_path)
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["gsm8k_match"], args["shuffle_train"], args["loss_average"], args["eos_penalty_mode"], args["group_size"]) == \
+        ("strict", True, "kept", "replace", 4)
+    assert [p for p, _ in reads] == list(range(16))  # two rounds of 8 (async: nothing submitted past the last round)
+    epochs = [[i for _, i in reads[e * 8:(e + 1) * 8]] for e in range(2)]
+    assert all(sorted(e) == list(range(8)) for e in epochs) and epochs[0] != epochs[1] and list(range(8)) not in epochs
+    question = lambda index: GSM8K_LOCAL["train"][index]["question"]  # noqa: E731
+    assert epochs[0][0] != 0 and f"Question: {question(epochs[0][0])}" in out.stdout.split("example: ")[1].splitlines()[0]
+    evals = [r for r in common.read_metrics(run_dir) if "eval/pass@1" in r]
+    assert len(evals) == 2  # the whole (local) test split, greedy, before and after
+
+    resumed, resumed_reads = _run_gsm8k_local(*flags, "--num-rounds", "3", "--resume", str(run_dir), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed_step = int(resumed.stdout.split("resumed from")[1].split("step ")[1].split()[0])
     assert resumed_step >= 1 and "round 1/" not in resumed.stdout and "round 2/" not in resumed.stdout
     assert f"round 3/3 step {resumed_step + 1}" in resumed.stdout or f"round 3/3 step {resumed_step}:" in resumed.stdout  # a tied round takes no step
+    assert [p for p, _ in resumed_reads] == list(range(16, 24))  # the third epoch, where the first run stopped
+    third = [i for _, i in resumed_reads]
+    assert sorted(third) == list(range(8)) and third not in epochs
+    assert f"Question: {question(third[0])}" in resumed.stdout.split("example: ")[1].splitlines()[0]
 
 
 def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
