@@ -143,9 +143,29 @@ def resolve_model(name: str, task: str = "countdown") -> str:
     return str(tiny_model.tiny_model_path(tiny_model.TinyConfig(task="countdown-steps" if task == "countdown-steps" else "countdown")))
 
 
+def check_run_flags(args) -> None:
+    """The flags every script shares that can be checked before anything loads, each refused in one
+    line naming it: --track without wandb, a GPU placement without a GPU, a local --model directory
+    that does not exist (rather than the Hub's repo-id rules)."""
+    import importlib.util
+
+    check_args(not args.track or importlib.util.find_spec("wandb") is not None, "--track",
+               "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard files are always written)")
+    if getattr(args, "sampler_url", None) is None and args.placement in ("colocate", "separate"):
+        gpus = torch.cuda.device_count()
+        check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
+                   f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use --placement cpu or auto")
+    local = args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
+    check_args(args.model == TINY or not local or Path(args.model).expanduser().is_dir(), "--model",
+               f"no such directory: {args.model} (a Hub id looks like Qwen/Qwen2.5-0.5B; --model tiny is the built-in model)")
+
+
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """Prompt budget + response cap must fit the model's context, or vLLM refuses to start."""
     context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
+    if context and max_prompt_tokens >= context:
+        raise SystemExit(f"error: --max-prompt-tokens: {max_prompt_tokens} prompt tokens leave no room for a response in the model's "
+                         f"context of {context} tokens; use --max-prompt-tokens {context // 2} or less")
     if context and max_prompt_tokens + max_new_tokens > context:
         raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt tokens exceed "
                          f"the model's context of {context} tokens; use --max-new-tokens {context - max_prompt_tokens} or less")

@@ -558,6 +558,7 @@ def main():
     common.check_args(0 <= args.delta_min <= args.delta <= args.delta_max, "--delta", "needs 0 <= --delta-min <= --delta <= --delta-max")
     common.check_args(args.chunk_size >= 1 and all(c >= 1 for c in args.chunk_candidates), "--chunk-size/--chunk-candidates", "must be >= 1")
     common.check_sampler_urls(args.sampler_url)
+    common.check_run_flags(args)
     common.check_args(not (args.sampler_url and args.intra), "--sampler-url",
                       "OPPO's intra-step overlap streams chunks, which the vLLM server path does not offer here: add --no-intra")
     common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")

@@ -288,6 +288,7 @@ def main():
                       "on cannot be combined with --overlap: the learner no longer holds the sampling weights")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
     common.check_sampler_urls(args.sampler_url)
+    common.check_run_flags(args)
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
     common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")

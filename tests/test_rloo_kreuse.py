@@ -1,6 +1,7 @@
 """RLOO K-reuse: advantages and loss against hand-computed values, importance weights on the
 real sampler, and the script from its real command line."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -185,7 +186,12 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
                                          (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
                                          (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
                                          (["--tis", "on", "--overlap"], "--tis"),
-                                         (["--snapshot-every", "-1"], "--snapshot-every")])
+                                         (["--snapshot-every", "-1"], "--snapshot-every"),
+                                         (["--model", "/no/such/model"], "--model"), (["--model", "./my-checkpoint"], "--model"),
+                                         (["--max-prompt-tokens", "4096"], "--max-prompt-tokens"),
+                                         (["--sampler-gpu-memory", "1.5"], "--sampler-gpu-memory")]
+                         + ([] if torch.cuda.is_available() else [(["--placement", "colocate"], "--placement")])
+                         + ([] if importlib.util.find_spec("wandb") else [(["--track"], "--track")]))
 def test_bad_flags_are_rejected_at_start(error_before_start, flags, flag):
     assert error_before_start(rloo, *flags).startswith(f"error: {flag}")
 
