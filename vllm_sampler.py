@@ -838,7 +838,7 @@ class Sampler(WeightPusher):
     def _send_weights(self, version: int, recompute_kv: bool, when_idle: bool) -> None:
         self._next_version, self._recompute_kv, self._when_idle = version, recompute_kv, when_idle
         try:
-            self._watched(self._weight_engine.send_weights)
+            self._watched(self._on_push_stream(self._weight_engine.send_weights))  # a background push: its own CUDA stream
         except SamplerError:
             raise
         except Exception as e:  # a broken group usually means the sampler died: say why if it told us

@@ -28,6 +28,21 @@ def weight_backend(placement: str) -> str:
     return {"cpu": cpu, "colocate": "ipc", "separate": "nccl"}[placement]
 
 
+def wait_for_learner_kernels(device: torch.device | str, cuda=torch.cuda) -> bool:
+    """Before a push reads the learner's weights, wait for the kernels the learner has queued on its stream
+    (optimizer.step() returns while they run). vLLM's trainer engines do not: the NCCL producer packs on
+    streams of its own that never wait for the learner's (vllm/distributed/weight_transfer/packed_tensor.py:168-181,
+    `_get_streams`, then `with torch.cuda.stream(streams[i])`), so a push straight after a step could send
+    half-updated weights. A host wait on the learner's current stream, not the device (another stream, a
+    background push's, need not finish). `cuda`: the torch.cuda module (a fake in the unit tests). Returns
+    whether it waited (only for a CUDA device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    cuda.current_stream(device).synchronize()
+    return True
+
+
 def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2):
     """The learner's (rank 0) init info for vLLM's WeightTransferTrainerFactory.trainer_init.
     `master_address`: where the learner listens (loopback for a local sampler); `world_size`: 1 +
@@ -76,6 +91,7 @@ class WeightPusher:
 
         gloo_transfer.register()
         self._model, self._snapshot = model, None
+        self._device = next(iter(model.parameters()), torch.empty(0)).device
         if background:
             self._snapshot = model = copy.deepcopy(model).requires_grad_(False)
         try:
@@ -103,11 +119,14 @@ class WeightPusher:
         start = time.perf_counter()
         self.wait_for_push()
         if self._snapshot is not None:  # the engine sends from the snapshot: bring it up to date
-            with torch.no_grad():
+            with torch.no_grad():  # on the learner's stream: after the step's kernels that wrote the weights
                 for mine, theirs in zip(self._snapshot.parameters(), self._model.parameters()):
                     mine.copy_(theirs)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the copy must be done before another thread sends it
+        # the learner's queued kernels (the step, the copy) are done before anything reads the weights
+        wait_for_learner_kernels(self._device, self._cuda)
+        self._in_background = background
+        if background and self._device.type == "cuda" and self._push_stream is None:
+            self._push_stream = self._cuda.Stream(device=self._device)
         if not background:
             self._send_weights(version, recompute_kv, when_idle)
             return time.perf_counter() - start
@@ -125,6 +144,28 @@ class WeightPusher:
     _push_thread: threading.Thread | None = None
     _push_error: BaseException | None = None
     _snapshot = None
+    _cuda = torch.cuda  # the CUDA module (a fake in the unit tests)
+    _device = torch.device("cpu")  # the learner's weights'
+    _push_stream = None  # background pushes' CUDA stream
+    _in_background = False
+
+    def _on_push_stream(self, transfer):
+        """`transfer` (a push's whole send, run in whichever thread does it), on the background pushes' own
+        CUDA stream when this push is a background one. vLLM's IPC producer waits for the thread's current
+        stream after each chunk (vllm/distributed/weight_transfer/packed_tensor.py:365 and :386,
+        `torch.cuda.current_stream().synchronize()`); on the default stream that is the learner's, where
+        the next training step is queued by then, so the sampler's pause (start to finish) would last that
+        step. On a stream of its own it waits only for the push's copies. The snapshot it reads was
+        finished before (push_weights). Foreground pushes keep the default stream: the learner waits anyway."""
+        stream = self._push_stream if self._in_background else None
+        if stream is None:
+            return transfer
+
+        def on_stream():
+            with self._cuda.stream(stream):
+                transfer()
+
+        return on_stream
 
     def _close_weight_sync(self) -> None:
         """On close, free what a CPU weight engine holds (the shared buffer, packed copies). A GPU

@@ -2,7 +2,10 @@
 placement as pure functions, and vLLM's NCCL / IPC weight-transfer types built from the installed
 vLLM (an API change in a version bump fails here). Tests that need CUDA are marked `gpu`."""
 
+import contextlib
+import copy
 import os
+import threading
 import time
 
 import pytest
@@ -11,6 +14,7 @@ import torch
 import common
 import tasks
 import vllm_sampler
+import weight_sync
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -113,6 +117,112 @@ def test_vllm_nccl_and_ipc_transfer_types_build_from_the_installed_vllm():
     for backend in ("nccl", "ipc", "gloo"):
         engine_cls = WeightTransferTrainerFactory._registry[backend]()
         assert hasattr(engine_cls, "trainer_init") and hasattr(engine_cls, "send_weights")
+
+
+class _FakeCuda:
+    """torch.cuda's stream calls, recorded: ("sync", stream) for each synchronize(); the current stream is
+    "default" unless a `stream(...)` block in this thread says otherwise."""
+
+    def __init__(self, log):
+        self.log, self.local = log, threading.local()
+
+    class _Stream:
+        def __init__(self, log, name):
+            self.log, self.name = log, name
+
+        def synchronize(self):
+            self.log.append(("sync", self.name))
+
+    def current_stream(self, device=None):
+        return getattr(self.local, "stream", None) or self._Stream(self.log, "default")
+
+    def Stream(self, device=None):  # noqa: N802 (torch's name)
+        return self._Stream(self.log, "push")
+
+    @contextlib.contextmanager
+    def stream(self, stream):
+        self.local.stream = stream
+        try:
+            yield
+        finally:
+            self.local.stream = None
+
+
+class _RecordingPusher(weight_sync.WeightPusher):
+    """WeightPusher's own push_weights with a fake CUDA and a transfer that records the stream it runs on."""
+
+    def __init__(self, log, device, model=None):
+        self.log, self._cuda, self._device, self._weight_engine = log, _FakeCuda(log), torch.device(device), object()
+        if model is not None:
+            self._model, self._snapshot = model, copy.deepcopy(model)
+
+    def _push_deadline(self):
+        return 60.0
+
+    def _send_weights(self, version, recompute_kv, when_idle):
+        def transfer():  # as Sampler._send_weights: the transfer runs in a thread of its own
+            self.log.append(("send", self._cuda.current_stream().name))
+
+        thread = threading.Thread(target=self._on_push_stream(transfer))
+        thread.start()
+        thread.join()
+        self.version = version
+
+
+def test_a_push_waits_for_the_learners_queued_kernels_first():
+    """On CUDA every push first waits for the learner's stream (optimizer.step's kernels may still run);
+    vLLM's NCCL producer packs on streams that do not wait for it. On CPU there is nothing to wait for."""
+    log = []
+    _RecordingPusher(log, "cuda:0").push_weights(1)
+    assert log == [("sync", "default"), ("send", "default")]
+    log.clear()
+    _RecordingPusher(log, "cpu").push_weights(1)
+    assert log == [("send", "default")]
+    assert weight_sync.wait_for_learner_kernels("cpu", _FakeCuda(log)) is False and log == [("send", "default")]
+
+
+def test_a_background_push_runs_on_its_own_stream_after_the_snapshot():
+    """PipelineRL's push: the snapshot is copied on the learner's stream and waited for, then the transfer
+    runs on a stream of its own, so vLLM's per-chunk wait on the current stream does not wait for the
+    next training step."""
+    log = []
+    model = torch.nn.Linear(3, 2)
+    pusher = _RecordingPusher(log, "cuda:0", model)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    pusher.push_weights(2, background=True)
+    pusher.wait_for_push()
+    assert log == [("sync", "default"), ("send", "push")] and pusher.version == 2
+    assert torch.equal(pusher._snapshot.weight, model.weight)
+    log.clear()
+    pusher.push_weights(3)  # a foreground push after it stays on the learner's stream
+    assert log == [("sync", "default"), ("send", "default")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_push_waits_for_a_kernel_still_running():
+    """Real CUDA: a parameter written behind a long kernel is written once wait_for_learner_kernels returns
+    (without the wait, the stream is still busy: query() is False)."""
+    weight = torch.zeros(1024, device="cuda")
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued before the write
+    weight.add_(1.0)
+    assert not torch.cuda.current_stream().query()  # still queued: what a push straight after step() would meet
+    assert weight_sync.wait_for_learner_kernels(weight.device) is True
+    assert torch.cuda.current_stream().query() and bool((weight == 1).all())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_background_transfer_runs_off_the_default_stream():
+    pusher = _RecordingPusher([], "cuda:0")
+    pusher._cuda = torch.cuda
+    pusher._push_stream, pusher._in_background = torch.cuda.Stream(), True
+    seen = []
+    thread = threading.Thread(target=pusher._on_push_stream(lambda: seen.append(torch.cuda.current_stream())))
+    thread.start()
+    thread.join()
+    assert seen == [pusher._push_stream] and seen[0] != torch.cuda.default_stream()
 
 
 def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
