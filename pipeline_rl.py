@@ -7,7 +7,8 @@ groups go to the trainer's queue as they finish and new prompts take their place
 optimizer step the learner pushes its weights in flight: the sampler applies them between two
 decode steps and running sequences continue (on their stale KV cache, or re-prefilled with the
 new weights with --recompute-kv), so one sequence can hold tokens of several policy versions.
-The loss is truncated importance-weighted REINFORCE with a per-prompt mean baseline; the
+The loss is truncated importance-weighted REINFORCE with a per-prompt mean baseline, summed over
+tokens and divided by the number of sequences (Eq. 4-5; --loss-norm token for a token mean); the
 behaviour policy is the sampler's own logprobs, so the truncated weight also corrects the
 training-inference mismatch. When the batch's ESS falls below --ess-threshold the step is
 skipped and the trainer waits for a batch of data from the current weights (Algorithm 2, lines
@@ -90,6 +91,11 @@ class Args:
     """c: token importance weights pi/mu are truncated at c (the paper's 5)"""
     ess_threshold: float = 0.5
     """skip a step whose batch ESS is below this and wait for a batch from the current weights (0: never)"""
+    loss_norm: Literal["sequence", "token"] = "sequence"
+    """what the loss's sum over the batch's response tokens is divided by. sequence: the number of sequences, the 1/(mK)
+    of Eq. 4-5 (whose grad log pi(y|x) sums over y's tokens). token: the number of response tokens (a token mean, this
+    script's old loss): the same direction, scaled by 1 / the batch's mean response length, so --max-grad-norm and the
+    learning rate act at another scale"""
     recompute_kv: bool = False
     """after a push, re-prefill running sequences with the new weights (default: keep the stale KV cache, as the paper)"""
     background_push: bool = True
@@ -158,13 +164,17 @@ def importance_weight_stats(weights: torch.Tensor, is_clip: float) -> dict[str, 
     return dict(is_max_ratio=weights.max().item(), is_truncated_fraction=(weights > is_clip).float().mean().item())
 
 
-def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, is_clip: float, kl_coef: float):
-    """-mean over tokens of min(c, pi/mu) * A * log pi (+ kl_coef * k3 KL to the reference)."""
-    tokens = mask.sum().clamp(min=1)
+def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, is_clip: float, kl_coef: float,
+                      loss_norm: Literal["sequence", "token"] = "sequence"):
+    """Eq. 5 with token weights: -sum over the rows' response tokens of min(c, pi/mu) * A * log pi, divided by the number
+    of rows (sequences: Eq. 4-5's 1/(mK)) or, with loss_norm="token", of response tokens (a token mean); plus kl_coef * the
+    k3 KL to the reference, summed and divided alike. mu is the sampler's logprob: the weight also corrects the
+    training-inference mismatch (the logprob contract)."""
+    count = mask.shape[0] if loss_norm == "sequence" else mask.sum().clamp(min=1)
     w = token_weights(logp.detach(), behaviour_logp, mask).clamp(max=is_clip)
-    pg = -(w * advantages[:, None] * logp * mask).sum() / tokens
+    pg = -(w * advantages[:, None] * logp * mask).sum() / count
     log_ratio = (ref_logp - logp) * mask
-    kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / tokens
+    kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / count
     return pg + kl_coef * kl, pg, kl
 
 
@@ -262,8 +272,9 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
             diff_tokens += int(mask[fresh].sum().item())
         with torch.no_grad(), common.autocast(device, args.autocast_bf16):
             ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, **processing) if ref_policy else logp.detach()
-        loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef)
-        share = part * mask.sum().item() / total_tokens  # micro-batch means -> the batch's token mean
+        loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef, args.loss_norm)
+        # the micro-batch's share of the batch's sequences (or tokens): its mean -> the batch's
+        share = part * (len(rows) / len(samples) if args.loss_norm == "sequence" else mask.sum().item() / total_tokens)
         (loss * share).backward()
         loss_sum, pg_sum, kl_sum = loss_sum + loss.item() * share, pg_sum + pg.item() * share, kl_sum + kl.item() * share
     # under torchrun: every rank's rows and sums (one process: unchanged)

@@ -36,12 +36,19 @@ def test_advantages_ess_and_truncated_is_loss_by_hand():
     logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -1.0]], requires_grad=True)
     mu = torch.tensor([[-1.0, -4.0, 0.0], [-0.5, -0.5 + 0.1, -1.0]])  # token weights: 1, e^2 -> 5 (truncated), 1, e^-0.1, 1
     adv = torch.tensor([1.0, -2.0])
-    loss, pg, kl = prl.truncated_is_loss(logp, mu, logp.detach(), mask, adv, is_clip=5.0, kl_coef=0.0)
-    expected = -(1 * 1 * -1.0 + 5 * 1 * -2.0 + 1 * -2 * -0.5 + torch.e ** -0.1 * -2 * -0.5 + 1 * -2 * -1.0) / 5
-    assert loss.item() == pytest.approx(expected, rel=1e-6) and kl.item() == 0.0
-    loss.backward()
-    assert logp.grad[0, 1].item() == pytest.approx(-5 / 5)  # truncated weight times advantage, per token
-    assert logp.grad[0, 2].item() == 0.0
+    total = 1 * 1 * -1.0 + 5 * 1 * -2.0 + 1 * -2 * -0.5 + torch.e ** -0.1 * -2 * -0.5 + 1 * -2 * -1.0
+    # the default: Eq. 4-5's 1/(mK), divided by the 2 sequences; --loss-norm token: by the 5 response tokens
+    for loss_norm, count in [("sequence", 2), ("token", 5)]:
+        grad_logp = logp.detach().clone().requires_grad_(True)
+        kw = {} if loss_norm == "sequence" else {"loss_norm": loss_norm}
+        loss, pg, kl = prl.truncated_is_loss(grad_logp, mu, logp.detach(), mask, adv, is_clip=5.0, kl_coef=0.0, **kw)
+        assert loss.item() == pytest.approx(-total / count, rel=1e-6) and kl.item() == 0.0
+        loss.backward()
+        assert grad_logp.grad[0, 1].item() == pytest.approx(-5 / count)  # truncated weight times advantage, per token
+        assert grad_logp.grad[0, 2].item() == 0.0
+    # the KL term is normalised alike: ref = logp - 1 on every token gives k3 = e^-1 - (-1) - 1 = e^-1 per token
+    _, _, kl = prl.truncated_is_loss(logp, mu, logp.detach() - 1, mask, adv, is_clip=5.0, kl_coef=0.1)
+    assert kl.item() == pytest.approx(5 * math.exp(-1) / 2, rel=1e-6)
 
 
 def test_importance_weight_stats_by_hand():
@@ -236,6 +243,13 @@ def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
     stats, changed, _ = step(samples(), [1.0, 0.0, 0.0, 1.0])
     assert stats["outcome"] == "trained" and changed and stats["ess"] == pytest.approx(1.0, abs=1e-6)
     assert stats["logprob_diff"] < 1e-6 and stats["is_max_ratio"] == pytest.approx(1.0, abs=1e-5) and stats["is_truncated_fraction"] == 0
+    # the micro-batches (at most 3 sequences each) add up to the batch's loss: on-policy (w = 1) it is -sum A_i log pi(y_i) over
+    # the 4 sequences (the default, Eq. 4-5) or over the response tokens (--loss-norm token)
+    seq_logp = [own[i, len(prompts[i // 2]) - 1: len(prompts[i // 2]) - 1 + len(r)].sum().item() for i, r in enumerate(responses)]
+    weighted = -sum(a * lp for a, lp in zip([0.5, -0.5, -0.5, 0.5], seq_logp))
+    assert stats["pg"] == pytest.approx(weighted / 4, rel=1e-4)
+    token_stats, _, _ = step(samples(), [1.0, 0.0, 0.0, 1.0], loss_norm="token")
+    assert token_stats["pg"] == pytest.approx(weighted / sum(map(len, responses)), rel=1e-4)
 
     poisoned = samples()
     poisoned[2].logprobs[1] = float("nan")
