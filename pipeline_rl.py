@@ -2,22 +2,24 @@
 same script for the paper's comparison. Paper: Piché et al., "PipelineRL: Faster On-policy
 Reinforcement Learning for Long Sequence Generation", arXiv:2509.19128.
 
-PipelineRL: the actor (the vLLM sampler) keeps H sequences in flight and never stops; finished
-groups go to the trainer's queue as they finish and new prompts take their place. After every
-optimizer step the learner pushes its weights in flight: the sampler applies them between two
-decode steps and running sequences continue (on their stale KV cache, or re-prefilled with the
-new weights with --recompute-kv), so one sequence can hold tokens of several policy versions.
-The loss is truncated importance-weighted REINFORCE with a per-prompt mean baseline, summed over
-tokens and divided by the number of sequences (Eq. 4-5; --loss-norm token for a token mean); the
-behaviour policy is the sampler's own logprobs, so the truncated weight also corrects the
-training-inference mismatch. When the batch's ESS falls below --ess-threshold the step is
-skipped and the trainer waits for a batch of data from the current weights (Algorithm 2, lines
-20-23). --max-lag L bounds the lag of trained data: L = 0 makes the pipeline strictly on-policy,
-the same batches as Conventional RL with G = 1.
+PipelineRL: the actor (the vLLM sampler) keeps H sequences in flight (by default H = B, the
+smallest H that keeps the trainer fed: Section 4) and never stops; finished groups go to the
+trainer's queue as they finish and new prompts take their place. After every optimizer step the
+learner pushes its weights in flight: the sampler applies them between two decode steps and
+running sequences continue (on their stale KV cache, or re-prefilled with the new weights with
+--recompute-kv), so one sequence can hold tokens of several policy versions. The loss is
+truncated importance-weighted REINFORCE with a per-prompt mean baseline, summed over tokens and
+divided by the number of sequences (Eq. 4-5; --loss-norm token for a token mean). The behaviour
+policy mu is the sampler's own logprobs, by design: the truncated weight min(c, pi/mu) is also the
+correction for the training-inference mismatch (a bf16 sampler against the fp32 learner). When
+the batch's ESS falls below --ess-threshold the step is skipped and the trainer waits for a batch
+of data from the current weights (Algorithm 2, lines 20-23). --max-lag L bounds the lag of trained
+data: L = 0 makes the pipeline strictly on-policy, the same batches as Conventional RL with G = 1.
 
 Conventional RL (--mode conventional --steps-per-rl-step G): generate B*G sequences with one
-policy, shuffle them (whole prompt groups) into G batches of B, take G optimizer steps, then push
-the weights; the same loss.
+policy (all of them in flight at once), shuffle them (whole prompt groups) into G batches of B,
+take G optimizer steps, then push the weights; the same loss, and no ESS guard (Algorithm 1 has
+none; --ess-threshold adds one).
 
     python pipeline_rl.py --model tiny
     python pipeline_rl.py --model tiny --mode conventional --steps-per-rl-step 4
@@ -69,8 +71,14 @@ class Args:
     """the paper's G (conventional mode only; not the group size): optimizer steps per RL step, on B*G sequences generated at once"""
     train_batch_size: int = 64
     """B: sequences per optimizer step (a multiple of --group-size)"""
-    gen_batch_size: int = 256
-    """H: sequences the actor keeps in flight (pipeline mode)"""
+    gen_batch_size: int | None = None
+    """H: sequences the sampler decodes at once (vLLM's max_num_seqs) [pipeline: B; conventional: B*G]. Pipeline mode keeps
+    H in flight (Algorithm 2, lines 6-7). Section 4 ("Configuring PipelineRL") says to use the smallest H that produces
+    enough training data: a larger H raises the generation latency t_gen and with it the lag, g_max = ceil(t_gen / t_train),
+    and buys throughput only while the engine's batch is below the size where throughput saturates (Figure 2a). The paper's
+    runs (Section 5) keep B in flight: B = 1024, 16 generation GPUs at H = 64 each; its Conventional RL keeps all B*G in
+    flight (32 GPUs at H = 128, B*G = 4096), as this default does. A larger H trades lag for throughput where the engine
+    is underused (this script's old default, 4B, was more off-policy than Conventional RL with G = 4)"""
     group_size: int = 4
     """samples per prompt; the per-prompt mean reward is the baseline"""
     num_steps: int | None = None
@@ -89,8 +97,11 @@ class Args:
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
     is_clip: float = 5.0
     """c: token importance weights pi/mu are truncated at c (the paper's 5)"""
-    ess_threshold: float = 0.5
-    """skip a step whose batch ESS is below this and wait for a batch from the current weights (0: never)"""
+    ess_threshold: float | None = None
+    """skip a step whose batch ESS (Eq. 6) is below this and wait for a batch from the current weights (0: never)
+    [pipeline 0.5; conventional 0]. The guard is Algorithm 2's (lines 20-23; the paper gives no value); Algorithm 1
+    (Conventional RL) has none, so conventional mode runs without one unless this is set (then a skipped batch is
+    dropped: this script's old conventional mode)"""
     loss_norm: Literal["sequence", "token"] = "sequence"
     """what the loss's sum over the batch's response tokens is divided by. sequence: the number of sequences, the 1/(mK)
     of Eq. 4-5 (whose grad log pi(y|x) sums over y's tokens). token: the number of response tokens (a token mean, this
@@ -302,8 +313,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     return stats | dict(outcome=outcome, train_seconds=time.time() - start)
 
 
-def main():
-    args = tyro.cli(Args)
+def fill_defaults(args: Args) -> Args:
+    """The [bracketed] defaults, which depend on the model and the mode; a value given on the command line stays."""
     tiny = args.model == common.TINY
     if args.num_steps is None:
         args.num_steps = 120 if tiny else 1000
@@ -313,15 +324,26 @@ def main():
         args.max_new_tokens = 32 if tiny else 1024
     if args.max_prompt_tokens is None:
         args.max_prompt_tokens = 64 if tiny else 512
+    conventional = args.mode == "conventional"
+    if args.gen_batch_size is None:  # B in flight (Section 5); Conventional RL generates its whole RL step at once
+        args.gen_batch_size = args.train_batch_size * (args.steps_per_rl_step if conventional else 1)
+    if args.ess_threshold is None:  # Algorithm 2 has the guard, Algorithm 1 has none
+        args.ess_threshold = 0.0 if conventional else 0.5
+    return args
+
+
+def main():
+    args = fill_defaults(tyro.cli(Args))
+    tiny = args.model == common.TINY
     common.check_args(args.num_steps >= 1, "--num-steps", f"must be >= 1, got {args.num_steps}")
     common.check_args(args.learning_rate > 0, "--learning-rate", f"must be > 0, got {args.learning_rate}")
     common.check_args(args.group_size >= 2, "--group-size", "the per-prompt baseline needs at least 2 samples per prompt")
     common.check_args(args.train_batch_size >= args.group_size and args.train_batch_size % args.group_size == 0, "--train-batch-size",
                       f"must be a positive multiple of --group-size ({args.train_batch_size} vs {args.group_size})")
+    common.check_args(args.steps_per_rl_step >= 1, "--steps-per-rl-step", f"must be >= 1, got {args.steps_per_rl_step}")
     common.check_args(args.gen_batch_size >= args.group_size, "--gen-batch-size", "must hold at least one prompt's group")
     common.check_args(args.micro_batch_size >= 1, "--micro-batch-size", f"must be >= 1, got {args.micro_batch_size}")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
-    common.check_args(args.steps_per_rl_step >= 1, "--steps-per-rl-step", f"must be >= 1, got {args.steps_per_rl_step}")
     common.check_args(args.temperature > 0, "--temperature",
                       "must be > 0: the importance weights need the sampler's logprobs of a sampled distribution (greedy has none)")
     common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
@@ -379,7 +401,7 @@ def main():
     # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                         max_num_seqs=args.gen_batch_size if args.mode == "pipeline" else 256,
+                                         max_num_seqs=args.gen_batch_size,
                                          urls=args.sampler_url, weights=push_model, version=step,
                                          background_push=args.mode == "pipeline" and args.background_push) if dist.is_main else None
     try:

@@ -34,8 +34,10 @@ class Args:
     seed: int = 1
     g: int = 4
     """G of Conventional RL"""
-    workload: str = "--long-tail 0.8 --long-tail-scale 2 --max-new-tokens 64 --gen-batch-size 128"
+    workload: str = "--long-tail 0.8 --long-tail-scale 2 --max-new-tokens 64"
     """flags that define the workload, passed to both runs"""
+    h: int = 128
+    """PipelineRL's H (--gen-batch-size); Conventional RL keeps its default, all B*G sequences in flight"""
     repeats: int = 2
     """runs of each method, in the order P C C P P C ..."""
 
@@ -43,6 +45,8 @@ class Args:
 def run(mode: str, args: Args) -> dict:
     flags = ["--mode", mode, "--steps-per-rl-step", str(args.g), "--num-steps", str(args.num_steps), "--seed", str(args.seed),
              "--exp-name", f"prl_bench_{mode}", "--eval-problems", "50", *args.workload.split()]
+    if mode == "pipeline":  # (in conventional mode --gen-batch-size would cap the engine below B*G)
+        flags += ["--gen-batch-size", str(args.h)]
     out = subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])

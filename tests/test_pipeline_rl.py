@@ -51,6 +51,21 @@ def test_advantages_ess_and_truncated_is_loss_by_hand():
     assert kl.item() == pytest.approx(5 * math.exp(-1) / 2, rel=1e-6)
 
 
+def test_defaults_follow_the_paper():
+    """H = B in pipeline mode (Section 4: the smallest H that feeds the trainer; Section 5 keeps B in flight), B*G in
+    conventional mode (Algorithm 1 generates the RL step at once: no fixed engine size); the ESS guard in pipeline
+    mode only (Algorithm 2 has it, Algorithm 1 not); values given on the command line stay."""
+    pipeline = prl.fill_defaults(prl.Args())
+    assert (pipeline.gen_batch_size, pipeline.ess_threshold, pipeline.loss_norm) == (64, 0.5, "sequence")
+    assert (pipeline.num_steps, pipeline.learning_rate, pipeline.max_new_tokens) == (120, 1e-4, 32)
+    conventional = prl.fill_defaults(prl.Args(mode="conventional", steps_per_rl_step=3, train_batch_size=16))
+    assert (conventional.gen_batch_size, conventional.ess_threshold) == (48, 0.0)
+    # the old behaviour, asked for by name
+    old = prl.fill_defaults(prl.Args(mode="conventional", gen_batch_size=256, ess_threshold=0.5, loss_norm="token"))
+    assert (old.gen_batch_size, old.ess_threshold, old.loss_norm) == (256, 0.5, "token")
+    assert prl.fill_defaults(prl.Args(model="some/model")).num_steps == 1000
+
+
 def test_importance_weight_stats_by_hand():
     w = torch.tensor([0.5, 1.0, 5.0, 7.0, 2.0])  # c = 5: only 7 is cut (5 is at the clamp, not beyond it)
     stats = prl.importance_weight_stats(w, is_clip=5.0)
@@ -126,7 +141,7 @@ def test_in_flight_weight_update(tiny_path, tokenizer, sampler, recompute_kv):
 # ---- the actor's admission rule (--max-lag), on scripted states ----
 
 def _args(**kw):
-    return prl.Args(**{"train_batch_size": 64, "gen_batch_size": 128, "group_size": 4} | kw)
+    return prl.fill_defaults(prl.Args(**{"train_batch_size": 64, "gen_batch_size": 128, "group_size": 4} | kw))
 
 
 def test_admission_replays_the_max_lag_stall():
@@ -178,15 +193,23 @@ def _simulate(args, steps, seed, push_delay=2):
     return lags, dropped
 
 
-@pytest.mark.parametrize("max_lag", [None, 0, 1, 3])
-def test_admission_bounds_the_lag_and_never_stalls(max_lag):
-    lags, dropped = _simulate(_args(max_lag=max_lag), steps=300, seed=0)
+@pytest.mark.parametrize("max_lag, gen_batch_size", [(None, 128), (0, 128), (1, 128), (3, 128), (None, None), (1, None)])
+def test_admission_bounds_the_lag_and_never_stalls(max_lag, gen_batch_size):
+    """gen_batch_size None: the default H = B."""
+    lags, dropped = _simulate(_args(max_lag=max_lag, gen_batch_size=gen_batch_size), steps=300, seed=0)
     if max_lag is not None:
         assert max(lags) <= max_lag
     if max_lag == 0:
         assert set(lags) == {0} and dropped == 0  # strictly on-policy: nothing generated is wasted
     if max_lag == 1:
         assert dropped > 0  # the long tail outlived the bound: dropped, and the run went on
+
+
+def test_a_larger_generation_batch_is_staler():
+    """Section 4: a larger H raises the generation latency and with it the lag. On the scripted pipeline the mean lag of
+    the trained groups grows with H: the default H = B is the least stale, the old default 4B more than 5x staler."""
+    mean_lag = {h: np.mean(_simulate(_args(gen_batch_size=h), steps=300, seed=0)[0]) for h in (64, 128, 256)}
+    assert mean_lag[64] < mean_lag[128] < mean_lag[256] and mean_lag[256] > 5 * mean_lag[64]
 
 
 def test_wait_until_has_a_deadline():
@@ -264,6 +287,11 @@ def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
     stats, changed, _ = step(samples(offset=1.0), [1.0, 0.0, 0.0, 1.0], ess_threshold=0.9, is_clip=2.0)
     assert stats["outcome"] == "low_ess" and not changed and 0.7 < stats["ess"] < 0.9
     assert stats["is_max_ratio"] == pytest.approx(math.e, rel=1e-4) and 0.3 < stats["is_truncated_fraction"] < 0.7
+    # Conventional RL's default threshold (Algorithm 1 has no ESS guard) trains the same batch
+    conventional = vars(prl.fill_defaults(prl.Args(mode="conventional")))
+    stats, changed, _ = step(samples(offset=1.0), [1.0, 0.0, 0.0, 1.0], is_clip=2.0, mode="conventional",
+                             ess_threshold=conventional["ess_threshold"])
+    assert stats["outcome"] == "trained" and changed and 0.7 < stats["ess"] < 0.9
 
 
 # ---- from the command line ----
@@ -277,7 +305,7 @@ def _rows(out):
     return run_dir, [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
 
 
-SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--gen-batch-size", "16", "--eval-problems", "8", "--eval-samples", "2"]
+SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--eval-problems", "8", "--eval-samples", "2"]
 
 
 @pytest.mark.parametrize("mode", ["pipeline", "conventional"])
@@ -290,6 +318,9 @@ def test_short_run_exits_0(mode):
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir, rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and (run_dir / "checkpoint.pt").exists()
+    args = json.loads((run_dir / "args.json").read_text())
+    # H: as given (2B) in pipeline mode; Conventional RL's default, B*G, and no ESS guard (Algorithm 1); per-sequence loss
+    assert (args["gen_batch_size"], args["ess_threshold"], args["loss_norm"]) == ((32, 0.5) if mode == "pipeline" else (32, 0.0)) + ("sequence",)
     assert [r["charts/episodes"] for r in rows] == [16, 32, 48, 64] and all(r["charts/episodes_per_second"] > 0 for r in rows)
     assert all(r["charts/is_max_ratio"] >= 1.0 - 1e-3 and 0 <= r["charts/is_truncated_fraction"] <= 1 for r in rows)
     if mode == "pipeline":
@@ -302,12 +333,37 @@ def test_short_run_exits_0(mode):
     assert "| PipelineRL" in out.stdout or "| Conventional RL (G=2)" in out.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, max_num_seqs", [([], 64), (["--mode", "conventional", "--steps-per-rl-step", "3"], 192),
+                                                 (["--mode", "conventional", "--gen-batch-size", "100"], 100)])
+def test_the_sampler_decodes_h_sequences_at_once(monkeypatch, tmp_path, flags, max_num_seqs):
+    """vLLM's max_num_seqs is H in both modes: B by default in pipeline mode, B*G in conventional mode (Algorithm 1
+    generates the whole RL step with one policy; it was a fixed 256), or --gen-batch-size. main() up to the sampler's start."""
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def start_sampler(*args, **kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(vllm_sampler, "start_sampler", start_sampler)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
+    monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", "--exp-name", "pytest_prl_h", *flags])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Started):
+        prl.main()
+    assert seen["max_num_seqs"] == max_num_seqs
+
+
 def test_ess_guard_skips_stale_batches():
     """With a threshold that only (near) on-policy data passes, batches holding tokens from
     before the last push are skipped and the trainer waits for fresh data, yet the run finishes."""
     out = _run("--exp-name", "pytest_prl_ess", "--ess-threshold", "0.9999", *SMALL)
     assert out.returncode == 0, out.stderr[-3000:]
-    _, rows = _rows(out)
+    run_dir, rows = _rows(out)
+    assert json.loads((run_dir / "args.json").read_text())["gen_batch_size"] == 16  # H = B, the default
     assert all(r["charts/ess"] >= 0.9999 for r in rows)  # only (near) on-policy batches were trained on
     assert rows[-1]["charts/skipped_steps"] > 0  # after each in-flight push the stale batches were skipped
 
@@ -315,7 +371,7 @@ def test_ess_guard_skips_stale_batches():
 # --max-lag 0 on a fixed seed: the run that both the Conventional-RL parity test and the torchrun
 # test compare against (one launch for two tests). --micro-batch-size 3: 3 micro-batches of the 8
 # sequences, so that under torchrun rank 1 also runs a weight-0 stand-in.
-ZERO_LAG = ["--num-steps", "3", "--train-batch-size", "8", "--group-size", "4", "--gen-batch-size", "8", "--micro-batch-size", "3",
+ZERO_LAG = ["--num-steps", "3", "--train-batch-size", "8", "--group-size", "4", "--micro-batch-size", "3",
             "--eval-problems", "4", "--eval-samples", "2", "--seed", "2"]
 
 
