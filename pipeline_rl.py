@@ -13,8 +13,9 @@ divided by the number of sequences (Eq. 4-5; --loss-norm token for a token mean)
 policy mu is the sampler's own logprobs, by design: the truncated weight min(c, pi/mu) is also the
 correction for the training-inference mismatch (a bf16 sampler against the fp32 learner). When
 the batch's ESS falls below --ess-threshold the step is skipped and the trainer waits for a batch
-of data from the current weights (Algorithm 2, lines 20-23). --max-lag L bounds the lag of trained
-data: L = 0 makes the pipeline strictly on-policy, the same batches as Conventional RL with G = 1.
+of data from the current weights (Algorithm 2, lines 20-23); every batch's ESS is logged, skipped
+ones too. --max-lag L bounds the lag of trained data: L = 0 makes the pipeline strictly
+on-policy, the same batches as Conventional RL with G = 1.
 
 Conventional RL (--mode conventional --steps-per-rl-step G): generate B*G sequences with one
 policy (all of them in flight at once), shuffle them (whole prompt groups) into G batches of B,
@@ -487,7 +488,9 @@ def main():
             return stats
 
         def skipped(stats: dict) -> bool:
-            """Count a step that did not train; True if so (nothing is pushed or checkpointed then)."""
+            """Count a step that did not train; True if so (nothing is pushed or checkpointed then). A skipped batch
+            is logged too, its ESS with it: charts/ess covers every batch, so a guard that skips stale batches does
+            not make the logged ESS look better than the data was (trained steps' rows alone have losses/loss)."""
             nonlocal on_policy_only, nonfinite_in_a_row
             if stats["outcome"] == "low_ess":
                 totals["skipped"] += 1
@@ -497,13 +500,16 @@ def main():
                 nonfinite_in_a_row += 1
                 print(f"step {step + 1}: non-finite ESS {stats['ess']:.3g} / loss {stats['loss']:.3g} / grad norm "
                       f"{stats['grad_norm']:.3g}: skipped ({totals['nonfinite']} so far)")
-                logger.log(step, {"charts/nonfinite_skipped": totals["nonfinite"]}, echo=False)
                 if nonfinite_in_a_row >= MAX_CONSECUTIVE_NONFINITE:
                     raise RuntimeError(f"{MAX_CONSECUTIVE_NONFINITE} batches in a row gave a non-finite ESS, loss or gradient")
             else:
                 nonfinite_in_a_row = 0
                 on_policy_only = False
-            return stats["outcome"] != "trained"
+                return False
+            logger.log(step, {"charts/ess": stats["ess"], "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"],
+                              "charts/lag_max": stats["lag_max"], "charts/is_max_ratio": stats["is_max_ratio"],
+                              "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"]}, echo=False)
+            return True
 
         def gather():
             """Under torchrun, every rank: the trained policy into rank 0's push_model (once per step)."""
@@ -608,11 +614,13 @@ def main():
         return  # the run directory and its report are rank 0's
 
     label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
-    rows = [r for r in common.read_metrics(logger.dir) if "charts/ess" in r]
+    rows = common.read_metrics(logger.dir)
+    ess = [r["charts/ess"] for r in rows if "charts/ess" in r and math.isfinite(r["charts/ess"])]  # every batch, skipped ones too
+    lags = [r["charts/lag_mean"] for r in rows if "losses/loss" in r]  # the trained steps'
     logger.report(step, f"{label}: {args.num_steps} steps of {args.train_batch_size} sequences",
                   {"method": label, "wall (s)": totals["wall"], "episodes/s": totals["episodes"] / totals["wall"],
-                   "tokens/s": totals["tokens"] / totals["wall"], "mean ESS": float(np.mean([r["charts/ess"] for r in rows])),
-                   "mean token lag": float(np.mean([r["charts/lag_mean"] for r in rows])), "learner wait (s)": totals["wait"],
+                   "tokens/s": totals["tokens"] / totals["wall"], "mean ESS": float(np.mean(ess)),
+                   "mean token lag": float(np.mean(lags)), "learner wait (s)": totals["wait"],
                    "skipped": str(totals["skipped"] + totals["nonfinite"]), "dropped": str(totals["stale_dropped"])},
                   eval_start, eval_end, memory)
     logger.close()

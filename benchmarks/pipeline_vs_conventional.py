@@ -51,9 +51,10 @@ def run(mode: str, args: Args) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rows = [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
+    metrics = common.read_metrics(run_dir)
+    rows = [r for r in metrics if "losses/loss" in r]  # the optimizer steps (a batch the ESS guard skipped logs charts/ess only)
     return dict(mode=mode, rows=rows, sps=rows[-1]["charts/episodes_per_second"], tps=rows[-1]["charts/tokens_per_second"],
-                ess=np.mean([r["charts/ess"] for r in rows]), lag=np.mean([r["charts/lag_mean"] for r in rows]),
+                ess=np.nanmean([r["charts/ess"] for r in metrics if "charts/ess" in r]), lag=np.mean([r["charts/lag_mean"] for r in rows]),
                 start=rows[0]["wall"])
 
 

@@ -301,8 +301,9 @@ def _run(*flags, timeout=600):
 
 
 def _rows(out):
+    """The run directory and its trained steps' rows (a skipped batch's row has charts/ess but no losses)."""
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    return run_dir, [r for r in common.read_metrics(run_dir) if "charts/ess" in r]
+    return run_dir, [r for r in common.read_metrics(run_dir) if "losses/loss" in r]
 
 
 SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--eval-problems", "8", "--eval-samples", "2"]
@@ -359,13 +360,19 @@ def test_the_sampler_decodes_h_sequences_at_once(monkeypatch, tmp_path, flags, m
 
 def test_ess_guard_skips_stale_batches():
     """With a threshold that only (near) on-policy data passes, batches holding tokens from
-    before the last push are skipped and the trainer waits for fresh data, yet the run finishes."""
+    before the last push are skipped and the trainer waits for fresh data, yet the run finishes.
+    Every batch's ESS is logged, the skipped ones' too (with the skip counter): the guard does not
+    make the logged ESS look more on-policy than the data was. H = B, the default."""
     out = _run("--exp-name", "pytest_prl_ess", "--ess-threshold", "0.9999", *SMALL)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir, rows = _rows(out)
-    assert json.loads((run_dir / "args.json").read_text())["gen_batch_size"] == 16  # H = B, the default
+    assert json.loads((run_dir / "args.json").read_text())["gen_batch_size"] == 16
     assert all(r["charts/ess"] >= 0.9999 for r in rows)  # only (near) on-policy batches were trained on
     assert rows[-1]["charts/skipped_steps"] > 0  # after each in-flight push the stale batches were skipped
+    skips = [r for r in common.read_metrics(run_dir) if "charts/ess" in r and "losses/loss" not in r]
+    assert [r["charts/skipped_steps"] for r in skips] == list(range(1, int(rows[-1]["charts/skipped_steps"]) + 1))
+    assert all(r["charts/ess"] < 0.9999 and r["charts/lag_max"] >= 1 for r in skips)
+    assert len([r for r in common.read_metrics(run_dir) if "charts/ess" in r]) == len(rows) + len(skips)
 
 
 # --max-lag 0 on a fixed seed: the run that both the Conventional-RL parity test and the torchrun
@@ -426,8 +433,9 @@ def test_nonfinite_step_is_skipped_counted_and_never_pushed():
     run_dir, rows = _rows(out)
     assert [line for line in out.stdout.splitlines() if line.startswith("PUSH")] == ["PUSH 1", "PUSH 2"]
     assert [r["step"] for r in rows] == [1, 2] and [r["charts/nonfinite_skipped"] for r in rows] == [1, 1]
-    skip_rows = [r for r in common.read_metrics(run_dir) if "charts/ess" not in r and "charts/nonfinite_skipped" in r]
+    skip_rows = [r for r in common.read_metrics(run_dir) if "losses/loss" not in r and "charts/nonfinite_skipped" in r]
     assert [(r["step"], r["charts/nonfinite_skipped"]) for r in skip_rows] == [(0, 1)]
+    assert skip_rows[0]["charts/ess"] == pytest.approx(1.0, abs=1e-3)  # its ESS is logged too (the loss was poisoned, not the data)
 
 
 def test_realistic_model_with_top_p_and_chat_template(realistic_path):
@@ -482,7 +490,7 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
     assert out.returncode == 0, out.stderr[-3000:]
     runs = {"two": tmp_path / out.stdout.split("run directory: ")[1].split()[0], "one": _rows(zero_lag_pipeline)[0]}
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
-    rows = {k: [r for r in common.read_metrics(d) if "charts/ess" in r] for k, d in runs.items()}
+    rows = {k: [r for r in common.read_metrics(d) if "losses/loss" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [1, 2, 3]
     for key in ("charts/reward", "charts/ess", "charts/is_max_ratio", "losses/loss", "losses/pg", "losses/grad_norm"):
         assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key
