@@ -61,7 +61,8 @@ class Args:
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
-    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    stays fp32 either way (the difference is the training-inference mismatch, charts/logprob_diff: the truncated IS
+    against the sampler's logprobs corrects it, --is-clip)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
 
@@ -97,7 +98,8 @@ class Args:
     gradient_checkpointing: bool = False
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
     is_clip: float = 5.0
-    """c: token importance weights pi/mu are truncated at c (the paper's 5)"""
+    """c: token importance weights pi/mu are truncated at c (Eq. 5; the paper clamps at 5, Section 5). mu is the sampler's
+    logprob by design (the logprob contract), so the same weight also corrects the training-inference mismatch"""
     ess_threshold: float | None = None
     """skip a step whose batch ESS (Eq. 6) is below this and wait for a batch from the current weights (0: never)
     [pipeline 0.5; conventional 0]. The guard is Algorithm 2's (lines 20-23; the paper gives no value); Algorithm 1
