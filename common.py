@@ -435,6 +435,37 @@ class _Tee(io.TextIOBase):
         return len(text)
 
 
+RUN_LENGTH = ("num_rounds", "num_steps", "num_iterations")  # what a resume may change without --resume-changes: how long it runs
+
+
+def parse_args(args_cls, argv: list[str] | None = None):
+    """tyro.cli(args_cls); on `--resume RUN` the saved run's args.json supplies the defaults, so the run
+    continues as it was started whatever the command line leaves out. A flag given with a value other
+    than the saved one is refused in one line naming it (the run would silently change), unless
+    `--resume-changes` says so; the run's length (RUN_LENGTH) may always be extended."""
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = tyro.cli(args_cls, args=argv)
+    if not args.resume:
+        return args
+    saved_file = (Path(args.resume) if Path(args.resume).is_dir() else Path(args.resume).parent) / "args.json"
+    if not saved_file.is_file():
+        return args
+    fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    saved = {k: tuple(v) if isinstance(v, list) and "tuple" in str(fields[k].type) else v
+             for k, v in json.loads(saved_file.read_text()).items() if k in fields}
+    base = dataclasses.replace(args_cls(), **saved)
+    resumed = tyro.cli(args_cls, args=argv, default=base)
+    changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes")
+               and getattr(resumed, name) != getattr(base, name)]
+    if changed and not resumed.resume_changes:
+        what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})" for n in changed)
+        raise SystemExit(f"error: {what}: differs from the run being resumed ({saved_file}); leave it out to continue as saved, "
+                         "or add --resume-changes")
+    return resumed
+
+
 def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
     """runs/<exp_name>__<seed>__<unix time> (RunLogger adds -1, -2, ... if that exists already); a
     resumed run keeps the directory it resumes from, after checking its checkpoint (so that a bad
@@ -450,8 +481,8 @@ class RunLogger:
     metric), TensorBoard event files, and wandb when `track`."""
 
     def __init__(self, run_name: str, args: Any, track: bool = False, wandb_project: str = "fast-rl-llm", root: str = "runs"):
-        if getattr(args, "resume", None):
-            self.dir = Path(root) / run_name
+        if getattr(args, "resume", None):  # the run goes on in its own directory, wherever that is
+            self.dir = Path(args.resume) if Path(args.resume).is_dir() else Path(args.resume).parent
             self.dir.mkdir(parents=True, exist_ok=True)
         else:  # a new run gets a directory of its own, even when another run starts in the same second
             Path(root).mkdir(parents=True, exist_ok=True)
@@ -470,7 +501,11 @@ class RunLogger:
         if track:  # before the writer: wandb mirrors TensorBoard's scalars (sync_tensorboard)
             import wandb
 
-            wandb.init(project=wandb_project, name=self.dir.name, config=config, dir=str(self.dir), sync_tensorboard=True)
+            id_file = self.dir / "wandb_id"  # a resumed run continues its W&B run
+            run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            wandb.init(project=wandb_project, name=self.dir.name, id=run_id, resume="allow", config=config, dir=str(self.dir),
+                       sync_tensorboard=True)
         try:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -56,7 +56,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import tyro
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
@@ -199,7 +198,10 @@ class Args:
     """keep the policy's weights every N iterations in <run>/snapshots/, with the wall time, from iteration 0
     (benchmarks/learning_speed.py evaluates them after the run; 0: never)"""
     resume: str | None = None
-    """run directory (or checkpoint file) to continue from"""
+    """run directory (or checkpoint file) to continue from, with the flags it was started with (its args.json)"""
+    resume_changes: bool = False
+    """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
+    length may always be extended)"""
 
 
 TINY = dict(num_iterations=60, batch_size=64, num_ppo_epochs=2, learning_rate=1e-4, kl_coef=0.01, temperature=1.0,
@@ -542,7 +544,7 @@ def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
 
 
 def main():
-    args = tyro.cli(Args)
+    args = common.parse_args(Args)  # on --resume: the saved run's flags
     tiny = args.model == common.TINY
     for name, value in (TINY if tiny else PAPER).items():
         if getattr(args, name) is None:

@@ -19,7 +19,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-import tyro
 
 import common
 import distributed
@@ -111,7 +110,10 @@ class Args:
     """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
     evaluates them after the run; 0: never)"""
     resume: str | None = None
-    """run directory (or checkpoint file) to continue from"""
+    """run directory (or checkpoint file) to continue from, with the flags it was started with (its args.json)"""
+    resume_changes: bool = False
+    """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
+    length may always be extended)"""
 
     # learner memory: how the numbers are computed, not what they are
     micro_batch_tokens: int = 8192
@@ -268,7 +270,7 @@ def ess(weights: torch.Tensor) -> float:
 
 
 def main():
-    args = tyro.cli(Args)
+    args = common.parse_args(Args)  # on --resume: the saved run's flags
     defaults = TINY if args.model == common.TINY else PAPER
     for name, value in defaults.items():
         if getattr(args, name) is None:

@@ -1,6 +1,7 @@
 import json
 import os
 import random
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -89,6 +90,40 @@ def test_memory_defaults_are_on_for_a_real_model_on_a_gpu_only(monkeypatch):
     assert filled("Qwen/Qwen2.5-0.5B", cuda=False) == (False, False)  # a CPU learner: exact fp32
     assert filled(common.TINY, cuda=True) == (False, False)
     assert filled("Qwen/Qwen2.5-0.5B", cuda=True, autocast_bf16=False) == (False, True)  # a flag given stays
+
+
+def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_path):
+    import dataclasses
+
+    import rloo_kreuse as rloo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = dataclasses.asdict(rloo.Args(k=8, top_p=0.9, num_rounds=10, group_size=4, sampler_url=["http://a"]))
+    (run / "args.json").write_text(json.dumps(saved))
+    args = common.parse_args(rloo.Args, ["--resume", str(run)])
+    assert (args.k, args.top_p, args.group_size, args.sampler_url) == (8, 0.9, 4, ["http://a"])  # forgetting --k 8 keeps K=8
+    assert common.parse_args(rloo.Args, ["--resume", str(run), "--num-rounds", "20", "--k", "8"]).num_rounds == 20
+    with pytest.raises(SystemExit) as refused:
+        common.parse_args(rloo.Args, ["--resume", str(run), "--k", "4"])
+    assert str(refused.value).startswith("error: --k 4 (saved: 8): differs from the run being resumed") and "\n" not in str(refused.value)
+    assert common.parse_args(rloo.Args, ["--resume", str(run), "--k", "4", "--resume-changes"]).k == 4
+    assert common.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    inits = []
+    fake = SimpleNamespace(init=lambda **kw: inits.append(kw), finish=lambda: None, util=SimpleNamespace(generate_id=lambda: "abc123"))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = SimpleNamespace(resume=None, seed=1)
+    first = common.RunLogger("run", args, track=True, root=str(tmp_path))
+    first.close()
+    fake.util.generate_id = lambda: "another"
+    again = common.RunLogger("run", SimpleNamespace(resume=str(first.dir), seed=1), track=True, root=str(tmp_path / "elsewhere"))
+    again.close()
+    assert again.dir == first.dir and [kw["id"] for kw in inits] == ["abc123", "abc123"] and inits[1]["resume"] == "allow"
 
 
 def test_check_args_names_the_flag():

@@ -106,8 +106,8 @@ def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
     assert (w - 1).abs().max() > 1e-2 and rloo.ess(w) < 1.0
 
 
-def _run(*flags, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=WORK, capture_output=True, text=True, timeout=timeout)
+def _run(*flags, timeout=600, cwd=WORK):
+    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
 def test_two_rounds_from_the_command_line_then_resume():
@@ -128,11 +128,18 @@ def test_two_rounds_from_the_command_line_then_resume():
     assert (run_dir / "checkpoint.pt").exists() and json.loads((run_dir / "args.json").read_text())["k"] == 2
     assert "| K | wall (s)" in out.stdout and "pass@1" in out.stdout
 
-    resumed = _run(*flags, "--num-rounds", "3", "--resume", str(run_dir))
+    # a flag that would change the resumed run is refused in one line naming it, before anything loads
+    changed = _run("--resume", str(run_dir), "--k", "4", "--num-rounds", "3")
+    assert changed.returncode != 0 and changed.stderr.strip().splitlines()[-1].startswith("error: --k 4 (saved: 2)")
+    # the saved flags are the defaults (K=2, top-p 0.9, ...): only the run's length is given, from another directory
+    elsewhere = Path(tempfile.mkdtemp(prefix="fastrl-elsewhere-"))
+    resumed = _run("--num-rounds", "3", "--resume", str(run_dir.resolve()), cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout and "round 1/" not in resumed.stdout
+    assert not (elsewhere / "runs").exists()  # the run went on in its own directory
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert (state["round"], state["step"]) == (3, 6)
+    assert json.loads((run_dir / "args.json").read_text())["top_p"] == 0.9
 
     # the trained policy is also a Hugging Face model directory that transformers and vLLM load as is
     from transformers import AutoModelForCausalLM
