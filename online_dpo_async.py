@@ -26,7 +26,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 
 import common
 import distributed
@@ -52,7 +51,8 @@ class Args:
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
-    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis-cap)"""
+    stays in --dtype either way (the difference, the training-inference mismatch, is charts/logprob_diff; DPO's loss uses only
+    the learner's own logprobs of policy and reference, so it has nothing to correct)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
 
@@ -113,11 +113,17 @@ class Args:
     """token budget of one forward/backward: pairs (and, for the reference, sequences) sorted by length are packed into
     micro-batches of at most this many padded tokens (rows x longest row; a longer pair goes alone); the gradients
     accumulate to exactly the minibatch's"""
-    autocast_bf16: bool = False
-    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay fp32.
-    The logprobs are then bf16-accurate (see charts/logprob_diff)"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
+    autocast_bf16: bool | None = None
+    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype.
+    The logprobs are then bf16-accurate (see charts/logprob_diff) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    gradient_checkpointing: bool | None = None
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
+    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 3e-6 rounds away
+    on most weights"""
+    sampler_gpu_memory: float | None = None
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
 
     # evaluation, logging, checkpoints
     eval_decoding: Literal["greedy", "sample"] | None = None
@@ -132,7 +138,10 @@ class Args:
     """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
     evaluates them after the run; 0: never)"""
     resume: str | None = None
-    """run directory (or checkpoint file) to continue from"""
+    """run directory (or checkpoint file) to continue from, with the flags it was started with (its args.json)"""
+    resume_changes: bool = False
+    """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
+    length may always be extended)"""
 
 
 PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, temperature=0.7,
@@ -151,7 +160,7 @@ FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fix
 def parse_args(argv: list[str] | None = None) -> Args:
     """The command line, with every None default filled in (an explicit flag wins, then the task's
     defaults, then the model's: paper or tiny) and every value checked before anything starts."""
-    args = tyro.cli(Args, args=argv)
+    args = common.parse_args(Args, argv)  # on --resume: the saved run's flags
     tiny = args.model == common.TINY
     task_defaults = (GSM8K | ({} if tiny else GSM8K_PAPER)) if args.task == "gsm8k" else {}
     model_defaults = TINY if tiny else PAPER
@@ -181,6 +190,9 @@ def parse_args(argv: list[str] | None = None) -> Args:
     common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     common.check_sampler_urls(args.sampler_url)
+    common.check_run_flags(args)
+    common.memory_defaults(args)
+    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
     common.check_args(args.missing_eos_penalty >= 0, "--missing-eos-penalty",
                       f"must be >= 0 (replace gives the score -penalty), got {args.missing_eos_penalty}")
     common.check_args(args.eval_samples >= 1, "--eval-samples", f"must be >= 1, got {args.eval_samples}")
@@ -330,11 +342,11 @@ def main():
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
-    policy = common.load_policy(model_path, device)
+    policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype))
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False)
+    ref_policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False)
     # what the sampler's weight sync reads (and snapshots, the HF directory): the policy itself, or under torchrun rank 0's full copy
     push_model = distributed.push_copy(policy, dist)
     policy, ref_policy = distributed.shard(policy, dist), distributed.shard(ref_policy, dist)
@@ -357,6 +369,7 @@ def main():
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+                                         gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
                                          weights=push_model, version=step) if dist.is_main else None
     try:
