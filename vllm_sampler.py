@@ -800,7 +800,13 @@ class Sampler(WeightPusher):
         placement (weight_sync.weight_backend). `background`: pushes may run in a thread
         (push_weights(background=True)); they send a snapshot of the weights kept in a second copy
         of the model, so that training can go on while the sampler loads them."""
-        self._start_weight_engine(weight_backend(self.placement), model, background)
+        self._start_weight_engine(weight_backend(self.placement), model, background, dtype=self.weight_dtype())
+
+    def weight_dtype(self) -> torch.dtype | None:
+        """The dtype of the sampler's weights (resolve_dtype), which pushes are cast to on the learner
+        (weight_sync.sampler_source); None for a name torch does not know (then vLLM's loader casts)."""
+        dtype = getattr(torch, resolve_dtype(self.config.dtype, self.placement), None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     def _push_deadline(self) -> float:
         return 4 * self.config.call_timeout

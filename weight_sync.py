@@ -43,10 +43,54 @@ def wait_for_learner_kernels(device: torch.device | str, cuda=torch.cuda) -> boo
     return True
 
 
-def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2):
+MIN_PACKED_BYTES = 64 * 2**20
+
+
+def packed_buffer_bytes(tensor_bytes: list[int]) -> int:
+    """The packed staging buffer of vLLM's nccl and ipc pushes, in bytes: vLLM's default is a fixed 1 GiB
+    (vllm/distributed/weight_transfer/packed_tensor.py:15), two of them on each side for NCCL (:16), allocated
+    per push for IPC (:342). It must hold the largest tensor (ipc: :356-361 raises; nccl: :110-116 warns and
+    overflows the chunk), and beyond that a bigger one only means fewer chunks. So: the largest tensor, at least
+    MIN_PACKED_BYTES (fewer, larger chunks for models of many small tensors), never more than the whole push.
+    Qwen2.5-0.5B in bf16: its 272 MB embedding instead of 1 GiB."""
+    if not tensor_bytes:
+        return MIN_PACKED_BYTES
+    return max(max(tensor_bytes), min(sum(tensor_bytes), MIN_PACKED_BYTES))
+
+
+def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None):
+    """vLLM's ModuleSource over `module` (vllm/distributed/weight_transfer/base.py:244-265), its floating-point
+    parameters sent in the sampler's `dtype`: a bf16 sampler receives half the bytes, and no load-time cast
+    warns (vllm/model_executor/models/utils.py:324-340 warns at every push for each fp32 tensor loaded into a
+    bf16 parameter that way). The cast is the one vLLM's loaders apply: `param.data.copy_(loaded_weight)`
+    (vllm/model_executor/model_loader/weight_utils.py:1490; the linear layers' loaders also copy_) converts
+    as `Tensor.to` does, round to nearest even. None, or a dtype the parameters already have: vLLM's
+    ModuleSource itself, which sends the parameters as they are (fp32 CPU runs unchanged, bit for bit)."""
+    from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
+
+    if dtype is None or all(p.dtype == dtype or not p.dtype.is_floating_point for p in module.parameters()):
+        return ModuleSource(module)
+
+    def wire(d: torch.dtype) -> torch.dtype:
+        return dtype if d.is_floating_point else d
+
+    class CastSource(ModuleSource):
+        def metadata(self):
+            return [ParamMeta(m.name, wire(m.dtype), m.shape) for m in super().metadata()]
+
+        def __iter__(self):
+            for name, tensor in super().__iter__():
+                yield name, tensor.detach().to(wire(tensor.dtype))
+
+    return CastSource(module)
+
+
+def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2, packed_bytes: int | None = None):
     """The learner's (rank 0) init info for vLLM's WeightTransferTrainerFactory.trainer_init.
     `master_address`: where the learner listens (loopback for a local sampler); `world_size`: 1 +
-    the sampler workers."""
+    the sampler workers; `packed_bytes`: the nccl and ipc engines' staging buffer (packed_buffer_bytes;
+    None: vLLM's default, 1 GiB)."""
+    packed = {} if packed_bytes is None else {"packed_buffer_size_bytes": packed_bytes}
     if backend == "shm":
         import shm_transfer
 
@@ -59,11 +103,13 @@ def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_siz
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_open_port
 
-        # vLLM's NCCL trainer takes a port, not a bound socket: a free one, bound again by its store
-        return NCCLTrainerInitInfo(rank=0, master_address=master_address, master_port=get_open_port(), world_size=world_size)
+        # vLLM's NCCL trainer takes a port, not a bound socket: a free one, bound again by its store;
+        # the trainer passes the buffer size on to the workers (nccl_engine.py:294-302), so both sides agree
+        return NCCLTrainerInitInfo(rank=0, master_address=master_address, master_port=get_open_port(), world_size=world_size,
+                                   **packed)
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-    return IPCTrainerInitInfo(rank=0, packed=True)  # one handle for a packed buffer, not one per tensor
+    return IPCTrainerInitInfo(rank=0, packed=True, **packed)  # one handle for a packed buffer, not one per tensor
 
 
 class WeightPusher:
@@ -77,13 +123,14 @@ class WeightPusher:
     _model = None
 
     def _start_weight_engine(self, backend: str, model: torch.nn.Module, background: bool, master_address: str = "127.0.0.1",
-                             world_size: int = 2) -> None:
+                             world_size: int = 2, dtype: torch.dtype | None = None) -> None:
         """Start vLLM's trainer engine for `backend` with this client, reading `model`, or with
         `background` a snapshot copy of it (training goes on while a thread sends the snapshot).
-        A failure is a SamplerError."""
+        `dtype`: the sampler's weight dtype, which pushes are cast to on the learner (sampler_source; the
+        snapshot is kept in it, half the memory for a bf16 sampler). A failure is a SamplerError."""
         import copy
+        import math
 
-        from vllm.distributed.weight_transfer.base import ModuleSource
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         import gloo_transfer
@@ -94,9 +141,15 @@ class WeightPusher:
         self._device = next(iter(model.parameters()), torch.empty(0)).device
         if background:
             self._snapshot = model = copy.deepcopy(model).requires_grad_(False)
+            if dtype is not None:
+                for p in model.parameters():  # the snapshot's copy_ then rounds as the cast would
+                    if p.dtype.is_floating_point:
+                        p.data = p.data.to(dtype)
         try:
-            info = trainer_init_info(backend, master_address, world_size)
-            self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=ModuleSource(model))
+            source = sampler_source(model, dtype)
+            packed_bytes = packed_buffer_bytes([math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()])
+            info = trainer_init_info(backend, master_address, world_size, packed_bytes)
+            self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=source)
         except SamplerError:
             raise
         except Exception as e:

@@ -98,6 +98,82 @@ def test_engine_settings_honour_explicit_choices():
     assert settings["dtype"] == "float16" and settings["gpu_memory_utilization"] == 0.5
 
 
+def test_packed_push_buffer_is_sized_to_the_largest_tensor():
+    """vLLM's fixed 1 GiB staging buffer, sized instead to what the push needs (at least its largest tensor)."""
+    qwen_embedding = 151936 * 896 * 2  # Qwen2.5-0.5B's embedding in bf16: 272 MB
+    assert weight_sync.packed_buffer_bytes([qwen_embedding, 896 * 4864 * 2, 896 * 2]) == qwen_embedding
+    assert weight_sync.packed_buffer_bytes([1000, 3000]) == 4000  # a small model: one chunk, no bigger than it
+    assert weight_sync.packed_buffer_bytes([2**20] * 200) == weight_sync.MIN_PACKED_BYTES  # many small ones
+    assert weight_sync.trainer_init_info("ipc", packed_bytes=4000).packed_buffer_size_bytes == 4000
+    nccl = weight_sync.trainer_init_info("nccl", packed_bytes=4000)
+    assert nccl.packed_buffer_size_bytes == 4000 and nccl.packed
+
+
+def test_pushes_go_in_the_samplers_dtype_rounded_as_vllms_loader_rounds():
+    """A bf16 sampler gets bf16 tensors, rounded exactly as vLLM's loader would have rounded the fp32 ones;
+    an fp32 sampler gets the parameters themselves (CPU runs unchanged, bit for bit)."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Embedding(16, 64))
+    with torch.no_grad():
+        model[0].weight.mul_(1 + 1e-3 * torch.randn_like(model[0].weight))  # values bf16 cannot hold
+    source = weight_sync.sampler_source(model, torch.bfloat16)
+    assert [(m.name, m.dtype) for m in source.metadata()] == [(n, torch.bfloat16) for n, _ in model.named_parameters()]
+    for (name, sent), (_, param) in zip(source, model.named_parameters()):
+        loaded_by_vllm = torch.empty(param.shape, dtype=torch.bfloat16)
+        default_weight_loader(loaded_by_vllm, param.detach())  # what the sampler did with an fp32 push
+        assert sent.dtype == torch.bfloat16 and torch.equal(sent.view(torch.int16), loaded_by_vllm.view(torch.int16)), name
+    exact = weight_sync.sampler_source(model, torch.float32)
+    assert type(exact) is ModuleSource and all(sent is param for (_, sent), param in zip(exact, model.parameters()))
+    assert type(weight_sync.sampler_source(model, None)) is ModuleSource
+
+
+def test_a_background_push_to_a_bf16_sampler_keeps_a_bf16_snapshot():
+    """The learner's half of a real (shm) push with the sampler's calls recorded instead: a bf16 sampler's
+    snapshot is bf16 (half the memory), and what lands in the shared buffer is the model cast to bf16."""
+
+    class Recorder(weight_sync.WeightPusher):
+        calls = []
+
+        def init_weight_transfer_engine(self, info):
+            self.calls.append(("init", info))
+
+        def start_weight_update(self):
+            self.calls.append(("start",))
+
+        def update_weights(self, info):
+            self.calls.append(("update", info))
+
+        def finish_weight_update(self):
+            self.calls.append(("finish",))
+
+        def _push_deadline(self):
+            return 60.0
+
+        def _send_weights(self, version, recompute_kv, when_idle):
+            self._weight_engine.send_weights()
+            self.version = version
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    pusher = Recorder()
+    pusher._start_weight_engine("shm", model, background=True, dtype=torch.bfloat16)
+    try:
+        assert all(p.dtype == torch.bfloat16 for p in pusher._snapshot.parameters())
+        with torch.no_grad():
+            model[0].weight.add_(0.123456)
+        pusher.push_weights(1, background=True)
+        pusher.wait_for_push()
+        update = [c[1] for c in Recorder.calls if c[0] == "update"][-1]
+        assert set(update["dtype_names"]) == {"bfloat16"}
+        for view, param in zip(pusher._weight_engine.views, model.parameters()):
+            assert torch.equal(view, param.detach().to(torch.bfloat16))
+    finally:
+        pusher._weight_engine.shutdown()
+
+
 def test_vllm_nccl_and_ipc_transfer_types_build_from_the_installed_vllm():
     """The trainer-side init and update infos our Sampler builds for the GPU backends."""
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
