@@ -18,7 +18,9 @@ weight sync from the learner. What every script relies on (the sampler contract)
   queue; `resume()` continues them.
 - **Failure.** Every wait has a deadline and watches the process and its heartbeat: a dead,
   stopped or frozen sampler is a `SamplerError` in the learner within seconds, never a hang; the
-  sampler process ends as soon as the learner is gone.
+  sampler process ends as soon as the learner is gone. A push that vLLM rejects (a tensor of the wrong
+  shape) or that leaves a layer with its old weights is a `SamplerError` naming them, and the sampler
+  does not decode again until a push succeeds.
 
 Placement: "cpu" (vLLM's CPU backend, weights through shared memory, `shm_transfer.py`),
 "colocate" (the learner's GPU, CUDA IPC), "separate" (its own GPU, NCCL); `weight_sync.py` picks

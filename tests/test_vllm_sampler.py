@@ -49,6 +49,7 @@ def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
     _check_push_matches_learner(model, tokenizer, sampler)
     # a push that leaves a parameter out fails in the learner, naming it (it used to keep its old weights silently)
     _check_push_without_a_layer_fails(tiny_path, sampler, "model.layers.0.mlp.down_proj.weight")
+    _check_push_of_a_wrong_shape_fails(tiny_path, sampler)
     sampler.init_weight_sync(model)  # the next whole push brings it back (the session's sampler serves other tests)
     sampler.push_weights(sampler.version + 1)
     _check_push_matches_learner(model, tokenizer, sampler)
@@ -64,12 +65,16 @@ def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
         assert own.weight_load_path() == "layerwise"
         _check_push_matches_learner(model, tokenizer, own)
         _check_push_without_a_layer_fails(tiny_path, own, r"model.layers.0.mlp.down_proj \(RowParallelLinear: weight\)")
-        bad = common.load_policy(tiny_path, "cpu")
-        weight = bad.model.layers[1].self_attn.o_proj.weight
-        bad.model.layers[1].self_attn.o_proj.weight = torch.nn.Parameter(weight[:, :-1].clone())
-        own.init_weight_sync(bad)
-        with pytest.raises(vllm_sampler.SamplerError, match=r"could not load 'model.layers.1.self_attn.o_proj.weight' \(shape"):
-            own.push_weights(own.version + 1)
+        _check_push_of_a_wrong_shape_fails(tiny_path, own)
+
+
+def _check_push_of_a_wrong_shape_fails(tiny_path, sampler):
+    bad = common.load_policy(tiny_path, "cpu")
+    weight = bad.model.layers[1].self_attn.o_proj.weight
+    bad.model.layers[1].self_attn.o_proj.weight = torch.nn.Parameter(weight[:, :-1].clone())
+    sampler.init_weight_sync(bad)
+    with pytest.raises(vllm_sampler.SamplerError, match=r"could not load 'model.layers.1.self_attn.o_proj.weight' \(shape"):
+        sampler.push_weights(sampler.version + 1)
 
 
 def _check_push_without_a_layer_fails(tiny_path, sampler, named):
