@@ -114,6 +114,15 @@ class RewardModel:
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.batch_size = device, batch_size
 
+    def conversations(self, problems: list[Problem], completions: list[str]) -> list[str]:
+        """What the reward model reads: the exchange in its own chat template when its tokenizer has one
+        (the user turn, and the reply with the start the task gave it), else the prompt and the completion."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [p.prompt + c for p, c in zip(problems, completions)]
+        return [self.tokenizer.apply_chat_template([{"role": "user", "content": p.user or p.prompt},
+                                                    {"role": "assistant", "content": p.assistant_start + c}], tokenize=False)
+                for p, c in zip(problems, completions)]
+
     @torch.no_grad()
     def score(self, texts: list[str]) -> list[float]:
         scores: list[float] = []
@@ -146,7 +155,7 @@ def resolve_model(name: str, task: str = "countdown") -> str:
 def check_run_flags(args) -> None:
     """The flags every script shares that can be checked before anything loads, each refused in one
     line naming it: --track without wandb, a GPU placement without a GPU, a local --model directory
-    that does not exist (rather than the Hub's repo-id rules)."""
+    that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template."""
     import importlib.util
 
     check_args(not args.track or importlib.util.find_spec("wandb") is not None, "--track",
@@ -155,6 +164,8 @@ def check_run_flags(args) -> None:
         gpus = torch.cuda.device_count()
         check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
                    f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use --placement cpu or auto")
+    check_args(getattr(args, "system_prompt", None) is None or args.chat_template, "--system-prompt",
+               "is the system turn of a chat template: add --chat-template")
     local = args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
     check_args(args.model == TINY or not local or Path(args.model).expanduser().is_dir(), "--model",
                f"no such directory: {args.model} (a Hub id looks like Qwen/Qwen2.5-0.5B; --model tiny is the built-in model)")
@@ -363,14 +374,18 @@ def peak_memory_mib(sampler=None) -> dict[str, float]:
 def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
                    chat_template: bool = False) -> tuple[list[Problem], list[list[int]], int]:
     """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`.
-    `chat_template`: wrap each prompt as one user turn in the tokenizer's chat template with the
-    assistant's generation prompt (instruct models; TinyZero's instruct setting). Returns the
-    kept problems, their token ids and how many were skipped (log it)."""
+    `chat_template` (instruct models): the problem's system turn (if any) and user turn (its `user`,
+    else its prompt) in the tokenizer's chat template with the assistant's generation prompt, then the
+    start of the assistant's reply the task gives (TinyZero's instruct setting: "Let me solve this step
+    by step.\n<think>"), which the model continues. Returns the kept problems, their token ids and how
+    many were skipped (log it)."""
     kept, ids = [], []
     for problem in problems:
         if chat_template:
-            tokens = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"]
+            messages = [{"role": "system", "content": problem.system}] if problem.system else []
+            messages.append({"role": "user", "content": problem.user or problem.prompt})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + problem.assistant_start
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has its own special tokens
         else:
             tokens = tokenizer(problem.prompt, add_special_tokens=True)["input_ids"]
         if len(tokens) <= max_prompt_tokens:

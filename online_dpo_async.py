@@ -43,8 +43,17 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
-    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub or gsm8k; scored by the verifier unless --reward-model"""
+    task: str = "countdown"
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
+    a line) or hf:DATASET[:CONFIG] (README "Your own data and reward"); scored by the task's reward unless --reward-model or --reward"""
+    reward: str | None = None
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    reward; what counts as correct (accuracy, pass@k) stays the task's"""
+    prompt_field: str = "prompt"
+    """the prompt's field in a .jsonl or hf: task"""
+    answer_field: str = "answer"
+    """the reference answer's field in a .jsonl or hf: task (correct: the completion's final answer equals it)"""
     reward_model: str | None = None
     """an HF sequence-classification reward model (num_labels=1) to score completions instead"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
@@ -107,6 +116,8 @@ class Args:
     epoch (before #27). The countdown generators have no epochs: every position is a new problem"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
+    system_prompt: str | None = None
+    """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
     # learner memory: how the numbers are computed, not what they are
     micro_batch_tokens: int = 8192
@@ -351,7 +362,9 @@ def main():
     push_model = distributed.push_copy(policy, dist)
     policy, ref_policy = distributed.shard(policy, dist), distributed.shard(ref_policy, dist)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, gsm8k_match=args.gsm8k_match)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, gsm8k_match=args.gsm8k_match,
+                           reward=args.reward, prompt_field=args.prompt_field, answer_field=args.answer_field,
+                           system_prompt=args.system_prompt)
     train_size = len(task.train) if isinstance(task, tasks.ListTask) else None  # a fixed train split has epochs (--shuffle-train)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     # rank 0 scores and hands every rank the rewards (the pairs must be the same on every rank): only it needs the reward model
@@ -404,8 +417,7 @@ def main():
         def score(problems, samples):
             texts = [s.text for s in samples]
             if reward_model is not None:
-                prompts = [problems[i // args.group_size].prompt for i in range(len(samples))]
-                scores = reward_model.score([p + t for p, t in zip(prompts, texts)])
+                scores = reward_model.score(reward_model.conversations([problems[i // args.group_size] for i in range(len(samples))], texts))
             else:
                 scores = [task.reward(t, problems[i // args.group_size]) for i, t in enumerate(texts)]
             ended_with_eos = torch.tensor([s.finish_reason == "stop" for s in samples])

@@ -74,8 +74,17 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id: the actor, and the init of critic and reference"""
-    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub or gsm8k"""
+    task: str = "countdown"
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
+    a line) or hf:DATASET[:CONFIG] (README "Your own data and reward")"""
+    reward: str | None = None
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    reward; what counts as correct (accuracy, pass@k) stays the task's"""
+    prompt_field: str = "prompt"
+    """the prompt's field in a .jsonl or hf: task"""
+    answer_field: str = "answer"
+    """the reference answer's field in a .jsonl or hf: task (correct: the completion's final answer equals it)"""
     reward_model: str | None = None
     """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
     critic_model: str | None = None
@@ -93,6 +102,8 @@ class Args:
     in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
     chat_template: bool = False
     """wrap each prompt as a user turn in the tokenizer's chat template (instruct models)"""
+    system_prompt: str | None = None
+    """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
     # PPO
     num_iterations: int | None = None
@@ -615,7 +626,9 @@ def main():
     # taken now: under torchrun a no-grad forward leaves a model's root gathered, and parameters() would then name the
     # gathered copies instead of the shards the optimizer holds
     parameters = list(learner.parameters())
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny, reward=args.reward, prompt_field=args.prompt_field,
+                           answer_field=args.answer_field,
+                           system_prompt=args.system_prompt)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
     print(f"run directory: {logger.dir}")

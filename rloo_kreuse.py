@@ -36,9 +36,17 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
-    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] | None = None
+    task: str | None = None
     """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
-    data, the report's Sec. 4.1) or gsm8k [paper countdown-hub; tiny countdown]"""
+    data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
+    a line) or hf:DATASET[:CONFIG] (README "Your own data and reward") [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
+    reward: str | None = None
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    reward; what counts as correct (accuracy, pass@k) stays the task's"""
+    prompt_field: str = "prompt"
+    """the prompt's field in a .jsonl or hf: task"""
+    answer_field: str = "answer"
+    """the reference answer's field in a .jsonl or hf: task (correct: the completion's final answer equals it)"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -94,6 +102,8 @@ class Args:
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
+    system_prompt: str | None = None
+    """the system turn under --chat-template, instead of the task's own ("" for none)"""
     overlap: bool = False
     """generate round r+1 while the learner does the K steps of round r (one round off-policy)"""
 
@@ -315,7 +325,9 @@ def main():
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
+                           prompt_field=args.prompt_field, answer_field=args.answer_field,
+                           system_prompt=args.system_prompt)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype))
     if args.gradient_checkpointing:

@@ -20,11 +20,14 @@ and every reward runs in time linear in the completion.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
+import json
 import random
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,6 +148,11 @@ class Problem:
     target: int = 0
     answer: str = ""  # a known solution (Countdown) or the reference answer (GSM8K)
     steps: list[str] = field(default_factory=list)  # Countdown: the known solution's steps, "a*b=c"
+    # under --chat-template (common.encode_prompts): the system turn, the user turn (empty: the prompt) and the start of
+    # the assistant's reply that the model continues (empty: none)
+    system: str = ""
+    user: str = ""
+    assistant_start: str = ""
 
 
 def _solution_string(rng: np.random.Generator, numbers: list[int], max_target: int) -> tuple[str, int, list[str]] | None:
@@ -188,6 +196,15 @@ TINY_TASK = dict(min_numbers=3, max_numbers=3, max_number=9, max_target=100, pro
 # of it is answer, none is junk after it.
 STEPS_NUMBER_WEIGHTS = (16, 8, 4, 2, 1)  # numbers 3, 4, 5, 6, 7
 TINY_STEPS_TASK = dict(TINY_TASK, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, show_steps=True, name="countdown-steps")
+# the same for an instruct model under --chat-template, as TinyZero's qwen-instruct template splits it
+CHAT_SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in the mind and then provide the user "
+               "with the answer.")
+CHAT_USER = (
+    "Using the numbers {numbers_list}, create an equation that equals {target}. You can use basic arithmetic operations "
+    "(+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. And return the final "
+    "answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
+CHAT_ASSISTANT_START = "Let me solve this step by step.\n<think>"
 CHAT_PROMPT = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant "
     "solves it. The assistant first thinks about the reasoning process in the mind and then "
@@ -239,13 +256,16 @@ class CountdownTask:
             prompt = self.prompt_template.format(
                 numbers=" ".join(map(str, numbers)), numbers_list=numbers, target=target
             )
-            return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution, steps=steps)
+            chat = {} if self.prompt_template == TINY_PROMPT else dict(
+                system=CHAT_SYSTEM, user=CHAT_USER.format(numbers_list=numbers, target=target), assistant_start=CHAT_ASSISTANT_START)
+            return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution, steps=steps, **chat)
 
     def reward(self, completion: str, problem: Problem) -> float:
         return countdown_reward(completion, problem.numbers, problem.target)
 
     def is_correct(self, completion: str, problem: Problem) -> bool:
-        return self.reward(completion, problem) == 1.0
+        # the task's own check, not self.reward: a reward changed by a user never changes what counts as correct
+        return countdown_reward(completion, problem.numbers, problem.target) == 1.0
 
     def completion_text(self, problem: Problem) -> str:
         """The supervised target used to build the tiny model."""
@@ -255,12 +275,14 @@ class CountdownTask:
 
 @dataclass
 class ListTask:
-    """A task over a fixed list of problems (a Hub dataset); index wraps around."""
+    """A task over a fixed list of problems (a Hub dataset, a JSONL file); index wraps around.
+    `correct_fn` decides what counts as correct (accuracy, pass@k); None: a reward of 1."""
 
     train: list[Problem]
     test: list[Problem]
     name: str
     reward_fn: Any
+    correct_fn: Any = None
 
     def problem(self, split: str, index: int) -> Problem:
         problems = self.train if split == "train" else self.test
@@ -270,7 +292,110 @@ class ListTask:
         return self.reward_fn(completion, problem)
 
     def is_correct(self, completion: str, problem: Problem) -> bool:
-        return self.reward(completion, problem) == 1.0
+        if self.correct_fn is not None:
+            return bool(self.correct_fn(completion, problem))
+        return self.reward_fn(completion, problem) == 1.0
+
+
+@dataclass
+class Customised:
+    """A task with a user's reward `(completion, problem) -> float` (`--reward module:function`) and/or
+    system turn (`--system-prompt`); everything else, what counts as correct included, is the task's own."""
+
+    task: Any
+    reward_fn: Any = None
+    system: str | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self.task, name)
+
+    def problem(self, split: str, index: int) -> Problem:
+        problem = self.task.problem(split, index)
+        return problem if self.system is None else dataclasses.replace(problem, system=self.system)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return float(self.reward_fn(completion, problem)) if self.reward_fn else self.task.reward(completion, problem)
+
+
+def final_answer(completion: str) -> str | None:
+    """What a completion answers, for tasks with a reference answer: the last <answer>...</answer>,
+    else a GSM8K-style `#### n`, else the last number in the text, else its last non-empty line."""
+    answer = last_answer(completion)
+    if answer is not None:
+        return answer.strip()
+    marked = _MARKED_RE.findall(completion)
+    if marked:
+        return marked[-1].replace(",", "")
+    found = _NUMBER_RE.findall(completion.replace("\u2212", "-"))
+    if found:
+        return found[-1].replace(",", "")
+    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def answer_matches(completion: str, answer: str) -> bool:
+    """The completion's final answer equals the reference: as numbers when both are numbers
+    ("18.00" == "18"), else as text with surrounding space and case ignored."""
+    predicted = final_answer(completion)
+    if predicted is None:
+        return False
+    try:
+        return float(predicted.replace(",", "")) == float(str(answer).replace(",", "").strip())
+    except ValueError:
+        return predicted.strip().lower() == str(answer).strip().lower()
+
+
+def load_reward(spec: str):
+    """`module:function` (a module importable from the working directory, or a path to a .py file)
+    -> the function, which takes (completion: str, problem: Problem) and returns a float; one line
+    naming --reward when it cannot be loaded."""
+    import importlib
+    import importlib.util
+    import sys
+
+    module_name, _, function_name = spec.rpartition(":")
+    if not module_name or not function_name:
+        raise SystemExit(f"error: --reward: expected module:function (e.g. my_rewards:score), got {spec!r}")
+    try:
+        if module_name.endswith(".py"):
+            loader = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            if loader is None or not Path(module_name).is_file():
+                raise ImportError(f"no file {module_name}")
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            if "" not in sys.path and str(Path.cwd()) not in sys.path:
+                sys.path.insert(0, str(Path.cwd()))  # the user's own module, beside where they run the script
+            module = importlib.import_module(module_name)
+    except Exception as e:
+        raise SystemExit(f"error: --reward: cannot import {module_name!r} ({type(e).__name__}: {e})") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise SystemExit(f"error: --reward: {module_name!r} has no function {function_name!r}")
+    return function
+
+
+def _rows_to_problems(rows, prompt_field: str, answer_field: str, source: str) -> list[Problem]:
+    problems = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or prompt_field not in row:
+            raise SystemExit(f"error: --prompt-field: row {i} of {source} has no field {prompt_field!r} "
+                             f"(its fields: {sorted(row) if isinstance(row, dict) else type(row).__name__})")
+        problems.append(Problem(prompt=str(row[prompt_field]), answer=str(row.get(answer_field, ""))))
+    return problems
+
+
+def _split(problems: list[Problem], seed: int, test_size: int) -> tuple[list[Problem], list[Problem]]:
+    """Hold out min(test_size, a tenth) of the problems, the same ones for every seed; the rest is the
+    train split in an order drawn from `seed`."""
+    if len(problems) < 2:
+        raise SystemExit(f"error: --task: {len(problems)} problem(s): a train and a held-out split need at least 2")
+    problems = list(problems)
+    random.Random(HELD_OUT_SEED).shuffle(problems)
+    held_out = max(1, min(test_size, len(problems) // 10))
+    train = problems[held_out:]
+    random.Random(seed).shuffle(train)
+    return train, problems[:held_out]
 
 
 def _load_hub_dataset(*args, **kwargs):
@@ -287,7 +412,22 @@ def _load_hub_dataset(*args, **kwargs):
         ) from e
 
 
-def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict") -> Any:
+BUILT_IN = ("countdown", "countdown-steps", "countdown-hub", "gsm8k", "tldr")
+
+
+def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict", reward: str | None = None,
+              prompt_field: str = "prompt", answer_field: str = "answer", system_prompt: str | None = None) -> Any:
+    """The task `name` (see _built_in_or_data), with its reward replaced by `reward` ("module:function",
+    see load_reward) and its chat system turn by `system_prompt` ("" for none) when given; what counts
+    as correct stays the task's."""
+    task = _built_in_or_data(name, seed, tiny_prompts, test_size, gsm8k_match, prompt_field, answer_field)
+    if reward or system_prompt is not None:
+        return Customised(task, load_reward(reward) if reward else None, system_prompt)
+    return task
+
+
+def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, gsm8k_match: str, prompt_field: str,
+                      answer_field: str) -> Any:
     """`countdown`: the offline generator. `countdown-steps`: the same with 3-7 numbers, long-tailed
     (the tiny model is built to answer it step by step: answers of widely varying length). `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
     TinyZero data; the first `test_size` rows of a shuffle by HELD_OUT_SEED are held out, the rest
@@ -309,7 +449,8 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gs
         rows = _load_hub_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
         problems = [
             Problem(prompt=template.format(numbers=" ".join(map(str, r["nums"])), numbers_list=r["nums"], target=r["target"]),
-                    numbers=list(r["nums"]), target=int(r["target"]))
+                    numbers=list(r["nums"]), target=int(r["target"]), system=CHAT_SYSTEM,
+                    user=CHAT_USER.format(numbers_list=r["nums"], target=r["target"]), assistant_start=CHAT_ASSISTANT_START)
             for r in rows
         ]
         random.Random(HELD_OUT_SEED).shuffle(problems)  # the held-out rows: the same for every seed
@@ -321,11 +462,45 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gs
         if gsm8k_match not in ("strict", "loose"):
             raise SystemExit(f"error: --gsm8k-match: strict or loose, got {gsm8k_match!r}")
         data = _load_hub_dataset("openai/gsm8k", "main")
-        to_problem = lambda r: Problem(prompt=f"Question: {r['question']}\nAnswer:", answer=r["answer"])  # noqa: E731
+        to_problem = lambda r: Problem(prompt=f"Question: {r['question']}\nAnswer:", answer=r["answer"], user=r["question"])  # noqa: E731
         # the whole test split (1319 problems), in the dataset's order whatever the seed: evaluate(num_problems=None)
         # scores all of it, as the paper does
         return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],
                         name, lambda c, p: gsm8k_reward(c, p.answer, gsm8k_match))
-    raise SystemExit(f"error: --task: unknown task {name!r} (countdown, countdown-steps, countdown-hub, gsm8k)")
+    if name == "tldr":  # TL;DR summarisation (the Asynchronous RLHF paper's main task): scored by --reward-model
+        data = _load_hub_dataset("trl-lib/tldr")
+        train = _rows_to_problems(data["train"], "prompt", "completion", "trl-lib/tldr")
+        test = _rows_to_problems(data["validation"], "prompt", "completion", "trl-lib/tldr")[:test_size]
+        random.Random(seed).shuffle(train)
+        return ListTask(train, test, name, lambda c, p: 0.0, correct_fn=lambda c, p: False)
+    if name.endswith((".jsonl", ".json")):  # your own prompts: one JSON object a line
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"error: --task: no such file: {name}")
+        rows = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"error: --task: {name} line {number} is not JSON ({e.msg})") from None
+        train, test = _split(_rows_to_problems(rows, prompt_field, answer_field, name), seed, test_size)
+        return ListTask(train, test, path.stem, lambda c, p: float(answer_matches(c, p.answer)),
+                        correct_fn=lambda c, p: answer_matches(c, p.answer))
+    if name.startswith("hf:"):  # a dataset on the Hub: hf:NAME or hf:NAME:CONFIG, its train split (and test, if it has one)
+        dataset, _, config = name[3:].partition(":")
+        data = _load_hub_dataset(dataset, config or None)
+        if "train" not in data:
+            raise SystemExit(f"error: --task: {dataset} has no train split (it has {', '.join(data)})")
+        problems = _rows_to_problems(data["train"], prompt_field, answer_field, dataset)
+        held_out = next((split for split in ("test", "validation") if split in data), None)
+        if held_out:
+            train, test = problems, _rows_to_problems(data[held_out], prompt_field, answer_field, dataset)[:test_size]
+            random.Random(seed).shuffle(train)
+        else:
+            train, test = _split(problems, seed, test_size)
+        return ListTask(train, test, dataset, lambda c, p: float(answer_matches(c, p.answer)),
+                        correct_fn=lambda c, p: answer_matches(c, p.answer))
+    raise SystemExit(f"error: --task: unknown task {name!r}: one of {', '.join(BUILT_IN)}, a .jsonl file or hf:DATASET")
 
 

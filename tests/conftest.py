@@ -86,3 +86,22 @@ def error_before_start(monkeypatch):
         return message
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tiny_path, tmp_path_factory):
+    """A sequence-classification model on the tiny architecture with a random score head, saved
+    with the policy's tokenizer: a reward model the script can load."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    import common
+
+    torch.manual_seed(3)
+    model = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    path = tmp_path_factory.mktemp("tiny_rm")
+    model.save_pretrained(path)
+    common.load_tokenizer(tiny_path).save_pretrained(path)
+    return str(path)

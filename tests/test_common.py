@@ -215,3 +215,34 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
     last = common.read_metrics(logger.dir)[-1]
     assert last["eval/pass@1_gain"] == pytest.approx(0.125) and last["memory/sampler_peak_mib"] == 900.0
 
+
+
+def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic_path):
+    """An instruct model's prompt: the task's system turn, its user turn (not the base prompt's whole
+    text), the generation prompt, then the start of the reply the model continues; --system-prompt
+    replaces the system turn; the base prompt is untouched without the template."""
+    import tasks
+
+    tokenizer = common.load_tokenizer(realistic_path)
+    task = tasks.make_task("countdown", seed=1, tiny_prompts=False)
+    problem = task.problem("train", 0)
+    _, ids, _ = common.encode_prompts(tokenizer, [problem], 4096, chat_template=True)
+    text = tokenizer.decode(ids[0])
+    assert text.startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n{problem.user}<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
+    assert "User:" not in text and "Assistant:" not in text  # the base prompt's own turns are not stranded in the user turn
+    custom = tasks.make_task("countdown", seed=1, tiny_prompts=False, system_prompt="Be brief.")
+    _, ids, _ = common.encode_prompts(tokenizer, [custom.problem("train", 0)], 4096, chat_template=True)
+    assert tokenizer.decode(ids[0]).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+    none = tasks.make_task("countdown", seed=1, tiny_prompts=False, system_prompt="")
+    _, ids, _ = common.encode_prompts(tokenizer, [none.problem("train", 0)], 4096, chat_template=True)
+    assert "Be brief" not in tokenizer.decode(ids[0]) and tasks.CHAT_SYSTEM not in tokenizer.decode(ids[0])
+    _, ids, _ = common.encode_prompts(tokenizer, [problem], 4096, chat_template=False)
+    assert tokenizer.decode(ids[0]) == problem.prompt
+
+    # a reward model with a chat template reads the exchange in it
+    scorer = common.RewardModel.__new__(common.RewardModel)
+    scorer.tokenizer = tokenizer
+    [read] = scorer.conversations([problem], [" 3*4 </think> <answer>12</answer>"])
+    assert f"<|im_start|>user\n{problem.user}<|im_end|>" in read
+    assert "<|im_start|>assistant\nLet me solve this step by step.\n<think> 3*4 </think> <answer>12</answer><|im_end|>" in read

@@ -396,3 +396,17 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"] if r["charts/pairs"])  # rank 0 pushed the gathered weights
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+def test_tldr_format_jsonl_with_a_reward_model(tmp_path, tiny_reward_model):
+    """The paper's main task's shape on a small local file: TL;DR's fields (prompt, completion) as a
+    JSONL task, scored by a sequence-classification reward model; chosen is the higher score."""
+    import tasks
+
+    problems = [tasks.make_task("countdown", seed=0, tiny_prompts=True).problem("train", i) for i in range(20)]
+    (tmp_path / "tldr.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "completion": p.answer}) + "\n" for p in problems))
+    out = _run("--task", "tldr.jsonl", "--answer-field", "completion", "--reward-model", tiny_reward_model, "--sync",
+               "--num-rounds", "2", "--group-size", "2", *SMALL, cwd=tmp_path)
+    rounds = [r for r in common.read_metrics(_run_dir(out, tmp_path)) if "charts/rewards_chosen" in r]
+    assert rounds and all(r["charts/rewards_margin"] > 0 for r in rounds)  # best minus worst of each kept pair
+    scores = {round(r["charts/rewards_chosen"], 6) for r in rounds} | {round(r["charts/rewards_rejected"], 6) for r in rounds}
+    assert not scores <= {0.0, 1.0, 0.1, -1.0}  # the reward model's scores, not a verifier's

@@ -21,20 +21,6 @@ import ppo_oppo as po
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_reward_model(tiny_path, tmp_path_factory):
-    """A sequence-classification model on the tiny architecture with a random score head, saved
-    with the policy's tokenizer: a reward model the script can load."""
-    torch.manual_seed(3)
-    model = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 1.0)
-    path = tmp_path_factory.mktemp("tiny_rm")
-    model.save_pretrained(path)
-    common.load_tokenizer(tiny_path).save_pretrained(path)
-    return str(path)
-
-
 def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, tiny_reward_model):
     rm_score = common.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
     _, critic, _, rm = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)

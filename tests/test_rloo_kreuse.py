@@ -3,6 +3,7 @@ real sampler, and the script from its real command line."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -151,6 +152,34 @@ def test_two_rounds_from_the_command_line_then_resume():
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
 
 
+def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
+    """A user's prompts as JSONL and a reward in a module of their own, no code edits: the run trains on
+    the file's problems with that reward, and what counts as correct stays the task's answer match."""
+    problems = [tasks.make_task("countdown", seed=0, tiny_prompts=True).problem("train", i) for i in range(40)]
+    (tmp_path / "my.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "answer": str(p.target)}) + "\n" for p in problems))
+    (tmp_path / "mymodule.py").write_text(textwrap.dedent("""
+        import os
+        import tasks
+
+        def score(completion, problem):  # right value, minus a length penalty; every call is counted
+            with open(os.environ["REWARD_CALLS"], "a") as f:
+                f.write("x")
+            try:
+                right = tasks.safe_arithmetic(tasks.last_answer(completion) or "")[0] == float(problem.answer)
+            except Exception:
+                right = False
+            return float(right) - 0.001 * len(completion)
+    """))
+    env = dict(os.environ, REWARD_CALLS=str(tmp_path / "calls"), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--model", "tiny", "--task", "my.jsonl", "--reward", "mymodule:score",
+                          "--num-prompts", "4", "--group-size", "2", "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = [r for r in common.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
+    assert len(rounds) == 2 and (tmp_path / "calls").read_text() == "x" * 16  # 2 rounds x 4 prompts x 2 samples
+    assert all(r["charts/reward"] < 1.0 and 0.0 <= r["charts/accuracy"] <= 1.0 for r in rounds)
+
+
 def test_overlap_mode_runs_one_round_off_policy():
     """--overlap trains on a round generated one round earlier; --snapshot-every keeps the weights
     (for benchmarks/learning_speed.py) from round 0 on, with the run's wall time."""
@@ -196,7 +225,8 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
                                          (["--snapshot-every", "-1"], "--snapshot-every"),
                                          (["--model", "/no/such/model"], "--model"), (["--model", "./my-checkpoint"], "--model"),
                                          (["--max-prompt-tokens", "4096"], "--max-prompt-tokens"),
-                                         (["--sampler-gpu-memory", "1.5"], "--sampler-gpu-memory")]
+                                         (["--sampler-gpu-memory", "1.5"], "--sampler-gpu-memory"),
+                                         (["--system-prompt", "Be brief."], "--system-prompt")]
                          + ([] if torch.cuda.is_available() else [(["--placement", "colocate"], "--placement")])
                          + ([] if importlib.util.find_spec("wandb") else [(["--track"], "--track")]))
 def test_bad_flags_are_rejected_at_start(error_before_start, flags, flag):

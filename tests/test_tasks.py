@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 import tasks
@@ -162,3 +164,55 @@ def test_last_answer_pairs_tags_like_tinyzeros_regex():
         assert last_answer(text) == (found[-1] if found else None), text
     # many unclosed tags: one pass, not one scan to the end per tag (the regex took 2.6 s at 72 KB)
     assert countdown_reward("<answer>" * 100_000, [1, 2], 3) == 0.0
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_jsonl_task_holds_out_the_same_problems_for_every_seed(tmp_path):
+    rows = [{"question": f"{i} + 1 = ?", "solution": str(i + 1)} for i in range(30)]
+    name = _jsonl(tmp_path / "mine.jsonl", rows)
+    one = tasks.make_task(name, seed=1, tiny_prompts=True, prompt_field="question", answer_field="solution")
+    two = tasks.make_task(name, seed=2, tiny_prompts=True, prompt_field="question", answer_field="solution")
+    assert one.test == two.test and len(one.test) == 3 and len(one.train) == 27  # a tenth held out
+    assert [p.prompt for p in one.train] != [p.prompt for p in two.train]  # the train order follows the seed
+    assert {p.prompt for p in one.train}.isdisjoint({p.prompt for p in one.test})
+    problem = one.problem("test", 0)
+    right = f"so <answer>{problem.answer}</answer>"
+    assert one.reward(right, problem) == 1.0 and one.is_correct(right, problem)
+    assert one.reward("<answer>-5</answer>", problem) == 0.0 and not one.is_correct("<answer>-5</answer>", problem)
+
+
+def test_bad_task_files_and_fields_are_one_line(tmp_path):
+    def error(name, **kw):
+        with pytest.raises(SystemExit) as e:
+            tasks.make_task(name, seed=1, tiny_prompts=True, **kw)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    assert error(str(tmp_path / "missing.jsonl")).startswith("error: --task: no such file")
+    assert error(_jsonl(tmp_path / "a.jsonl", [{"text": "x"}] * 3)).startswith("error: --prompt-field: row 0")
+    (tmp_path / "b.jsonl").write_text('{"prompt": "x"}\nnot json\n')
+    assert error(str(tmp_path / "b.jsonl")).startswith("error: --task:") and "line 2" in error(str(tmp_path / "b.jsonl"))
+    assert error("no-such-task").startswith("error: --task: unknown task")
+    assert error("countdown", reward="nomodule_here:score").startswith("error: --reward: cannot import")
+    assert error("countdown", reward="json:no_such_function").startswith("error: --reward:")
+    assert error("countdown", reward="score").startswith("error: --reward: expected module:function")
+
+
+def test_a_custom_reward_never_changes_what_counts_as_correct(tmp_path):
+    """A student's reward with a length penalty: training reward changes, accuracy and pass@k do not."""
+    (tmp_path / "my_rewards.py").write_text(
+        "import tasks\n"
+        "def score(completion, problem):\n"
+        "    return tasks.countdown_reward(completion, problem.numbers, problem.target) - 0.01 * len(completion)\n")
+    builtin = tasks.make_task("countdown", seed=1, tiny_prompts=True)
+    custom = tasks.make_task("countdown", seed=1, tiny_prompts=True, reward=str(tmp_path / "my_rewards.py") + ":score")
+    problem = custom.problem("train", 0)
+    right = f"<answer>{problem.answer}</answer>"
+    assert custom.problem("train", 0) == builtin.problem("train", 0) and custom.name == builtin.name
+    assert custom.reward(right, problem) == pytest.approx(1.0 - 0.01 * len(right))
+    assert custom.is_correct(right, problem) and builtin.is_correct(right, problem)
+    assert not custom.is_correct("<answer>1+1</answer>", problem)
