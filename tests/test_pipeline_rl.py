@@ -349,12 +349,23 @@ def test_the_sampler_decodes_h_sequences_at_once(monkeypatch, tmp_path, flags, m
         seen.update(kwargs)
         raise Started
 
+    loggers, logger_init = [], common.RunLogger.__init__
+
+    def keep_logger(self, *args, **kwargs):
+        logger_init(self, *args, **kwargs)
+        loggers.append(self)
+
     monkeypatch.setattr(vllm_sampler, "start_sampler", start_sampler)
+    monkeypatch.setattr(common.RunLogger, "__init__", keep_logger)
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
     monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", "--exp-name", "pytest_prl_h", *flags])
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(Started):
-        prl.main()
+    try:
+        with pytest.raises(Started):
+            prl.main()
+    finally:
+        for logger in loggers:  # its TensorBoard writer's thread, before the working directory changes back
+            logger.close()
     assert seen["max_num_seqs"] == max_num_seqs
 
 
