@@ -322,6 +322,25 @@ def keep_cpu_linear_weights() -> None:
     vllm_layer_utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight
 
 
+def time_local_load(worker, model_dir: str) -> float:
+    """(Run in the sampler's worker; benchmarks/foundation.py's floor for a push.) Seconds to load the
+    model directory's own weights, read into this process's memory first (not timed), into the running
+    engine the way a push loads (start -> vLLM's load_weights -> finish: the copy and the repack for the
+    CPU GEMM): what any load into this engine pays, with no transfer at all."""
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    weights = [pair for file in sorted(Path(model_dir).glob("*.safetensors")) for pair in load_file(str(file)).items()]
+    engine = worker.weight_transfer_engine
+    start = time.perf_counter()
+    engine.start_weight_update()
+    engine.load(weights)
+    engine.finish_weight_update()
+    return time.perf_counter() - start
+
+
 def weight_load_path(worker) -> str:
     """(Run in the sampler's worker.) How a push is loaded: in place, or through vLLM's layerwise reload."""
     engine = getattr(worker, "weight_transfer_engine", None)

@@ -346,6 +346,7 @@ class SamplerServer:
     COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause", "resume": "resume",
                 "weights_init": "weights_init", "weights_start": "weights_start", "weights_update": "weights_update",
                 "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "peak_memory": "peak_memory", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
+                "time_local_load": "time_local_load",
                 "shutdown": "shutdown"}
 
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
@@ -444,6 +445,11 @@ class SamplerServer:
 
     def sampler_paths(self, _) -> dict[str, str]:
         return self.engine.collective_rpc(sampler_paths)[0]
+
+    def time_local_load(self, model_dir: str) -> float:
+        import gloo_transfer
+
+        return self.engine.collective_rpc(gloo_transfer.time_local_load, args=(model_dir,))[0]
 
     def shutdown(self, _) -> None:
         raise EOFError
@@ -776,6 +782,12 @@ class Sampler(WeightPusher):
     def sampler_paths(self) -> dict[str, str]:
         """The engine's model runner and top-k/top-p implementation (see engine_settings)."""
         return self._call("sampler_paths")
+
+    def time_local_load(self, model_dir: str) -> float:
+        """Seconds the sampler takes to load `model_dir`'s weights from its own memory the way a push
+        loads them (copy + repack, no transfer; gloo_transfer.time_local_load): a push's floor. After
+        init_weight_sync; the sampler then holds those weights."""
+        return self._call("time_local_load", model_dir)
 
     # -- weight sync: vLLM's VLLMWeightSyncClient protocol --
     def init_weight_transfer_engine(self, init_info: dict) -> None:

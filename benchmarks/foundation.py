@@ -1,5 +1,6 @@
 """Foundation benchmarks (CPU): sampler throughput through our process vs vLLM called directly,
-weight-push speed for the tiny model and a ~50M-parameter random model, peak memory.
+weight-push speed for the tiny model and a ~50M-parameter random model against its floor (the same
+weights loaded into the same engine from the sampler's own memory: push_vs_floor) and a memory copy.
 
     .venv/bin/python benchmarks/foundation.py
 
@@ -72,24 +73,30 @@ def time_throughput(path, prompts, args):
 
 
 def time_push(path, args):
-    """Median seconds of a full push, and of a plain memory copy of the same bytes (every parameter
-    into a preallocated copy), timed alternately. Returns (parameters, push s, bytes/s, copy s)."""
+    """Median seconds of a full push; of its floor, the sampler loading the same weights from its own
+    memory the way a push loads them (vLLM's load_weights + the repack for the CPU GEMM, no transfer:
+    Sampler.time_local_load); and of a plain memory copy of the same bytes (every parameter into a
+    preallocated copy); the three timed in turn, repeat after repeat. Returns (parameters, push s,
+    bytes/s, copy s, floor s, per-repeat push/floor ratios)."""
     model = common.load_policy(path, "cpu")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = [torch.empty_like(p) for p in model.parameters()]
-    times, copy_times = [], []
+    times, copy_times, floor_times = [], [], []
     with vllm_sampler.start_sampler(path, placement="cpu") as sampler:
         sampler.init_weight_sync(model)
-        sampler.push_weights(1)  # warm-up
+        sampler.push_weights(1)  # warm-up, both
+        sampler.time_local_load(path)
         for v in range(2, 2 + args.push_repeats):
             start = time.perf_counter()
             with torch.no_grad():
                 for dst, src in zip(copies, model.parameters()):
                     dst.copy_(src)
             copy_times.append(time.perf_counter() - start)
+            floor_times.append(sampler.time_local_load(path))
             times.append(sampler.push_weights(v))
     seconds = statistics.median(times)
-    return sum(p.numel() for p in model.parameters()), seconds, size / seconds, statistics.median(copy_times)
+    return (sum(p.numel() for p in model.parameters()), seconds, size / seconds, statistics.median(copy_times),
+            statistics.median(floor_times), [t / f for t, f in zip(times, floor_times)])
 
 
 def main():
@@ -112,12 +119,15 @@ def main():
         (f"weight push, tiny ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
         (f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s"),
         ("memory copy of the same bytes", f"{push_big[3] * 1e3:.0f} ms"),
+        ("floor: the sampler loading the same weights from its own memory (copy + repack)", f"{push_big[4] * 1e3:.0f} ms"),
+        ("push / floor, per repeat", ", ".join(f"{r:.2f}" for r in push_big[5])),
     ]
     print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, alternating, median of {args.repeats}\n")
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    print(f"\npush_vs_memcpy={push_big[3] / push_big[1]:.3f}")
+    print(f"\npush_vs_floor={push_big[1] / push_big[4]:.3f}  (push time / floor time, lower is better; 1 is a push that costs no more than a load)")
+    print(f"push_vs_memcpy={push_big[3] / push_big[1]:.3f}")
     print(f"sampler_vs_vllm={statistics.median(ratios):.3f}")
 
 
