@@ -37,7 +37,6 @@ from typing import Callable, Literal
 
 import numpy as np
 import torch
-import tyro
 
 import common
 import distributed
@@ -55,8 +54,17 @@ class Args:
     """log to Weights & Biases"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
-    task: Literal["countdown", "countdown-steps", "countdown-hub", "gsm8k"] = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub or gsm8k"""
+    task: str = "countdown"
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    data), gsm8k, a .jsonl file of your own (a {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG]
+    (README "Your own data and reward")"""
+    reward: str | None = None
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    reward; what counts as correct (accuracy, pass@k) stays the task's"""
+    prompt_field: str = "prompt"
+    """the prompt's field in a .jsonl or hf: task"""
+    answer_field: str = "answer"
+    """the reference answer's field in a .jsonl or hf: task (correct: the completion's final answer equals it)"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -93,10 +101,17 @@ class Args:
     """at most this many sequences per forward/backward, grouped by length (memory and padding only: one step per B)"""
     micro_batch_tokens: int = 8192
     """and at most this many padded tokens (rows x longest row) per forward/backward; a longer sequence goes alone"""
-    autocast_bf16: bool = False
-    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay fp32"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more compute)"""
+    autocast_bf16: bool | None = None
+    """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype
+    [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    gradient_checkpointing: bool | None = None
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
+    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
+    on most weights"""
+    sampler_gpu_memory: float | None = None
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
     is_clip: float = 5.0
     """c: token importance weights pi/mu are truncated at c (Eq. 5; the paper clamps at 5, Section 5). mu is the sampler's
     logprob by design (the logprob contract), so the same weight also corrects the training-inference mismatch"""
@@ -129,6 +144,8 @@ class Args:
     """prompt budget: longer prompts are skipped and counted [tiny 64; otherwise 512]"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
+    system_prompt: str | None = None
+    """the system turn under --chat-template, instead of the task's own ("" for none)"""
     long_tail: float = 0.0
     """benchmark workload: if > 0, each prompt's responses are forced to a length drawn from a
     Pareto distribution with this shape (smaller = heavier tail), scale --long-tail-scale, capped at --max-new-tokens"""
@@ -148,7 +165,10 @@ class Args:
     """keep the weights every N steps in <run>/snapshots/, with the wall time, from step 0 (benchmarks/learning_speed.py
     evaluates them after the run; 0: never)"""
     resume: str | None = None
-    """run directory (or checkpoint file) to continue from"""
+    """run directory (or checkpoint file) to continue from, with the flags it was started with (its args.json)"""
+    resume_changes: bool = False
+    """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
+    length may always be extended)"""
 
 
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a token weight beyond it is as good as infinite, and inf / inf in the ESS is NaN
@@ -332,11 +352,12 @@ def fill_defaults(args: Args) -> Args:
         args.gen_batch_size = args.train_batch_size * (args.steps_per_rl_step if conventional else 1)
     if args.ess_threshold is None:  # Algorithm 2 has the guard, Algorithm 1 has none
         args.ess_threshold = 0.0 if conventional else 0.5
+    common.memory_defaults(args)
     return args
 
 
 def main():
-    args = fill_defaults(tyro.cli(Args))
+    args = fill_defaults(common.parse_args(Args))  # on --resume: the saved run's flags
     tiny = args.model == common.TINY
     common.check_args(args.num_steps >= 1, "--num-steps", f"must be >= 1, got {args.num_steps}")
     common.check_args(args.learning_rate > 0, "--learning-rate", f"must be > 0, got {args.learning_rate}")
@@ -352,6 +373,8 @@ def main():
     common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     common.check_sampler_urls(args.sampler_url)
+    common.check_run_flags(args)
+    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
     common.check_args(args.is_clip > 0, "--is-clip", f"must be > 0, got {args.is_clip}")
     common.check_args(0 <= args.ess_threshold <= 1, "--ess-threshold", f"must be in [0, 1], got {args.ess_threshold}")
     common.check_args(args.max_lag is None or args.max_lag >= 0, "--max-lag", f"must be >= 0, got {args.max_lag}")
@@ -373,13 +396,14 @@ def main():
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny, reward=args.reward, prompt_field=args.prompt_field,
+                           answer_field=args.answer_field, system_prompt=args.system_prompt)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    policy = common.load_policy(model_path, device)
+    policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype))
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, device).eval().requires_grad_(False) if args.kl_coef else None
+    ref_policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False) if args.kl_coef else None
     # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
     push_model = distributed.push_copy(policy, dist)
     policy = distributed.shard(policy, dist)
@@ -403,6 +427,7 @@ def main():
 
     # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+                                         gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                          max_num_seqs=args.gen_batch_size,
                                          urls=args.sampler_url, weights=push_model, version=step,

@@ -241,7 +241,7 @@ def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
     task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(2)]
     responses = [tokenizer(text)["input_ids"] for text in ["1+2=3", "4*5", "7-1=6 ok", "9"]]
-    args = prl.Args(group_size=2, micro_batch_size=3, top_p=0.9, temperature=0.8, ess_threshold=0.5)
+    args = prl.fill_defaults(prl.Args(group_size=2, micro_batch_size=3, top_p=0.9, temperature=0.8, ess_threshold=0.5))
     policy = common.load_policy(tiny_path, "cpu")
     ids, attn, cmask = common.pad_prompt_completions([prompts[i // 2] for i in range(4)], responses, tokenizer.pad_token_id)
     with torch.no_grad():  # behaviour = the learner's own logprobs: exactly on-policy
