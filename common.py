@@ -171,6 +171,29 @@ def check_run_flags(args) -> None:
                f"no such directory: {args.model} (a Hub id looks like Qwen/Qwen2.5-0.5B; --model tiny is the built-in model)")
 
 
+def check_sampler_version(samples, learner_version: int, max_lag: int = 0) -> None:
+    """Stop with one line unless every token of `samples` was sampled by a policy version between
+    `learner_version - max_lag` and `learner_version` (0: by the learner's current weights): a forgotten
+    `sampler.push_weights(...)` or a sampler that lags would otherwise train off-policy in silence."""
+    versions = sorted({v for s in samples for v, _, _ in s.versions})
+    if versions and (versions[0] < learner_version - max_lag or versions[-1] > learner_version):
+        expected = f"version {learner_version}" if max_lag == 0 else f"versions {learner_version - max_lag}..{learner_version}"
+        raise SystemExit(f"error: the sampler generated this batch with policy version(s) {versions}, the method expects {expected}: "
+                         "the weights were not pushed after the optimizer steps (sampler.push_weights), or the sampler lags")
+
+
+def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> None:
+    """Print one warning line (once per run: `warned` remembers) when `charts/logprob_diff` on fresh
+    weights is larger than the precisions explain: ~1e-6 when sampler and learner both run fp32, ~1e-2
+    with a bf16 side. Then the sampler's logprobs are not the learner's (other weights, another model,
+    other sampling settings than the learner's), and every ratio built on them is off."""
+    limit = 5e-2 if mismatch_expected else 1e-3
+    if math.isfinite(diff) and diff > limit and not warned:
+        warned.append(diff)
+        print(f"warning: charts/logprob_diff {diff:.2g} on fresh weights (expected below {limit:g} for these precisions): the sampler's "
+              "logprobs are not the learner's (not the same weights, model or sampling settings); importance weights and ratios are off")
+
+
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """Prompt budget + response cap must fit the model's context, or vLLM refuses to start."""
     context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)

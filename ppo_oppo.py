@@ -637,6 +637,7 @@ def main():
     iteration, version, data_position, carried_keys = 0, 0, 0, []
     chunk, trial_seconds, reward_history = args.chunk_size, {}, []
     totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
+    warned: list[float] = []  # the logprob_diff warning, once
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
         state = distributed.load_checkpoint(args.resume, learner, optimizer, dist,
                                             required=("iteration", "totals", "delta", "chunk", "reward_history", "carried_keys"))
@@ -787,6 +788,8 @@ def main():
                 fresh[i, :n] = torch.tensor([float(v == version) for v in token_versions[i]])  # sampled by the current weights
                 r.prefix.clear()  # what the downstream models gave is read: free the batch's KV caches before the update
             ref_logp, values = distributed.all_sum((ref_logp, values), dist)  # every rank's rows: GAE and whitening see the batch
+            if not args.inter:  # plain PPO and intra alone: every token by the weights the learner holds
+                common.check_sampler_version([r.final for r in batch], version)
             lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
             tis = {}
             if not tis_on:
@@ -888,6 +891,7 @@ def main():
             }
             if tis_on:
                 metrics.update({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]})
+            common.warn_logprob_diff(metrics["charts/logprob_diff"], tis_on, warned)
             logger.log(version, metrics, echo=False)
             if iteration == 1:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")

@@ -344,6 +344,7 @@ def main():
     print(f"run directory: {logger.dir}")
 
     start_round, data_position, step, nonfinite_skipped = 0, 0, 0, 0
+    warned: list[float] = []  # the logprob_diff warning, once
     timing = dict(sample=0.0, update=0.0, wall=0.0)
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
         state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "timing"))
@@ -390,6 +391,7 @@ def main():
             wait_start = time.perf_counter()
             # under torchrun rank 0 samples and every rank gets the round
             problems, samples, skipped, generated_in = distributed.broadcast(collect_round(pending) if dist.is_main else None, dist)
+            common.check_sampler_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or one round behind
             sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             timing["sample"] += sample_seconds
             if dist.is_main and args.overlap and round_index + 1 < args.num_rounds:
@@ -478,6 +480,7 @@ def main():
             }
             if math.isfinite(logprob_diff):
                 metrics["charts/logprob_diff"] = logprob_diff
+                common.warn_logprob_diff(logprob_diff, tis_on, warned)
             metrics |= mismatch
             metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
             metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}

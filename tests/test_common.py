@@ -126,6 +126,29 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     assert again.dir == first.dir and [kw["id"] for kw in inits] == ["abc123", "abc123"] and inits[1]["resume"] == "allow"
 
 
+def test_a_sampler_at_the_wrong_version_is_one_line():
+    from types import SimpleNamespace
+
+    done = [SimpleNamespace(versions=[(3, 0, 5)]), SimpleNamespace(versions=[(3, 0, 2), (4, 2, 6)])]
+    common.check_sampler_version(done, 4, max_lag=1)  # within the lag the method allows
+    with pytest.raises(SystemExit) as stale:
+        common.check_sampler_version(done, 4)
+    assert str(stale.value).startswith("error: the sampler generated this batch with policy version(s) [3, 4], the method expects version 4")
+    with pytest.raises(SystemExit):
+        common.check_sampler_version(done, 2, max_lag=5)  # ahead of the learner
+
+
+def test_logprob_diff_beyond_the_precisions_warns_once(capsys):
+    warned = []
+    common.warn_logprob_diff(2e-7, False, warned)
+    common.warn_logprob_diff(3e-3, True, warned)  # a bf16 sampler's size
+    assert capsys.readouterr().out == ""
+    common.warn_logprob_diff(3e-2, False, warned)
+    common.warn_logprob_diff(7e-2, False, warned)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("warning: charts/logprob_diff 0.03 on fresh weights")
+
+
 def test_check_args_names_the_flag():
     with pytest.raises(SystemExit, match="--k"):
         common.check_args(0 >= 1, "--k", "must be >= 1")
