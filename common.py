@@ -443,12 +443,18 @@ def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samp
              chat_template: bool = False, **sampling) -> dict[str, float]:
     """pass@k (k = 1, 4, 8, 16 up to samples_per_problem) on the first `num_problems` held-out
     problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
-    weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report)."""
+    weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
+    progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
     if num_problems is None:
         num_problems = len(task.test)
     problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)], max_prompt_tokens,
                                           chat_template)
-    samples = sampler.generate(prompts, n=samples_per_problem, **sampling)
+    ids = sampler.submit(prompts, n=samples_per_problem, **sampling)
+    samples: list[Completion] = []
+    with Progress(len(ids), "eval", unit="sample", leave=False) as progress:
+        for start in range(0, len(ids), part := max(1, math.ceil(len(ids) / 20))):
+            samples += sampler.wait_for(ids[start:start + part])
+            progress.update(len(ids[start:start + part]))
     correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
                for i, p in enumerate(problems)]
     ks = [k for k in (1, 4, 8, 16) if k <= samples_per_problem]
@@ -471,6 +477,105 @@ class _Tee(io.TextIOBase):
             s.write(text)
             s.flush()
         return len(text)
+
+
+def on_terminal() -> bool:
+    """Whether a person watches this run: stdout (seen through RunLogger's copy to console.log and a
+    shown bar's line writer) and stderr, where bars go, are both terminals."""
+    out = sys.stdout
+    while isinstance(out, (_Tee, _AboveBars)):
+        out = out.streams[0]
+    return all(getattr(s, "isatty", lambda: False)() for s in (out, sys.stderr))
+
+
+class _AboveBars(io.TextIOBase):
+    """stdout while a bar is shown: each whole line is written above the bars (tqdm.write), so a print
+    anywhere (RunLogger.log, a sample) does not tear them."""
+
+    def __init__(self, stream):
+        self.streams, self.partial = (stream,), ""
+
+    def write(self, text):
+        from tqdm import tqdm
+
+        lines = (self.partial + text).split("\n")
+        self.partial = lines.pop()
+        if lines:
+            with tqdm.external_write_mode(file=sys.stderr):  # clears the bars (on stderr), draws them again after
+                self.streams[0].write("".join(line + "\n" for line in lines))
+        return len(text)
+
+    def flush(self):
+        self.streams[0].flush()
+
+
+class Progress:
+    """How far a loop of `total` units (rounds, steps, iterations, samples) has got and how long is
+    left, for a person to read at a glance. The contract:
+
+    - on a terminal (`on_terminal()`): a tqdm bar on stderr with the rate, the time left and the
+      metrics of the last `update(n, **metrics)` in its postfix; printed lines (`write`, or any print
+      while it is shown) scroll above it and still reach console.log. `leave=False`: the bar goes
+      when closed (an evaluation's); otherwise it stays as the loop's last line.
+    - otherwise (CI logs, tests, `> file`): no bar and no control characters; `write(line)` prints
+      the line with "(elapsed, ~left)" appended, and `update` prints one plain line of that kind
+      when `every` seconds have passed without one, so a quiet stretch (an evaluation, iterations
+      between two logged ones) still says how far it got. A printed line keeps its text, so a test
+      that greps it still finds it.
+    - `show=False` (a rank other than 0): nothing but the lines given to `write`, as they are.
+    A context manager; `close()` is idempotent and puts stdout back."""
+
+    def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, every: float = 30.0,
+                 leave: bool = True, show: bool = True, terminal: bool | None = None):
+        self.total, self.desc, self.unit, self.n, self.every, self.show = total, desc, unit, initial, every, show
+        self.initial, self.start = initial, time.monotonic()
+        self.last_line, self.metrics = self.start, {}
+        self.bar = None
+        if show and (on_terminal() if terminal is None else terminal):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, dynamic_ncols=True, file=sys.stderr)
+            self._writer = None
+            if not isinstance(sys.stdout, _AboveBars):  # (an outer bar's writer serves the inner bar too)
+                self._writer = sys.stdout = _AboveBars(sys.stdout)
+
+    def timing(self) -> str:
+        """"1:02 elapsed, ~3:10 left" (the rate of the units done since the start)."""
+        from tqdm import tqdm
+
+        elapsed = time.monotonic() - self.start
+        done = self.n - self.initial
+        left = tqdm.format_interval((self.total - self.n) * elapsed / done) if done > 0 else "?"
+        return f"{tqdm.format_interval(elapsed)} elapsed, ~{left} left"
+
+    def update(self, n: int = 1, **metrics) -> None:
+        self.n += n
+        self.metrics = metrics
+        if self.bar is not None:
+            if metrics:
+                self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in metrics.items()}, refresh=False)
+            self.bar.update(n)
+        elif self.show and time.monotonic() - self.last_line >= self.every and self.n < self.total:
+            shown = "".join(f" {k} {v:.3g}" if isinstance(v, float) else f" {k} {v}" for k, v in metrics.items())
+            self.write(f"{self.desc}: {self.n}/{self.total} {self.unit}s{shown}")
+
+    def write(self, line: str) -> None:
+        if self.show and self.bar is None:
+            line, self.last_line = f"{line} ({self.timing()})", time.monotonic()
+        print(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+            if self._writer is not None and sys.stdout is self._writer:  # (a RunLogger closed meanwhile put its own back)
+                sys.stdout = self._writer.streams[0]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 RUN_LENGTH = ("num_rounds", "num_steps", "num_iterations")  # what a resume may change without --resume-changes: how long it runs

@@ -36,6 +36,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -102,6 +103,7 @@ class SamplerConfig:
     call_timeout: float = 120.0
     silence_timeout: float = 15.0  # no heartbeat for this long: the sampler is stopped or frozen (SamplerError)
     in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
+    verbose: bool = False  # vLLM's and torch's start-up warnings and vLLM's load bar (--verbose); errors show either way
 
 
 def sampler_cuda_device(placement: str, visible: str | None, device_count: int) -> str | None:
@@ -156,7 +158,7 @@ def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     settings: dict[str, Any] = dict(
         model=config.model, seed=config.seed, dtype=dtype, max_model_len=config.max_model_len,
         enforce_eager=not on_gpu, logprobs_mode="processed_logprobs", max_num_seqs=config.max_num_seqs,
-        enable_prefix_caching=False, async_scheduling=False, disable_log_stats=True,
+        enable_prefix_caching=False, async_scheduling=False, disable_log_stats=True, use_tqdm_on_load=config.verbose,
     )
     if on_gpu:
         utilization = config.gpu_memory_utilization
@@ -189,7 +191,34 @@ def sampler_environment(cuda_device: str | None) -> dict[str, str]:
     return env
 
 
-SAMPLER_ENV_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+SAMPLER_ENV_DEFAULTS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+
+
+def log_environment(verbose: bool) -> dict[str, str]:
+    """The log levels of the sampler process, as environment variables (a user's own value is kept): without
+    --verbose errors only: vLLM's start-up warnings (LD_PRELOAD advice, eager mode, chunked prefill, the
+    seed, deprecations) and torch's C++ ones (NUMA binding, read when torch loads: so set before the process
+    starts) say nothing a user of these scripts can act on. Pure, so unit-tested."""
+    level = "WARNING" if verbose else "ERROR"
+    return {"VLLM_LOGGING_LEVEL": level, "TORCH_CPP_LOG_LEVEL": level}
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """In this process (the learner, or the sampler): without --verbose, what vLLM logs before its logging
+    is configured (at import: "Triton is installed, but doesn't include CPU backend"), the FutureWarning
+    its Triton-less kernel scan provokes from torch, and transformers' load and save bars where no one
+    watches them (stderr not a terminal). Errors show either way."""
+    import logging
+    import warnings
+
+    if verbose:
+        return
+    logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 def pin_pytorch_top_k_top_p() -> None:
@@ -264,8 +293,9 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
 
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     os.environ.update(sampler_environment(cuda_device))
-    for name, value in SAMPLER_ENV_DEFAULTS.items():
+    for name, value in {**SAMPLER_ENV_DEFAULTS, **log_environment(config.verbose)}.items():
         os.environ.setdefault(name, value)
+    quiet_libraries(config.verbose)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
     outbox = _Outbox(conn)
     threading.Thread(target=_heartbeat, args=(outbox, parent_pid), name="heartbeat", daemon=True).start()
@@ -574,7 +604,13 @@ class Sampler(WeightPusher):
         self.tmpdir = tempfile.mkdtemp(prefix="fastrl-sampler-")
         self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device, self.tmpdir),
                                    name="vllm-sampler", daemon=False)
-        self.process.start()
+        added = {k: v for k, v in log_environment(self.config.verbose).items() if k not in os.environ}
+        os.environ.update(added)  # the child reads TORCH_CPP_LOG_LEVEL as torch loads, before _sampler_main runs
+        try:
+            self.process.start()
+        finally:
+            for name in added:
+                os.environ.pop(name, None)
         child.close()
         _LIVE_SAMPLERS.add(self)
         self._wait(lambda: self._ready, self.config.startup_timeout, "start")

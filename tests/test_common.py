@@ -269,3 +269,54 @@ def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic
     [read] = scorer.conversations([problem], [" 3*4 </think> <answer>12</answer>"])
     assert f"<|im_start|>user\n{problem.user}<|im_end|>" in read
     assert "<|im_start|>assistant\nLet me solve this step by step.\n<think> 3*4 </think> <answer>12</answer><|im_end|>" in read
+
+
+def test_progress_on_a_terminal_draws_a_bar_with_lines_above_it(monkeypatch, capsys):
+    """On a terminal: a bar on stderr with the metrics in its postfix; printed lines (write, or any
+    print while it is shown) go to stdout whole, and stdout is put back when it closes."""
+    import io
+
+    bar_stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", bar_stream)
+    stdout = sys.stdout
+    with common.Progress(4, "train", unit="round", terminal=True) as progress:
+        assert sys.stdout is not stdout  # the bar's line writer
+        progress.update(1, reward=0.25, step=2)
+        progress.write("round 1/4 step 2: reward 0.250")
+        print("[ 1.0s] step 2:", "pass@1=0.5")
+        progress.update(3)
+    assert sys.stdout is stdout
+    assert capsys.readouterr().out == "round 1/4 step 2: reward 0.250\n[ 1.0s] step 2: pass@1=0.5\n"  # as printed
+    bar = bar_stream.getvalue()
+    assert "train: 100%" in bar and "4/4" in bar and "reward=0.25" in bar and "round/s" in bar
+
+
+def test_progress_off_a_terminal_prints_plain_lines_with_the_time_left(capsys):
+    """Not a terminal (here: captured): no bar, no control characters; written lines keep their text
+    with the time appended, and a quiet stretch gets a plain line every `every` seconds."""
+    assert not common.on_terminal()  # pytest captures stdout
+    with common.Progress(10, "eval", unit="sample", initial=2, every=0.0) as progress:
+        progress.update(3, reward=0.5)
+        progress.write("round 1/3 step 6: reward 0.500")
+        progress.update(5)  # the last: no line (the caller prints the result)
+    with common.Progress(10, "eval", unit="sample", every=3600.0) as quiet:
+        quiet.update(4)
+    with common.Progress(10, "eval", unit="sample", every=0.0, show=False) as other_rank:
+        other_rank.update(4)
+        other_rank.write("as it is")
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and "\r" not in "".join(lines) and "\x1b" not in "".join(lines)
+    assert lines[0].startswith("eval: 5/10 samples reward 0.5 (") and "elapsed, ~" in lines[0] and lines[0].endswith(" left)")
+    assert lines[1].startswith("round 1/3 step 6: reward 0.500 (") and lines[1].endswith(" left)")
+    assert lines[2] == "as it is"
+
+
+def test_sampler_log_levels_follow_verbose():
+    """--verbose: vLLM's and torch's start-up warnings and vLLM's load bar; without it errors only."""
+    import vllm_sampler
+
+    assert vllm_sampler.log_environment(False) == {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    assert vllm_sampler.log_environment(True) == {"VLLM_LOGGING_LEVEL": "WARNING", "TORCH_CPP_LOG_LEVEL": "WARNING"}
+    for verbose in (False, True):
+        config = vllm_sampler.SamplerConfig(model="m", verbose=verbose)
+        assert vllm_sampler.engine_settings(config, "cpu")["use_tqdm_on_load"] is verbose
