@@ -34,6 +34,8 @@ class Args:
     """seed of the experiment"""
     track: bool = False
     """log to Weights & Biases"""
+    verbose: bool = False
+    """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
     task: str | None = None
@@ -281,6 +283,7 @@ def ess(weights: torch.Tensor) -> float:
 
 def main():
     args = common.parse_args(Args)  # on --resume: the saved run's flags
+    vllm_sampler.quiet_libraries(args.verbose)
     defaults = TINY if args.model == common.TINY else PAPER
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -344,18 +347,20 @@ def main():
     print(f"run directory: {logger.dir}")
 
     start_round, data_position, step, nonfinite_skipped = 0, 0, 0, 0
+    sampler_rng = None  # the sampler's generators between two rounds: a resumed synchronous run samples as an uninterrupted one
     warned: list[float] = []  # the logprob_diff warning, once
     timing = dict(sample=0.0, update=0.0, wall=0.0)
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
         state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "timing"))
         start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
+        sampler_rng = state.get("sampler_rng")
         distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
-                                         weights=push_model, version=step) if dist.is_main else None
+                                         weights=push_model, version=step, verbose=args.verbose) if dist.is_main else None
     try:
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
@@ -384,14 +389,19 @@ def main():
         logger.log(step, eval_start)
         if dist.is_main and args.snapshot_every and start_round == 0:
             logger.snapshot(step, push_model)  # time 0 of the learning curve
+        if sampler_rng is not None and dist.is_main and hasattr(sampler, "set_rng_state"):
+            sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
         pending = submit_round() if dist.is_main else None
         loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
+        progress = common.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
         for round_index in range(start_round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start = time.perf_counter()
             # under torchrun rank 0 samples and every rank gets the round
             problems, samples, skipped, generated_in = distributed.broadcast(collect_round(pending) if dist.is_main else None, dist)
             common.check_sampler_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or one round behind
+            if dist.is_main and not args.overlap and hasattr(sampler, "rng_state"):
+                sampler_rng = sampler.rng_state()  # nothing generating now: what the next round will draw from
             sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             timing["sample"] += sample_seconds
             if dist.is_main and args.overlap and round_index + 1 < args.num_rounds:
@@ -485,10 +495,11 @@ def main():
             metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
             metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
             logger.log(step, metrics, echo=False)
-            print(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
-                  f"acc {correct:.3f} kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} "
-                  f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess_min']:.2f} "
-                  f"sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
+            progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(correct), kl=kl_value)
+            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
+                           f"acc {correct:.3f} kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} "
+                           f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess_min']:.2f} "
+                           f"sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
 
             last = round_index + 1 == args.num_rounds
             if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
@@ -496,8 +507,9 @@ def main():
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                             data_position, dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
-                                            timing=timing)
+                                            timing=timing, sampler_rng=sampler_rng)
 
+        progress.close()
         eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
         memory = common.peak_memory_mib(sampler)

@@ -376,7 +376,7 @@ class SamplerServer:
     COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause", "resume": "resume",
                 "weights_init": "weights_init", "weights_start": "weights_start", "weights_update": "weights_update",
                 "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "peak_memory": "peak_memory", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
-                "time_local_load": "time_local_load",
+                "time_local_load": "time_local_load", "rng_state": "rng_state", "set_rng_state": "set_rng_state",
                 "shutdown": "shutdown"}
 
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
@@ -475,6 +475,14 @@ class SamplerServer:
 
     def sampler_paths(self, _) -> dict[str, str]:
         return self.engine.collective_rpc(sampler_paths)[0]
+
+    def rng_state(self, _) -> dict:
+        return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+
+    def set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
 
     def time_local_load(self, model_dir: str) -> float:
         import gloo_transfer
@@ -818,6 +826,16 @@ class Sampler(WeightPusher):
     def sampler_paths(self) -> dict[str, str]:
         """The engine's model runner and top-k/top-p implementation (see engine_settings)."""
         return self._call("sampler_paths")
+
+    def rng_state(self) -> dict:
+        """The state of the generators vLLM draws unseeded samples from (torch's default CPU generator, and
+        the CUDA one on a GPU; vllm/v1/sample/ops/topk_topp_sampler.py random_sample, `q.exponential_()`),
+        for a checkpoint: restored with set_rng_state, a resumed run samples what the uninterrupted one
+        would have. Only between rounds (nothing generating)."""
+        return self._call("rng_state")
+
+    def set_rng_state(self, state: dict) -> None:
+        self._call("set_rng_state", state)
 
     def time_local_load(self, model_dir: str) -> float:
         """Seconds the sampler takes to load `model_dir`'s weights from its own memory the way a push

@@ -141,6 +141,15 @@ def test_two_rounds_from_the_command_line_then_resume():
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert (state["round"], state["step"]) == (3, 6)
     assert json.loads((run_dir / "args.json").read_text())["top_p"] == 0.9
+    # and exactly as it was: the same seed run for 3 rounds without a stop gives the same round 3, row for row
+    straight = _run(*flags, "--num-rounds", "3")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    straight_rows = [r for r in common.read_metrics(WORK / straight.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
+    resumed_rows = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    assert len(straight_rows) == len(resumed_rows) == 3
+    for a, b in zip(straight_rows, resumed_rows):
+        assert {k: v for k, v in a.items() if not k.startswith(("time/", "wall")) and "per_second" not in k} == \
+               {k: v for k, v in b.items() if not k.startswith(("time/", "wall")) and "per_second" not in k}
 
     # the trained policy is also a Hugging Face model directory that transformers and vLLM load as is
     from transformers import AutoModelForCausalLM
