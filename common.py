@@ -458,7 +458,8 @@ def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samp
     correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
                for i, p in enumerate(problems)]
     ks = [k for k in (1, 4, 8, 16) if k <= samples_per_problem]
-    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in ks}
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in ks} | {
+        "eval/problems": float(len(correct))}
 
 
 # --------------------------------------------------------------------------------------
@@ -657,8 +658,10 @@ class RunLogger:
         except ImportError:
             self.writer = None
         self.track = track
+        self.last: dict[str, Any] = {}
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
+        self.last.update(metrics)  # the latest value of each metric, for the report
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating, np.integer)) or torch.is_tensor(v) else v) for k, v in metrics.items()}
         record = {"step": step, "wall": round(time.time() - self.start, 3), **clean}
         self._jsonl.write(json.dumps(record) + "\n")
@@ -676,12 +679,13 @@ class RunLogger:
         table (`row`: column -> value), held-out pass@k at the start and the end, and peak memory.
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
         cell = lambda v: v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"  # noqa: E731
-        keys = sorted(eval_end, key=lambda k: int(k.split("@")[1]))
+        keys = sorted((k for k in eval_end if "@" in k), key=lambda k: int(k.split("@")[1]))
         lines = [f"## {title}", "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row), "| " + " | ".join(cell(v) for v in row.values()) + " |",
                  "", "held-out", "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
                  "| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |",
                  "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
-                 "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items())]
+                 "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()),
+                 "", *what_happened(eval_start, eval_end, self.last.get("charts/kl"))]
         text = "\n".join(lines) + "\n"
         print("\n" + text, end="")
         (self.dir / "summary.md").write_text(text)
@@ -707,6 +711,32 @@ class RunLogger:
         self._jsonl.close()
         sys.stdout = self._stdout
         self._console.close()
+
+
+def what_happened(eval_start: dict, eval_end: dict, kl: float | None) -> list[str]:
+    """Two lines for a reader of the end-of-run report: did held-out pass@1 move beyond the evaluation's
+    noise (two binomial standard errors over its problems), and what the largest k's pass@k and the KL
+    to the reference say (pass@k for large k falling while pass@1 rises: the policy sharpened onto
+    answers it could already find, as RL does, and paid that KL for it)."""
+    p0, p1, n = eval_start.get("eval/pass@1"), eval_end.get("eval/pass@1"), eval_end.get("eval/problems")
+    if p0 is None or p1 is None:
+        return []
+    noise = 2 * math.sqrt(max(p0 * (1 - p0), 1e-4) / n) if n else 0.0
+    moved = "within the evaluation's noise" if abs(p1 - p0) <= noise else ("up" if p1 > p0 else "down")
+    first = f"what happened: held-out pass@1 {p0:.3f} -> {p1:.3f}, {moved}" + (
+        f" (+-{noise:.3f} is two standard errors over {n:.0f} problems)" if n else "")
+    ks = sorted((k for k in eval_end if "@" in k), key=lambda k: int(k.split("@")[1]))
+    top = ks[-1] if ks else None
+    kl_text = f"; KL to the reference {kl:.3f} nats" if kl is not None and math.isfinite(kl) else ""
+    if top is None or top == "eval/pass@1":
+        return [first, f"(one sample per problem: no pass@k for larger k){kl_text}"]
+    q0, q1 = eval_start[top], eval_end[top]
+    if q1 < q0 - 1e-9 and p1 >= p0:
+        second = (f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}: the policy sharpened (it puts more mass on answers it already found, "
+                  f"fewer distinct tries succeed), as RL does{kl_text}")
+    else:
+        second = f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}{kl_text}"
+    return [first, second]
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

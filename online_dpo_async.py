@@ -429,7 +429,7 @@ def main():
         def evaluate():
             result = common.evaluate(sampler, task, tokenizer, args.eval_problems or None, args.eval_samples, args.max_prompt_tokens,
                                      args.chat_template, **eval_sampling)
-            return {"eval/pass@1": result["eval/pass@1"]}
+            return {"eval/pass@1": result["eval/pass@1"], "eval/problems": result["eval/problems"]}
 
         eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)

@@ -240,6 +240,19 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
 
 
 
+def test_the_report_says_in_two_lines_what_happened():
+    start = {"eval/pass@1": 0.40, "eval/pass@16": 0.90, "eval/problems": 200.0}
+    sharpened = common.what_happened(start, {"eval/pass@1": 0.52, "eval/pass@16": 0.70, "eval/problems": 200.0}, 1.2)
+    assert sharpened[0] == ("what happened: held-out pass@1 0.400 -> 0.520, up (+-0.069 is two standard errors over 200 problems)")
+    assert sharpened[1].startswith("pass@16 0.900 -> 0.700: the policy sharpened") and sharpened[1].endswith("KL to the reference 1.200 nats")
+    noise = common.what_happened(start, {"eval/pass@1": 0.43, "eval/pass@16": 0.91, "eval/problems": 200.0}, None)
+    assert "within the evaluation's noise" in noise[0] and noise[1] == "pass@16 0.900 -> 0.910"
+    assert "down" in common.what_happened(start, {"eval/pass@1": 0.2, "eval/pass@16": 0.5, "eval/problems": 200.0}, 0.1)[0]
+    assert len(common.what_happened({"eval/pass@1": 0.3}, {"eval/pass@1": 0.5}, 0.0)) == 2  # greedy: pass@1 only, no count
+
+
+
+
 def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic_path):
     """An instruct model's prompt: the task's system turn, its user turn (not the base prompt's whole
     text), the generation prompt, then the start of the reply the model continues; --system-prompt
