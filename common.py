@@ -579,6 +579,15 @@ class Progress:
         self.close()
 
 
+def run_dir_of(resume: str) -> Path:
+    """The run directory of a --resume argument: the directory itself, or the one holding the checkpoint
+    file (<run>/checkpoint.pt, or <run>/checkpoints/<step>.pt that --keep-checkpoints keeps)."""
+    path = Path(resume)
+    if path.is_dir():
+        return path
+    return path.parent.parent if path.parent.name == "checkpoints" else path.parent
+
+
 RUN_LENGTH = ("num_rounds", "num_steps", "num_iterations")  # what a resume may change without --resume-changes: how long it runs
 
 
@@ -593,7 +602,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
     args = tyro.cli(args_cls, args=argv)
     if not args.resume:
         return args
-    saved_file = (Path(args.resume) if Path(args.resume).is_dir() else Path(args.resume).parent) / "args.json"
+    saved_file = run_dir_of(args.resume) / "args.json"
     if not saved_file.is_file():
         return args
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
@@ -616,7 +625,7 @@ def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
     --resume is one line, before anything starts or any directory is made)."""
     if resume:
         checkpoint_state(resume)
-        return Path(resume).name if Path(resume).is_dir() else Path(resume).parent.name
+        return run_dir_of(resume).name
     return f"{exp_name}__{seed}__{int(time.time())}"
 
 
@@ -626,7 +635,7 @@ class RunLogger:
 
     def __init__(self, run_name: str, args: Any, track: bool = False, wandb_project: str = "fast-rl-llm", root: str = "runs"):
         if getattr(args, "resume", None):  # the run goes on in its own directory, wherever that is
-            self.dir = Path(args.resume) if Path(args.resume).is_dir() else Path(args.resume).parent
+            self.dir = run_dir_of(args.resume)
             self.dir.mkdir(parents=True, exist_ok=True)
         else:  # a new run gets a directory of its own, even when another run starts in the same second
             Path(root).mkdir(parents=True, exist_ok=True)

@@ -145,6 +145,8 @@ class Args:
     """completions per held-out problem, accuracy = pass@1 over them [greedy 1; sample 4]"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
+    keep_checkpoints: int = 1
+    """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only the latest"""
     snapshot_every: int = 0
     """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
     evaluates them after the run; 0: never)"""
@@ -202,6 +204,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     common.check_sampler_urls(args.sampler_url)
     common.check_run_flags(args)
+    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
     common.memory_defaults(args)
     common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
     common.check_args(args.missing_eos_penalty >= 0, "--missing-eos-penalty",
@@ -561,7 +564,8 @@ def main():
                 # (every rank; rank 0 writes the single-process file)
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                             data_position if last else batch["position"], dist, hf_model=push_model,
-                                            tokenizer=tokenizer, round=round_index + 1, totals=totals)
+                                            tokenizer=tokenizer, round=round_index + 1, totals=totals,
+                                            keep=args.keep_checkpoints)
         if dist.is_main and step:
             sampler.push_weights(step)  # (push_model was gathered after the last round's steps)
         eval_end = evaluate() if dist.is_main else {}

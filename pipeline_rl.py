@@ -161,6 +161,8 @@ class Args:
     """samples per held-out problem (accuracy = pass@1 over them)"""
     save_every: int = 0
     """checkpoint every N steps (0: only at the end)"""
+    keep_checkpoints: int = 1
+    """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only the latest"""
     snapshot_every: int = 0
     """keep the weights every N steps in <run>/snapshots/, with the wall time, from step 0 (benchmarks/learning_speed.py
     evaluates them after the run; 0: never)"""
@@ -374,6 +376,7 @@ def main():
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
     common.check_sampler_urls(args.sampler_url)
     common.check_run_flags(args)
+    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
     common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
     common.check_args(args.is_clip > 0, "--is-clip", f"must be > 0, got {args.is_clip}")
     common.check_args(0 <= args.ess_threshold <= 1, "--ess-threshold", f"must be in [0, 1], got {args.ess_threshold}")
@@ -577,7 +580,8 @@ def main():
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):  # (every rank; rank 0 writes)
                 gather()
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, totals=totals)
+                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, totals=totals,
+                                            keep=args.keep_checkpoints)
 
         def evaluate():
             return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,

@@ -205,6 +205,8 @@ class Args:
     """samples per held-out problem (accuracy = pass@1 over them)"""
     save_every: int = 0
     """checkpoint every N iterations (0: only at the end)"""
+    keep_checkpoints: int = 1
+    """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only the latest"""
     snapshot_every: int = 0
     """keep the policy's weights every N iterations in <run>/snapshots/, with the wall time, from iteration 0
     (benchmarks/learning_speed.py evaluates them after the run; 0: never)"""
@@ -572,6 +574,7 @@ def main():
     common.check_args(args.chunk_size >= 1 and all(c >= 1 for c in args.chunk_candidates), "--chunk-size/--chunk-candidates", "must be >= 1")
     common.check_sampler_urls(args.sampler_url)
     common.check_run_flags(args)
+    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
     common.check_args(not (args.sampler_url and args.intra), "--sampler-url",
                       "OPPO's intra-step overlap streams chunks, which the vLLM server path does not offer here: add --no-intra")
     common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")
@@ -906,7 +909,7 @@ def main():
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version,
                                             data_position, dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
                                             totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
-                                            carried_keys=[r.key for r in buffer.values()])
+                                            carried_keys=[r.key for r in buffer.values()], keep=args.keep_checkpoints)
         eval_end = {}
         if dist.is_main:
             sampler.abort(list(sampler.pending))

@@ -118,6 +118,8 @@ class Args:
     """also evaluate every N rounds (0: only at start and end)"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
+    keep_checkpoints: int = 1
+    """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only the latest"""
     snapshot_every: int = 0
     """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
     evaluates them after the run; 0: never)"""
@@ -304,6 +306,7 @@ def main():
     common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
     common.check_sampler_urls(args.sampler_url)
     common.check_run_flags(args)
+    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
     common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
     common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
     common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
@@ -507,7 +510,7 @@ def main():
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                             data_position, dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
-                                            timing=timing, sampler_rng=sampler_rng)
+                                            timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
 
         progress.close()
         eval_end = evaluate() if dist.is_main else {}

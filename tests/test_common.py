@@ -149,6 +149,24 @@ def test_logprob_diff_beyond_the_precisions_warns_once(capsys):
     assert len(out) == 1 and out[0].startswith("warning: charts/logprob_diff 0.03 on fresh weights")
 
 
+def test_keep_checkpoints_keeps_the_latest_n_and_each_resumes_its_run(tmp_path):
+    import dataclasses
+
+    import rloo_kreuse as rloo
+
+    model, run = torch.nn.Linear(2, 2), tmp_path / "run"
+    optimizer = torch.optim.Adam(model.parameters())
+    for step in (2, 4, 6):
+        common.save_checkpoint(run / "checkpoint.pt", model, optimizer, step, data_position=step, keep=2)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4.pt", "6.pt"]
+    assert common.checkpoint_state(run / "checkpoints" / "4.pt")["step"] == 4 and common.checkpoint_state(run)["step"] == 6
+    assert common.run_dir_of(str(run / "checkpoints" / "4.pt")) == run and common.run_dir_of(str(run / "checkpoint.pt")) == run
+    (run / "args.json").write_text(json.dumps(dataclasses.asdict(rloo.Args(k=8))))
+    assert common.parse_args(rloo.Args, ["--resume", str(run / "checkpoints" / "4.pt")]).k == 8  # the run's own flags
+    common.save_checkpoint(tmp_path / "one" / "checkpoint.pt", model, optimizer, 1, data_position=1)
+    assert not (tmp_path / "one" / "checkpoints").exists()  # the default keeps the latest only
+
+
 def test_check_args_names_the_flag():
     with pytest.raises(SystemExit, match="--k"):
         common.check_args(0 >= 1, "--k", "must be >= 1")
