@@ -595,7 +595,8 @@ def parse_args(args_cls, argv: list[str] | None = None):
     """tyro.cli(args_cls); on `--resume RUN` the saved run's args.json supplies the defaults, so the run
     continues as it was started whatever the command line leaves out. A flag given with a value other
     than the saved one is refused in one line naming it (the run would silently change), unless
-    `--resume-changes` says so; the run's length (RUN_LENGTH) may always be extended."""
+    `--resume-changes` says so; the run's length (RUN_LENGTH) may always be extended, and --verbose
+    given or left out (it changes what is shown, not the run)."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
@@ -610,7 +611,7 @@ def parse_args(args_cls, argv: list[str] | None = None):
              for k, v in json.loads(saved_file.read_text()).items() if k in fields}
     base = dataclasses.replace(args_cls(), **saved)
     resumed = tyro.cli(args_cls, args=argv, default=base)
-    changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes")
+    changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes", "verbose")
                and getattr(resumed, name) != getattr(base, name)]
     if changed and not resumed.resume_changes:
         what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})" for n in changed)

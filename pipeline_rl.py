@@ -52,6 +52,8 @@ class Args:
     """seed of the experiment (also seeds every sampling request: a run is reproducible)"""
     track: bool = False
     """log to Weights & Biases"""
+    verbose: bool = False
+    """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
     task: str = "countdown"
@@ -360,6 +362,7 @@ def fill_defaults(args: Args) -> Args:
 
 def main():
     args = fill_defaults(common.parse_args(Args))  # on --resume: the saved run's flags
+    vllm_sampler.quiet_libraries(args.verbose)
     tiny = args.model == common.TINY
     common.check_args(args.num_steps >= 1, "--num-steps", f"must be >= 1, got {args.num_steps}")
     common.check_args(args.learning_rate > 0, "--learning-rate", f"must be > 0, got {args.learning_rate}")
@@ -434,7 +437,8 @@ def main():
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                          max_num_seqs=args.gen_batch_size,
                                          urls=args.sampler_url, weights=push_model, version=step,
-                                         background_push=args.mode == "pipeline" and args.background_push) if dist.is_main else None
+                                         background_push=args.mode == "pipeline" and args.background_push,
+                                         verbose=args.verbose) if dist.is_main else None
     try:
         sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
         groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far
@@ -568,11 +572,12 @@ def main():
             if "logprob_diff" in stats:  # absent when no sequence of the batch was generated wholly by the current weights
                 metrics["charts/logprob_diff"] = stats["logprob_diff"]
             logger.log(step, metrics, echo=False)
+            progress.update(1, reward=stats["reward"], acc=stats["accuracy"], ess=stats["ess"], lag=stats["lag_mean"])
             if step % 10 == 0 or step == args.num_steps:
-                print(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
-                      f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {in_flight} "
-                      f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
-                      f"dropped {totals['stale_dropped']}")
+                progress.write(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
+                               f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {in_flight} "
+                               f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
+                               f"dropped {totals['stale_dropped']}")
             if args.snapshot_every and step % args.snapshot_every == 0:
                 gather()  # (Conventional RL pushes only after its G steps)
                 if dist.is_main:
@@ -593,6 +598,7 @@ def main():
             logger.snapshot(step, push_model)  # time 0 of the learning curve
         loop_start = time.time() - totals["wall"]
         groups_per_batch = args.train_batch_size // args.group_size
+        progress = common.Progress(args.num_steps, "train", unit="step", initial=step, show=dist.is_main)
         while step < args.num_steps:
             if args.mode == "pipeline":
                 wait_seconds, batch = 0.0, None
@@ -634,6 +640,7 @@ def main():
         if dist.is_main:
             sampler.wait_for_push()
             sampler.abort(list(sampler.pending))
+        progress.close()
         eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
         memory = common.peak_memory_mib(sampler)

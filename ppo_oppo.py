@@ -72,6 +72,8 @@ class Args:
     """seed of the experiment"""
     track: bool = False
     """log to Weights & Biases"""
+    verbose: bool = False
+    """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id: the actor, and the init of critic and reference"""
     task: str = "countdown"
@@ -558,6 +560,7 @@ def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
 
 def main():
     args = common.parse_args(Args)  # on --resume: the saved run's flags
+    vllm_sampler.quiet_libraries(args.verbose)
     tiny = args.model == common.TINY
     for name, value in (TINY if tiny else PAPER).items():
         if getattr(args, name) is None:
@@ -653,7 +656,8 @@ def main():
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
-                                         urls=args.sampler_url, weights=push_model, version=version) if dist.is_main else None
+                                         urls=args.sampler_url, weights=push_model, version=version,
+                                         verbose=args.verbose) if dist.is_main else None
     pushed_version = version  # what the sampler holds
     try:
         buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
@@ -718,6 +722,7 @@ def main():
         if dist.is_main:
             admit(carried_keys)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
+        progress = common.Progress(args.num_iterations, "train", unit="iteration", initial=iteration, show=dist.is_main)
         while iteration < args.num_iterations:
             iteration_start = time.time()
             batch, unfinished, generate_seconds, hidden_score = None, 0, 0.0, 0.0
@@ -896,13 +901,14 @@ def main():
                 metrics.update({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]})
             common.warn_logprob_diff(metrics["charts/logprob_diff"], tis_on, warned)
             logger.log(version, metrics, echo=False)
+            progress.update(1, reward=metrics["charts/reward"], acc=float(accuracy), kl=metrics["charts/kl"], delta=delta)
             if iteration == 1:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
             if iteration % 10 == 0 or iteration == args.num_iterations or iteration == 1:
-                print(f"iteration {iteration}/{args.num_iterations}: reward {metrics['charts/reward']:.3f} acc {accuracy:.3f} "
-                      f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
-                      f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
-                      f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
+                progress.write(f"iteration {iteration}/{args.num_iterations}: reward {metrics['charts/reward']:.3f} acc {accuracy:.3f} "
+                               f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
+                               f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
+                               f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
             if dist.is_main and args.snapshot_every and iteration % args.snapshot_every == 0:
                 logger.snapshot(version, push_model)
             if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):  # (every rank; rank 0 writes)
@@ -910,6 +916,7 @@ def main():
                                             data_position, dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
                                             totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
                                             carried_keys=[r.key for r in buffer.values()], keep=args.keep_checkpoints)
+        progress.close()
         eval_end = {}
         if dist.is_main:
             sampler.abort(list(sampler.pending))

@@ -36,7 +36,6 @@ import os
 import queue
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -206,8 +205,8 @@ def log_environment(verbose: bool) -> dict[str, str]:
 def quiet_libraries(verbose: bool) -> None:
     """In this process (the learner, or the sampler): without --verbose, what vLLM logs before its logging
     is configured (at import: "Triton is installed, but doesn't include CPU backend"), the FutureWarning
-    its Triton-less kernel scan provokes from torch, and transformers' load and save bars where no one
-    watches them (stderr not a terminal). Errors show either way."""
+    its Triton-less kernel scan provokes from torch, and transformers' load and save bars (a save's bar
+    tears the training bar; our own bars say how far a run got). Errors show either way."""
     import logging
     import warnings
 
@@ -215,10 +214,9 @@ def quiet_libraries(verbose: bool) -> None:
         return
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
-    if not sys.stderr.isatty():
-        from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()
 
 
 def pin_pytorch_top_k_top_p() -> None:

@@ -128,6 +128,8 @@ def test_two_rounds_from_the_command_line_then_resume():
         assert r["charts/logprob_diff"] < 1e-4
     assert (run_dir / "checkpoint.pt").exists() and json.loads((run_dir / "args.json").read_text())["k"] == 2
     assert "| K | wall (s)" in out.stdout and "pass@1" in out.stdout
+    # a person reads it at a glance: vLLM's and torch's start-up warnings are off without --verbose (vllm_sampler.log_environment)
+    assert not [line for line in (out.stdout + out.stderr).splitlines() if "WARNING" in line or "Warning:" in line]
 
     # a flag that would change the resumed run is refused in one line naming it, before anything loads
     changed = _run("--resume", str(run_dir), "--k", "4", "--num-rounds", "3")
