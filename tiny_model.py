@@ -101,7 +101,7 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
         task = tasks.make_task(config.task, seed=config.seed, tiny_prompts=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
-        start = time.time()
+        progress = common.Progress(config.sft_steps, "tiny model", unit="step", every=float("inf"))  # (off a terminal: the log lines)
         for step in range(config.sft_steps):
             problems = [task.problem("train", step * config.sft_batch_size + i) for i in range(config.sft_batch_size)]
             prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
@@ -115,8 +115,10 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             schedule.step()
+            progress.update(1, loss=loss.item())
             if step % 50 == 0 or step == config.sft_steps - 1:
-                log(f"[tiny model] sft step {step + 1}/{config.sft_steps} loss {loss.item():.3f} ({time.time() - start:.0f}s)")
+                log(f"[tiny model] sft step {step + 1}/{config.sft_steps} loss {loss.item():.3f} ({progress.timing()})")
+        progress.close()
         def write(tmp: Path) -> None:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
