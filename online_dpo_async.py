@@ -379,10 +379,13 @@ def main():
     warned: list[float] = []  # the logprob_diff warning, once
     mismatch_expected = common.mismatch_correction("auto", args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
     totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
+    # --sync: the sampler's generators before the round a resume starts with, so that it samples as an uninterrupted run
+    sampler_rng = None
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
         state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "totals"))
         start_round, data_position, step = state["round"], state["data_position"], state["step"]
         totals |= state["totals"]
+        sampler_rng = state.get("sampler_rng")
         distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
@@ -403,8 +406,10 @@ def main():
 
         def submit_round():
             """Queue the next round's prompts; the sampler generates them with its current weights."""
-            nonlocal data_position, next_round
+            nonlocal data_position, next_round, sampler_rng
             position = data_position
+            if args.sync and hasattr(sampler, "rng_state"):
+                sampler_rng = sampler.rng_state()  # nothing generating: what this round draws from
             indices = [train_index(position + i, train_size, args.seed, args.shuffle_train) for i in range(args.prompts_per_round)]
             problems, prompts, skipped = common.encode_prompts(
                 tokenizer, [task.problem("train", i) for i in indices], args.max_prompt_tokens, args.chat_template)
@@ -438,6 +443,8 @@ def main():
         logger.log(step, eval_start)
         if dist.is_main and args.snapshot_every and start_round == 0:
             logger.snapshot(step, push_model)  # time 0 of the learning curve
+        if dist.is_main and sampler_rng is not None and hasattr(sampler, "set_rng_state"):
+            sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
         if dist.is_main:
             submit_round()
         # Algorithm 1: a first batch y_0 ~ pi_theta_0(x_0); under torchrun rank 0 samples and every rank gets the round
@@ -565,7 +572,8 @@ def main():
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                             data_position if last else batch["position"], dist, hf_model=push_model,
                                             tokenizer=tokenizer, round=round_index + 1, totals=totals,
-                                            keep=args.keep_checkpoints)
+                                            keep=args.keep_checkpoints, sampler_rng=(sampler.rng_state() if last and args.sync and dist.is_main
+                                                                                     and hasattr(sampler, "rng_state") else sampler_rng))
         if dist.is_main and step:
             sampler.push_weights(step)  # (push_model was gathered after the last round's steps)
         eval_end = evaluate() if dist.is_main else {}

@@ -644,6 +644,7 @@ def main():
     chunk, trial_seconds, reward_history = args.chunk_size, {}, []
     totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
     warned: list[float] = []  # the logprob_diff warning, once
+    sampler_rng = None  # without the inter-step overlap: the sampler's generators between iterations, for an exact resume
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
         state = distributed.load_checkpoint(args.resume, learner, optimizer, dist,
                                             required=("iteration", "totals", "delta", "chunk", "reward_history", "carried_keys"))
@@ -651,6 +652,7 @@ def main():
         iteration, version, data_position = state["iteration"], state["step"], state["data_position"]
         totals.update(state["totals"])
         delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
+        sampler_rng = state.get("sampler_rng")
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
@@ -719,6 +721,8 @@ def main():
         logger.log(version, eval_start)
         if dist.is_main and args.snapshot_every and iteration == 0:
             logger.snapshot(version, push_model)  # time 0 of the learning curve
+        if dist.is_main and sampler_rng is not None and hasattr(sampler, "set_rng_state"):
+            sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
         if dist.is_main:
             admit(carried_keys)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
@@ -915,7 +919,10 @@ def main():
                 distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version,
                                             data_position, dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
                                             totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
-                                            carried_keys=[r.key for r in buffer.values()], keep=args.keep_checkpoints)
+                                            carried_keys=[r.key for r in buffer.values()], keep=args.keep_checkpoints,
+                                            # nothing in flight without inter: what the next iteration draws from
+                                            sampler_rng=sampler.rng_state() if not args.inter and dist.is_main
+                                            and hasattr(sampler, "rng_state") else None)
         progress.close()
         eval_end = {}
         if dist.is_main:

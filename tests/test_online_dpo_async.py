@@ -234,6 +234,18 @@ def test_sync_run_has_lag_0(sync_run):
     _check_rounds(sync_run, "sync", minibatches=1, num_prompts=8)
 
 
+def test_sync_resume_is_exact(tmp_path, sync_run):
+    """--sync stopped after 2 rounds and resumed to 3 gives the uninterrupted run's rounds, row for row
+    (the checkpoint keeps the sampler's generators as they were before the next round)."""
+    i = SYNC.index("--num-rounds")
+    flags = SYNC[:i] + SYNC[i + 2:]
+    run = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_resume", "--num-rounds", "2", cwd=tmp_path), tmp_path)
+    _run_dir(_run("--resume", str(run), "--num-rounds", "3", cwd=tmp_path), tmp_path)
+    timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
+    rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in common.read_metrics(d) if "charts/reward" in r] for d in (sync_run, run)]
+    assert len(rounds[0]) == len(rounds[1]) == 3 and rounds[0] == rounds[1]
+
+
 def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     """The asynchronous loop with the next round submitted only after the push is the synchronous
     schedule: on a fixed seed, the same sampled tokens (the same rewards, lengths, pairs), the same

@@ -403,6 +403,19 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
         torch.testing.assert_close(tensor, final[1][name], atol=1e-4, rtol=0)
 
 
+def test_plain_ppo_resume_is_exact(tmp_path):
+    """Plain PPO stopped after 2 iterations and resumed to 3 gives the uninterrupted run's iterations,
+    row for row (the checkpoint keeps the sampler's generators and the learner's RNG)."""
+    flags = ("--no-intra", "--no-inter", "--max-new-tokens", "24", "--num-minibatches", "2", "--eval-problems", "4", "--eval-samples", "1")
+    _run(tmp_path, "--exp-name", "straight", "--num-iterations", "3", *flags)
+    _run(tmp_path, "--exp-name", "stopped", "--num-iterations", "2", *flags)
+    [stopped] = (tmp_path / "runs").glob("stopped__*")
+    _run(tmp_path, "--resume", str(stopped), "--num-iterations", "3", *flags)
+    timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k  # noqa: E731
+    rows = [[{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, name)[1]] for name in ("straight", "stopped")]
+    assert len(rows[0]) == len(rows[1]) == 3 and rows[0] == rows[1]
+
+
 def test_chat_template_flag_needs_a_template(tmp_path):
     out = _run(tmp_path, "--chat-template", expect_ok=False)  # the tiny tokenizer has none
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --chat-template")
