@@ -41,6 +41,8 @@ class Args:
     """seed of the experiment (and of the sampler's engine)"""
     track: bool = False
     """log to Weights & Biases"""
+    verbose: bool = False
+    """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
     task: str = "countdown"
@@ -344,6 +346,7 @@ def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, reje
 
 def main():
     args = parse_args()
+    vllm_sampler.quiet_libraries(args.verbose)
     args.prompts_per_round = args.num_prompts * args.num_minibatches
     args.max_prompt_tokens = 64 if args.model == common.TINY else 512
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
@@ -392,7 +395,7 @@ def main():
     sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
-                                         weights=push_model, version=step) if dist.is_main else None
+                                         weights=push_model, version=step, verbose=args.verbose) if dist.is_main else None
     try:
         # No per-request seed: vLLM's CPU runner fails on a seeded request whose prompt's prefill it splits
         # ("CPU Generator does not use offset"). The sampler's engine seed (--seed) already makes the tokens
@@ -452,6 +455,7 @@ def main():
         if dist.is_main and args.staleness and next_round < args.num_rounds:
             submit_round()  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
         loop_start = time.time() - totals["wall"]
+        progress = common.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
         for round_index in range(start_round, args.num_rounds):
             last = round_index + 1 == args.num_rounds
             round_start = time.time()
@@ -560,10 +564,11 @@ def main():
                 metrics["charts/logprob_diff"] = diff_sum / diff_tokens
                 common.warn_logprob_diff(metrics["charts/logprob_diff"], mismatch_expected, warned)
             logger.log(step, metrics, echo=False)
-            print(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
-                  f"acc {metrics['charts/accuracy']:.3f} pairs {num_pairs} ties {metrics['charts/ties_dropped']} "
-                  f"dpo_acc {metrics['losses/dpo_accuracy']:.2f} kl {kl:.2f} lag {min(lags)}-{max(lags)} "
-                  f"gen {generate_seconds:.2f}s train {train_seconds:.2f}s step {metrics['time/step_seconds']:.2f}s")
+            progress.update(1, step=step, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], dpo_acc=metrics["losses/dpo_accuracy"])
+            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
+                           f"acc {metrics['charts/accuracy']:.3f} pairs {num_pairs} ties {metrics['charts/ties_dropped']} "
+                           f"dpo_acc {metrics['losses/dpo_accuracy']:.2f} kl {kl:.2f} lag {min(lags)}-{max(lags)} "
+                           f"gen {generate_seconds:.2f}s train {train_seconds:.2f}s step {metrics['time/step_seconds']:.2f}s")
             if not last:
                 batch = following
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
@@ -576,6 +581,7 @@ def main():
                                                                                      and hasattr(sampler, "rng_state") else sampler_rng))
         if dist.is_main and step:
             sampler.push_weights(step)  # (push_model was gathered after the last round's steps)
+        progress.close()
         eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
         memory = common.peak_memory_mib(sampler)
