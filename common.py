@@ -83,6 +83,28 @@ def memory_defaults(args) -> None:
             setattr(args, name, on)
 
 
+def memory_plan(args, model_path: str, script: str) -> float | None:
+    """On a GPU, before any weight loads: the run's memory plan from the model's config alone (memory_plan.py
+    has its contract), printed in one line, `memory plan: learner ~X GB + sampler Y GB + transfer Z GB of N GB`.
+    Returns the sampler's share of its GPU (--sampler-gpu-memory, sized by the plan when not given); a plan
+    that does not fit stops the run in one line naming the flags that would. On CPU (and under torchrun, whose
+    sharded learner it does not model) it prints nothing and returns --sampler-gpu-memory as given.
+    script: rloo, dpo, pipeline or ppo."""
+    if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return args.sampler_gpu_memory
+    import memory_plan as plan_memory
+
+    reward = 0
+    if getattr(args, "reward_model", None):
+        reward = plan_memory.reward_model_bytes(load_hf(AutoConfig, args.reward_model, flag="--reward-model"))
+    plan = plan_memory.plan(script, args, plan_memory.shape_of(load_hf(AutoConfig, model_path)),
+                            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, torch.cuda.device_count(), reward)
+    if not plan.fits:
+        raise SystemExit(plan.line)
+    print(plan.line)
+    return plan.share
+
+
 def limit_cpu_threads() -> None:
     """On a 2-core machine the learner, the sampler and OpenMP spin-waits fight for cores;
     one thread per process was 4-6x faster than two (measured on the tiny model)."""

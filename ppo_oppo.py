@@ -608,6 +608,7 @@ def main():
     device = dist.device
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    args.sampler_gpu_memory = common.memory_plan(args, model_path, "ppo")  # GPU only: the plan line, or a refusal naming flags
     tokenizer = common.load_tokenizer(model_path)
     for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):  # before any model loads
         common.check_args(path is None or common.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,

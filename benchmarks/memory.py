@@ -283,14 +283,14 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None, autocast: bool = False,
                   checkpointing: bool = False, steps: int = 1, tracker=None):
     """pipeline_rl.py's train_step itself (its truncated-IS loss, its --micro-batch-size rule, clipping,
-    Adam) on B = --train-batch-size sequences, at its non-tiny defaults. pipeline_rl.py has no autocast
-    or checkpointing flag: the variants wrap train_step in bf16 autocast and enable checkpointing on
-    the policy, what such flags would do."""
+    Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
+    --gradient-checkpointing."""
     import pipeline_rl as prl
 
-    args = prl.Args(model="qwen2.5-0.5b")
+    args = prl.Args(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
     args.max_new_tokens = response or args.max_new_tokens or 1024  # main(): 1024 unless tiny
     args.learning_rate = args.learning_rate or 1e-6
+    args.ess_threshold = 0.5 if args.ess_threshold is None else args.ess_threshold  # main(): 0.5 in pipeline mode
     if micro_batch_size:
         args.micro_batch_size = micro_batch_size
     policy = causal_lm(config, True, checkpointing)
@@ -302,8 +302,7 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
                for i in range(B)]
     rewards = torch.zeros(B)
     for step in range(steps):
-        with with_autocast(autocast):
-            stats = prl.train_step(policy, ref, optimizer, samples, rewards, step, args, pad_token_id=0)
+        stats = prl.train_step(policy, ref, optimizer, samples, rewards, step, args, pad_token_id=0)  # its own autocast
         assert stats["outcome"] == "trained", stats["outcome"]
     return dict(micro_batches=math.ceil(B / args.micro_batch_size), rows=B, tokens=B * (prompt + args.max_new_tokens),
                 kl_coef=args.kl_coef)

@@ -206,3 +206,138 @@ def test_learner_steps_run_on_fake_tensors(realistic_path, script):
     config = AutoConfig.from_pretrained(realistic_path)
     result = memory.measure(lambda tracker: memory.STEPS[script](config, tracker=tracker, prompt=32, response=32))
     assert result["peak"] > 0
+
+
+# --------------------------------------------------------------------------------------
+# The memory plan (memory_plan.py): its estimate against the fake-tensor measurement, its line,
+# its refusal and the sampler's share, as pure functions of numbers
+# --------------------------------------------------------------------------------------
+
+import memory_plan  # noqa: E402
+
+GB = 1e9
+
+
+def _paper_args(script: str, prompt: int, response: int, autocast: bool, checkpointing: bool, **kw):
+    """The flags memory_plan.script_step reads, at benchmarks/memory.py's settings for each script."""
+    base = dict(max_prompt_tokens=prompt, max_new_tokens=response, micro_batch_tokens=8192, autocast_bf16=autocast,
+                gradient_checkpointing=checkpointing, dtype="float32", placement="colocate", sampler_dtype="auto",
+                sampler_gpu_memory=None, sampler_url=None)
+    per_script = dict(rloo=dict(num_prompts=4, group_size=2, beta_kl=0.01, top_p=0.95),
+                      dpo=dict(num_prompts=64, group_size=2, top_p=1.0),
+                      pipeline=dict(train_batch_size=64, micro_batch_size=16, kl_coef=0.0, gen_batch_size=None, mode="pipeline",
+                                    steps_per_rl_step=4, background_push=True, top_p=1.0),
+                      ppo=dict(batch_size=112, delta=8, delta_max=16, inter=True, num_minibatches=1, micro_batch_size=16, top_p=1.0))
+    return SimpleNamespace(**base | per_script[script] | kw)
+
+
+# (script, prompt, response, its measurement's keyword arguments): every sequence at full length, as the benchmark;
+# 4 of Qwen2.5-0.5B's 24 layers (a fake-tensor step costs per op, not per byte: seconds each)
+PLAN_CASES = [("rloo", 256, 512, dict()), ("dpo", 256, 512, dict(pairs=16)), ("pipeline", 256, 256, dict())]
+
+
+@pytest.mark.parametrize("variant", list(memory.VARIANTS))
+@pytest.mark.parametrize("script,prompt,response,kw", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
+def test_plan_estimates_the_measured_learner_step_within_15_percent(script, prompt, response, kw, variant):
+    """memory_plan.learner_bytes for each script's step, from the config alone, against benchmarks/memory.py's
+    measurement of the script's own step on fake tensors (its peak of live tensor bytes). PPO's step (120 KV
+    caches) is too slow here: its 24-layer comparison is the README's table."""
+    autocast, checkpointing = memory.VARIANTS[variant]
+    config = memory.qwen25_05b_config(num_layers=4)
+    measured = memory.measure(lambda tracker: memory.STEPS[script](config, tracker=tracker, prompt=prompt, response=response,
+                                                                   autocast=autocast, checkpointing=checkpointing, **kw),
+                              math_attention=not autocast)["peak"]
+    args = _paper_args(script, prompt, response, autocast, checkpointing, **({"num_prompts": kw["pairs"]} if "pairs" in kw else {}))
+    step, _ = memory_plan.script_step(script, args, memory_plan.shape_of(config))
+    estimate = memory_plan.learner_bytes(memory_plan.shape_of(config), step, "float32", autocast, checkpointing)
+    assert abs(estimate / measured - 1) <= 0.15, (estimate / GB, measured / GB)
+
+
+QWEN = memory_plan.Shape(params=494_032_768, critic_params=494_033_664, largest=136_134_656, layers=24, hidden=896,
+                         intermediate=4864, heads=14, kv_dim=128, vocab=151_936)
+
+
+def test_shape_of_reads_qwen25_05b_from_its_config():
+    assert memory_plan.shape_of(memory.qwen25_05b_config()) == QWEN
+
+
+def test_plan_line_and_refusal_with_hand_made_numbers():
+    assert (memory_plan.plan_line(12.04e9, 7.2e9, 0.55e9, 24e9)
+            == "memory plan: learner ~12.0 GB + sampler 7.2 GB + transfer 0.6 GB of 24 GB")
+    assert memory_plan.plan_line(12e9, 68e9, 0.5e9, 80e9, sampler_total=80e9).endswith("(the sampler's on its own GPU of 80 GB)")
+    line = memory_plan.refusal(33.6e9, 2.0e9, 0.5e9, 24e9, ["--gradient-checkpointing True", "--placement separate"])
+    assert line.startswith("error: memory plan: learner ~33.6 GB + sampler 2.0 GB + transfer 0.5 GB (+ 1.5 headroom) = 37.6 GB")
+    assert line.endswith("does not fit the GPU's 24 GB; to fit: --gradient-checkpointing True; or --placement separate")
+    assert "\n" not in line
+
+
+def test_sampler_share_is_what_the_learner_leaves_within_bounds():
+    # 24 GB: 24 - 12 - 0.5 - 1.5 headroom = 10 GB -> 0.41 (rounded down), enough for a 3 GB need
+    assert memory_plan.sampler_share(24e9, 12e9, 0.5e9, 3e9) == 0.41
+    # 80 GB: everything left would be 0.82, within the 0.9 bound
+    assert memory_plan.sampler_share(80e9, 12e9, 0.5e9, 3e9) == 0.82
+    assert memory_plan.sampler_share(80e9, 1e9, 0.1e9, 3e9) == memory_plan.MAX_SHARE
+    # too little left for the sampler's weights and the batch's KV cache: no share
+    assert memory_plan.sampler_share(24e9, 20e9, 0.5e9, 3e9) is None
+    # the need: bf16 weights + KV for 8 sequences of 768 tokens + the overhead
+    need = memory_plan.sampler_need_bytes(QWEN, 8, 768, "bfloat16")
+    assert need == 2 * QWEN.params + 8 * 768 * 24 * 2 * 128 * 2 + memory_plan.SAMPLER_OVERHEAD
+
+
+@pytest.mark.parametrize("total_gb", [24, 80])
+@pytest.mark.parametrize("script", ["rloo", "dpo", "pipeline", "ppo"])
+def test_plan_for_each_script_at_its_memory_defaults(script, total_gb):
+    """The canonical commands' GPU defaults (bf16 autocast + checkpointing) fit a 24 and an 80 GB card
+    beside a colocated sampler, whose share the plan sizes; the learner's figure is learner_bytes'. PPO
+    (actor and critic trained, 128 sequences' KV caches in two models) does not fit 24 GB: refused, naming
+    bf16 weights (the learner alone leaves no room for a sampler, so a second GPU is not named)."""
+    prompt, response = dict(rloo=(256, 512), dpo=(512, 512), pipeline=(512, 1024), ppo=(512, 1024))[script]
+    args = _paper_args(script, prompt, response, True, True)
+    p = memory_plan.plan(script, args, QWEN, total_gb * GB)
+    if (script, total_gb) == ("ppo", 24):
+        assert not p.fits and p.line.endswith("to fit: --dtype bfloat16"), p.line
+        return
+    assert p.fits, p.line
+    assert p.line.startswith("memory plan: learner ~") and p.line.endswith(f"of {total_gb} GB")
+    assert memory_plan.MIN_SHARE <= p.share <= memory_plan.MAX_SHARE
+    assert p.learner + p.transfer + p.sampler + memory_plan.HEADROOM <= total_gb * GB
+    step, _ = memory_plan.script_step(script, args, QWEN)
+    assert p.learner == memory_plan.learner_bytes(QWEN, step, "float32", True, True)
+
+
+def test_plan_refuses_in_one_line_naming_the_flags_that_fit():
+    """PPO in fp32 without checkpointing (~90 GB) on a 24 GB card: refused, naming the memory flags that fit;
+    a given share that leaves the learner too little is named, with a second GPU."""
+    args = _paper_args("ppo", 512, 1024, False, False)
+    p = memory_plan.plan("ppo", args, QWEN, 24 * GB)
+    assert not p.fits and p.share is None
+    assert p.line.startswith("error: memory plan: learner ~") and "does not fit the GPU's 24 GB" in p.line
+    assert p.line.endswith("to fit: --gradient-checkpointing True --autocast-bf16 True --dtype bfloat16"), p.line
+    fixed = memory_plan.plan("ppo", _paper_args("ppo", 512, 1024, True, True, dtype="bfloat16"), QWEN, 24 * GB)
+    assert fixed.fits, fixed.line
+    # RLOO with the memory defaults but --sampler-gpu-memory 0.8 on 24 GB: leave it out, or a second GPU
+    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8), QWEN, 24 * GB)
+    assert not p.fits
+    assert "leave --sampler-gpu-memory out" in p.line and "--placement separate" in p.line
+    # separate: the learner's GPU holds the learner and the transfer, the sampler its default 0.85 of the next
+    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 24 * GB)
+    assert p.fits and p.share == 0.85 and "own GPU" in p.line
+
+
+def test_transfer_is_the_packed_buffer_and_a_background_snapshot():
+    import weight_sync
+
+    packed = weight_sync.packed_buffer_bytes([QWEN.largest * 2])
+    assert packed == QWEN.largest * 2  # the embedding in bf16, 272 MB
+    # colocated (ipc): one buffer + the largest tensor cast from fp32; NCCL keeps two buffers
+    assert memory_plan.transfer_bytes(QWEN, "bfloat16", "colocate", False) == 2 * packed
+    assert memory_plan.transfer_bytes(QWEN, "bfloat16", "separate", False) == 3 * packed
+    # PipelineRL's background push: a bf16 snapshot of the whole model on top
+    assert memory_plan.transfer_bytes(QWEN, "bfloat16", "colocate", True) == 2 * packed + 2 * QWEN.params
+
+
+def test_memory_plan_on_cpu_prints_nothing_and_changes_nothing(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = _paper_args("rloo", 256, 512, False, False, sampler_gpu_memory=0.5)
+    assert common.memory_plan(args, "/nonexistent", "rloo") == 0.5
+    assert capsys.readouterr().out == ""

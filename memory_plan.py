@@ -1,0 +1,347 @@
+"""The memory plan: before any weight loads, what one GPU must hold for a run, from the model's
+config alone (issue 28, item 1).
+
+    memory plan: learner ~X GB + sampler Y GB + transfer Z GB of N GB
+
+- learner: the peak of one learner step, in tensor bytes (what torch.cuda.max_memory_allocated
+  counts): the trained models' weights, gradients and Adam moments in --dtype (policy; PPO's
+  critic too), the frozen models (reference, reward model), bf16 autocast's weight copies, one
+  micro-batch's activations (the worst case: every sequence at max_prompt_tokens + max_new_tokens,
+  as many per micro-batch as --micro-batch-tokens / --micro-batch-size allow), the chunked
+  logprob's logits (common.token_logprobs' chunk) and PPO's per-sequence KV caches of the
+  downstream models. The activation sizes per token and layer are those benchmarks/memory.py
+  measures on fake tensors for a Llama/Qwen2-style decoder (tests/test_memory.py holds the estimate
+  to its measurement within 15% for every script and memory setting):
+    fp32                    4 x (4 I + 10 h) bytes, and SDPA's math kernel keeps heads x T x T fp32
+                            probabilities per layer (CUDA picks it for fp32 at these shapes);
+    bf16 autocast           8 I + 36 h bytes (a fused attention kernel: no T x T matrix);
+    gradient checkpointing  the layer's input only (h in the weights' dtype), plus one layer
+                            recomputed in full during the backward pass.
+  Gradients are counted whole, although a single micro-batch's step peaks before they all exist:
+  the estimate leans high there (RLOO), never low.
+- sampler: vLLM's share of the GPU, gpu_memory_utilization x total (--sampler-gpu-memory). Left
+  unset, the plan sizes it (sampler_share): what the learner, the transfer and HEADROOM leave, at
+  most MAX_SHARE, at least what the sampler needs (sampler_need_bytes: its weights, a KV cache for
+  the batch it decodes, SAMPLER_OVERHEAD for vLLM's activations, CUDA graphs and context).
+- transfer: what a push allocates on the learner's GPU (weight_sync): the packed staging buffer
+  (weight_sync.packed_buffer_bytes, two of them for NCCL), the largest tensor cast to the sampler's
+  dtype, and PipelineRL's background push keeps a snapshot of the whole model in that dtype.
+
+When the sum does not fit, the run stops in one line naming the flags that would make it fit
+(refusal). Everything here is a pure function of numbers (the line, the sizing, the refusal), so it
+is tested on CPU with hand-made cards; common.memory_plan is the one call a script makes, on a GPU
+only. Not modelled: several learner ranks (torchrun: the plan is skipped), a remote sampler's GPUs,
+the allocator's fragmentation and the CUDA context (HEADROOM stands for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GB = 1e9
+HEADROOM = 1.5 * GB  # the learner's CUDA context, cuBLAS workspaces and allocator fragmentation (~0.5-1 GB measured)
+SAMPLER_OVERHEAD = 1.5 * GB  # vLLM beyond weights and KV cache: its profiled activations, CUDA graphs, its CUDA context
+MAX_SHARE = 0.9  # vLLM's own default utilization is 0.9
+MIN_SHARE = 0.05
+LOGIT_CHUNK_BYTES = 256 * 2**20  # common.LOGIT_CHUNK_BYTES: fp32 logits per chunk of positions
+# logit-chunk-sized tensors alive at the head's peak (measured on fake tensors): in the forward (logits, log-softmax;
+# top-p adds its sort's values and int64 indices, its cumsum and masks) and in the backward (the chunk recomputed, its grads)
+HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p": 10}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the plan reads from a model's config."""
+    params: int  # the causal LM's parameters
+    critic_params: int  # the same backbone with a 1-output score head instead of the LM head (PPO's critic)
+    largest: int  # elements of its largest tensor (the embedding, for these models)
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_dim: int  # key/value heads x head dim
+    vocab: int
+
+
+def shape_of(config) -> Shape:
+    """A transformers config -> Shape. Parameter counts come from the model built on the meta device
+    (no memory, no weights): exact for any architecture transformers knows."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config)
+        critic_config = copy.deepcopy(config)
+        critic_config.num_labels = 1
+        critic = AutoModelForSequenceClassification.from_config(critic_config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return Shape(params=sum(p.numel() for p in lm.parameters()), critic_params=sum(p.numel() for p in critic.parameters()),
+                 largest=max(p.numel() for p in lm.parameters()), layers=text.num_hidden_layers, hidden=text.hidden_size,
+                 intermediate=text.intermediate_size, heads=text.num_attention_heads,
+                 kv_dim=(getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim, vocab=text.vocab_size)
+
+
+# --------------------------------------------------------------------------------------
+# The learner's step
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Step:
+    """One learner step's shape: the worst-case micro-batch (rows x seq_len padded tokens) and the models."""
+    rows: int  # sequences in the largest micro-batch
+    seq_len: int  # prompt + response, the longest
+    trained: tuple[int, ...]  # parameter counts of the models Adam trains (policy; PPO: + critic)
+    frozen: tuple[int, ...] = ()  # parameter counts of the frozen models in the learner's dtype (reference)
+    frozen_bytes: int = 0  # frozen models in another dtype (a reward model), in bytes
+    kv_cache_bytes: int = 0  # PPO: the downstream models' per-sequence KV caches while they prefill
+    kv_carried_bytes: int = 0  # PPO: those of the carried-over sequences, kept through the update
+    backward_models: int = 1  # models run forward and backward on each micro-batch (PPO: policy and critic)
+    micro_batches: int = 1  # how many the step runs (from the second on, the gradients are alive throughout)
+    top_p: float = 1.0  # the learner's nucleus (common.sampling_logits sorts the vocabulary when < 1)
+
+
+def layer_bytes(s: Shape, rows: int, seq_len: int, weight_bytes: int, autocast: bool) -> int:
+    """One decoder layer's activations kept for the backward pass, for one micro-batch (the module's table)."""
+    tokens = rows * seq_len
+    if autocast:
+        return tokens * (8 * s.intermediate + 36 * s.hidden)
+    if weight_bytes == 4:
+        return tokens * 4 * (4 * s.intermediate + 10 * s.hidden) + 4 * rows * s.heads * seq_len ** 2
+    return tokens * (2 * (4 * s.intermediate + 10 * s.hidden) + 8 * s.hidden)  # bf16 weights: a fused kernel, fp32 norms
+
+
+def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0) -> int:
+    """common.token_logprobs' vocabulary projection, a chunk of positions at a time: HEAD_CHUNKS of the
+    chunk's fp32 logits alive at once in the `phase` ("forward" or "backward"), and the backbone's last
+    hidden state with its gradient."""
+    chunk = max(min(LOGIT_CHUNK_BYTES, 4 * rows * seq_len * s.vocab), 4 * rows * s.vocab)  # at least one position
+    return HEAD_CHUNKS[phase + (" top-p" if top_p < 1 else "")] * chunk + 2 * 4 * rows * seq_len * s.hidden
+
+
+def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool = False, checkpointing: bool = False) -> int:
+    """The peak of one learner step: the models (weights and Adam moments of each trained model, the frozen
+    models, KV caches), then the larger of two moments of a micro-batch's pass:
+    - the head: every layer's kept activations (with checkpointing, each layer's input) and the logits
+      (head_bytes), in the forward with autocast's bf16 weight copies (freed when the forward's autocast
+      ends), or in the backward; the gradients exist here only from the second micro-batch on;
+    - with checkpointing, the backward through the first layer: every gradient, that layer recomputed in full."""
+    w = DTYPE_BYTES[dtype]
+    trained = sum(step.trained)
+    models = 3 * trained * w + sum(step.frozen) * w + step.frozen_bytes
+    grads = trained * w
+    layer = layer_bytes(s, step.rows, step.seq_len, w, autocast)
+    kept = s.layers * step.rows * step.seq_len * s.hidden * (4 if autocast else w) if checkpointing else s.layers * layer
+    kept *= step.backward_models
+    cast_copies = 2 * trained if autocast and w == 4 else 0
+    head = max(cast_copies + head_bytes(s, step.rows, step.seq_len, "forward", step.top_p),
+               head_bytes(s, step.rows, step.seq_len, "backward", step.top_p))
+    at_head = kept + head + (grads if step.micro_batches > 1 else 0)
+    at_first_layer = grads + layer if checkpointing else 0
+    prefill = step.kv_cache_bytes  # PPO's downstream prefill, before the update (no gradients, no activations kept)
+    return int(models + max(prefill, step.kv_carried_bytes + max(at_head, at_first_layer)))
+
+
+def rows_per_micro_batch(n: int, seq_len: int, max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None) -> int:
+    """common.micro_batches on n items of one length: items per micro-batch x rows_per_item."""
+    items = max(1, max_tokens // (rows_per_item * seq_len))
+    items = min(items, max_rows or items, math.ceil(n / rows_per_item) if rows_per_item > 1 else n)
+    return items * rows_per_item
+
+
+def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
+    """A script's learner step at its flags (worst case: every sequence at full length), and the number of
+    sequences its sampler decodes at once (for the KV cache). script: rloo, dpo, pipeline or ppo."""
+    T = args.max_prompt_tokens + args.max_new_tokens
+    P = s.params
+    if script == "rloo":
+        n = args.num_prompts * args.group_size
+        rows = rows_per_micro_batch(n, T, args.micro_batch_tokens)
+        return Step(rows, T, (P,), (P,) if args.beta_kl else (), micro_batches=math.ceil(n / rows), top_p=args.top_p), n
+    if script == "dpo":
+        n = getattr(args, "prompts_per_round", args.num_prompts) * args.group_size  # a round: --num-minibatches steps
+        pairs = args.num_prompts  # a step: one pair per prompt of its minibatch
+        rows = rows_per_micro_batch(2 * pairs, T, args.micro_batch_tokens, rows_per_item=2)
+        return Step(rows, T, (P,), (P,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows), top_p=args.top_p), n
+    if script == "pipeline":
+        n = args.train_batch_size
+        rows = rows_per_micro_batch(n, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
+        in_flight = args.gen_batch_size or (n if args.mode == "pipeline" else n * args.steps_per_rl_step)
+        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p), in_flight
+    if script == "ppo":
+        n = args.batch_size + (max(args.delta, args.delta_max) if args.inter else 0)  # over-committed, Delta at its bound
+        minibatch = args.batch_size // args.num_minibatches
+        rows = rows_per_micro_batch(minibatch, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
+        # the critic and the reference (and a reward model) each keep a KV cache per sequence while they prefill
+        # the streamed chunks; the kv dtype is the forward's (bf16 under autocast)
+        kv_bytes = 2 if args.autocast_bf16 else DTYPE_BYTES[args.dtype]
+        per_sequence = (2 + (1 if reward_model_bytes else 0)) * T * s.layers * 2 * s.kv_dim * kv_bytes
+        return Step(rows, T, (P, s.critic_params), (P,), reward_model_bytes, n * per_sequence, (n - args.batch_size) * per_sequence,
+                    backward_models=2, micro_batches=math.ceil(minibatch / rows), top_p=args.top_p), n
+    raise ValueError(f"unknown script {script!r}")
+
+
+# --------------------------------------------------------------------------------------
+# The push and the sampler
+# --------------------------------------------------------------------------------------
+
+
+def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: bool, learner_dtype: str = "float32") -> int:
+    """What a push allocates on the learner's GPU: vLLM's packed staging buffer (weight_sync.packed_buffer_bytes;
+    NCCL keeps two), the tensor being cast to the sampler's dtype, a background push's snapshot."""
+    import weight_sync
+
+    b = DTYPE_BYTES[sampler_dtype]
+    rest = (s.params - s.largest) * b  # the other tensors, none larger than the largest: the same maximum and sum
+    pieces = [s.largest * b] + [min(s.largest * b, rest - i) for i in range(0, rest, s.largest * b)]
+    packed = weight_sync.packed_buffer_bytes(pieces)  # the largest tensor, at least 64 MiB
+    buffers = 2 if placement in ("separate", "remote") else 1
+    cast = s.largest * b if sampler_dtype != learner_dtype else 0
+    snapshot = s.params * b if background else 0
+    return buffers * packed + cast + snapshot
+
+
+def sampler_need_bytes(s: Shape, sequences: int, seq_len: int, sampler_dtype: str) -> int:
+    """What vLLM needs at the least: its weights, a KV cache for the batch it decodes, SAMPLER_OVERHEAD."""
+    b = DTYPE_BYTES[sampler_dtype]
+    return int(s.params * b + sequences * seq_len * s.layers * 2 * s.kv_dim * b + SAMPLER_OVERHEAD)
+
+
+def sampler_share(total: float, learner: float, transfer: float, need: float) -> float | None:
+    """The sampler's gpu_memory_utilization on a shared GPU: what the learner, the transfer and HEADROOM
+    leave, rounded down to 0.01 and at most MAX_SHARE; None when that is less than it needs."""
+    share = min(MAX_SHARE, math.floor((total - learner - transfer - HEADROOM) / total * 100) / 100)
+    return share if share * total >= need and share >= MIN_SHARE else None
+
+
+def plan_line(learner: float, sampler: float, transfer: float, total: float, sampler_total: float | None = None) -> str:
+    """The one line a run prints. sampler_total: the sampler's own GPU (--placement separate)."""
+    line = f"memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB of {total / GB:.0f} GB"
+    return line if sampler_total is None else line + f" (the sampler's on its own GPU of {sampler_total / GB:.0f} GB)"
+
+
+def refusal(learner: float, sampler: float, transfer: float, total: float, fixes: list[str]) -> str:
+    """The line a run stops with when the plan does not fit: what is needed, and the flags that make it fit."""
+    need = learner + sampler + transfer + HEADROOM
+    fix = "; or ".join(fixes) if fixes else "a smaller model, batch or --max-new-tokens"
+    return (f"error: memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB "
+            f"(+ {HEADROOM / GB:.1f} headroom) = {need / GB:.1f} GB does not fit the GPU's {total / GB:.0f} GB; to fit: {fix}")
+
+
+# --------------------------------------------------------------------------------------
+# The plan for a script's flags
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Plan:
+    learner: float
+    sampler: float
+    transfer: float
+    total: float
+    share: float | None  # the sampler's gpu_memory_utilization (None: no local sampler on a GPU)
+    line: str  # the plan line, or the refusal when it does not fit
+    fits: bool
+
+
+def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_bytes: int = 0) -> Plan:
+    """The plan for a script's parsed flags on GPUs of `total` bytes each. args: the script's Args with its
+    defaults filled (placement, sampler_dtype, sampler_gpu_memory, dtype, autocast_bf16, gradient_checkpointing,
+    micro_batch_tokens, the batch flags); placement "auto" is resolved from `gpus` as vllm_sampler does. The
+    sampler's share is args.sampler_gpu_memory when given, else sized here (sampler_share). When it does not
+    fit, `line` is the refusal, naming flag changes that would fit (fixes)."""
+    placement = args.placement if args.placement != "auto" else ("separate" if gpus >= 2 else "colocate")
+    if getattr(args, "sampler_url", None):
+        placement = "remote"
+    learner, sampler, transfer, share, fits = _place(script, args, s, total, placement, reward_model_bytes)
+    if not fits:
+        return Plan(learner, sampler, transfer, total, share, refusal(learner, sampler, transfer, total,
+                                                                      fixes(script, args, s, total, placement, reward_model_bytes)), False)
+    if placement == "colocate":
+        line = plan_line(learner, sampler, transfer, total)
+    elif placement == "separate":
+        line = plan_line(learner, sampler, transfer, total, sampler_total=total)
+    else:
+        where = "on another machine" if placement == "remote" else "on the CPU"
+        line = f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB of {total / GB:.0f} GB (the sampler is {where})"
+    return Plan(learner, sampler, transfer, total, share, line, True)
+
+
+def _place(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int):
+    """(learner, sampler, transfer bytes, the sampler's share, whether it fits) for the flags at a placement."""
+    sampler_dtype = args.sampler_dtype if args.sampler_dtype != "auto" else ("float32" if placement == "cpu" else "bfloat16")
+    dtype = getattr(args, "dtype", "float32")
+    background = script == "pipeline" and args.mode == "pipeline" and args.background_push
+    step, sequences = script_step(script, args, s, reward_model_bytes)
+    learner = learner_bytes(s, step, dtype, bool(args.autocast_bf16), bool(args.gradient_checkpointing))
+    need = sampler_need_bytes(s, sequences, step.seq_len, sampler_dtype)
+    transfer = transfer_bytes(s, sampler_dtype, placement, background, dtype)
+    learner_fits = learner + transfer + HEADROOM <= total
+    if placement in ("remote", "cpu"):  # no sampler on a GPU of ours
+        return learner, 0.0, transfer, None, learner_fits
+    given = args.sampler_gpu_memory
+    if placement == "separate":  # the sampler alone on the next GPU (assumed of the same size)
+        share = given if given is not None else 0.85  # vllm_sampler.engine_settings' default there
+        return learner, share * total, transfer, share, learner_fits and share * total >= need
+    share = given if given is not None else sampler_share(total, learner, transfer, need)
+    if share is None:
+        return learner, need, transfer, None, False
+    return learner, share * total, transfer, share, learner_fits and share * total >= need and learner + transfer + share * total + HEADROOM <= total
+
+
+def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0) -> list[str]:
+    """Flag changes that make the plan fit, each alternative in one string. The first that fits of: the
+    memory settings (checkpointing, then bf16 autocast), then with a halved --micro-batch-tokens (down to
+    1024), then with bf16 weights (--dtype bfloat16: Adam in bf16 too), then with a halved batch; beside
+    it, a sampler share the plan sizes itself instead of the one given, and a sampler on a second GPU."""
+    import copy
+
+    def fits(changes: dict, where: str = placement) -> bool:
+        a = copy.copy(args)
+        for name, value in changes.items():
+            setattr(a, name, value)
+        return _place(script, a, s, total, where, reward_model_bytes)[4]
+
+    def flag(name, value):
+        return f"--{name.replace('_', '-')} {value}"
+
+    found = []
+    if placement == "colocate" and args.sampler_gpu_memory is not None and fits({"sampler_gpu_memory": None}):
+        found.append("leave --sampler-gpu-memory out (the plan sizes it)")
+    memory = {name: True for name in ("gradient_checkpointing", "autocast_bf16") if not getattr(args, name)}
+    budgets = [args.micro_batch_tokens // 2**i for i in range(1, 8) if args.micro_batch_tokens // 2**i >= 1024]
+    candidates = [dict(list(memory.items())[:i]) for i in range(1, len(memory) + 1)]
+    candidates += [memory | {"micro_batch_tokens": b} for b in budgets]
+    if getattr(args, "dtype", "bfloat16") != "bfloat16":
+        candidates += [memory | {"dtype": "bfloat16"}] + [memory | {"dtype": "bfloat16", "micro_batch_tokens": b} for b in budgets]
+    batch = {"rloo": "num_prompts", "dpo": "num_prompts", "pipeline": "train_batch_size", "ppo": "batch_size"}[script]
+    smallest = candidates[-1] if candidates else {}
+    candidates += [smallest | {batch: getattr(args, batch) // 2**i} for i in range(1, 6) if getattr(args, batch) // 2**i >= 1]
+    for changes in candidates:
+        if changes and fits(changes):
+            text = " ".join(flag(name, value) for name, value in changes.items())
+            found.append(text + (" (a smaller batch)" if batch in changes else ""))
+            break
+    if placement == "colocate" and fits({"sampler_gpu_memory": None}, "separate"):
+        found.append("--placement separate (the sampler on a second GPU)")
+    return found
+
+
+def reward_model_bytes(config) -> int:
+    """A reward model's weights as loaded (dtype="auto": its checkpoint's dtype)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
+    dtype = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    return params * DTYPE_BYTES.get(dtype, 4)
