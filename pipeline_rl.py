@@ -400,6 +400,7 @@ def main():
     device = dist.device
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    args.sampler_gpu_memory = common.memory_plan(args, model_path, "pipeline")  # GPU only: the plan line, or a refusal naming flags
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
     task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny, reward=args.reward, prompt_field=args.prompt_field,
