@@ -468,10 +468,12 @@ def main():
                     # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled
                     # distribution, so the sampler's logprobs would no longer be the policy's
                     override = dict(ignore_eos=True, max_tokens=length)
+                # a seed per prompt (the sampler adds the sample's index): its samples depend on --seed and its data position
+                # alone, not on what else the engine runs or on a request counter that restarts: a resumed run samples as before
+                override["seed"] = ((args.seed & 0x7FFFFFFF) << 32) + key * args.group_size
                 overrides.append(override)
             if keys:
-                # seed: the sampler adds each request's id (a counter), so a run's samples are reproducible
-                sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides, seed=(args.seed & 0x7FFFFFFF) << 32, **sampling)
+                sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides, **sampling)
 
         def receive(timeout: float) -> int:
             """File finished samples; a prompt's group goes to the trainer queue once all of it is done."""
