@@ -807,11 +807,13 @@ def replace_atomically(write, path: Path) -> None:
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: int, hf_model=None, tokenizer=None, **extra) -> None:
+                    data_position: int, hf_model=None, tokenizer=None, keep: int = 1, **extra) -> None:
     """Model, optimizer, step, RNG states and data position, written atomically; only tensors and
     plain data, so that --resume loads it with weights_only=True (no code runs on load). With
     `hf_model` (and its tokenizer), also <dir>/model/: a Hugging Face model directory
-    (safetensors) that transformers and vLLM load as is."""
+    (safetensors) that transformers and vLLM load as is. `path` is always the latest; with `keep` > 1
+    (--keep-checkpoints) the latest `keep` are also kept as <dir>/checkpoints/<step>.pt (hard links:
+    no copy), older ones deleted; any of them resumes a run."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     numpy_state = np.random.get_state(legacy=False)
@@ -822,6 +824,13 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
              "rng": rng, **extra}
     replace_atomically(lambda tmp: torch.save(state, tmp), path)
+    if keep > 1:
+        kept = path.parent / "checkpoints"
+        kept.mkdir(exist_ok=True)
+        (kept / f"{step}.pt").unlink(missing_ok=True)
+        os.link(path, kept / f"{step}.pt")
+        for old in sorted(kept.glob("*.pt"), key=lambda p: int(p.stem))[:-keep]:
+            old.unlink()
     if hf_model is not None:
         save_hf_model(path.parent / "model", hf_model, tokenizer)
 

@@ -257,7 +257,6 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
     assert last["eval/pass@1_gain"] == pytest.approx(0.125) and last["memory/sampler_peak_mib"] == 900.0
 
 
-
 def test_the_report_says_in_two_lines_what_happened():
     start = {"eval/pass@1": 0.40, "eval/pass@16": 0.90, "eval/problems": 200.0}
     sharpened = common.what_happened(start, {"eval/pass@1": 0.52, "eval/pass@16": 0.70, "eval/problems": 200.0}, 1.2)
