@@ -176,6 +176,7 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two fake-tensor DPO steps on the realistic fixture, ~5 s
 def test_dpo_peak_memory_is_flat_in_the_batch_at_a_fixed_token_budget(realistic_path):
     """One real DPO learner step (reference forward, dpo_backward, clipping, Adam) on the realistic
     fixture's architecture, sequences of 96 prompt + 160 response tokens: 16 then 32 pairs at a
@@ -236,6 +237,7 @@ def _paper_args(script: str, prompt: int, response: int, autocast: bool, checkpo
 PLAN_CASES = [("rloo", 256, 512, dict()), ("dpo", 256, 512, dict(pairs=16)), ("pipeline", 256, 256, dict())]
 
 
+@pytest.mark.slow  # twelve fake-tensor learner steps, ~40 s: outside `pytest -m "not slow"`'s 30 s
 @pytest.mark.parametrize("variant", list(memory.VARIANTS))
 @pytest.mark.parametrize("script,prompt,response,kw", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
 def test_plan_estimates_the_measured_learner_step_within_15_percent(script, prompt, response, kw, variant):
