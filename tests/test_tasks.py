@@ -216,3 +216,26 @@ def test_a_custom_reward_never_changes_what_counts_as_correct(tmp_path):
     assert custom.reward(right, problem) == pytest.approx(1.0 - 0.01 * len(right))
     assert custom.is_correct(right, problem) and builtin.is_correct(right, problem)
     assert not custom.is_correct("<answer>1+1</answer>", problem)
+
+
+def test_a_hub_dataset_task_uses_its_own_splits_and_fields(monkeypatch):
+    """hf:NAME[:CONFIG] with the Hub's loader stood in for: its train split in a seed's order, its test
+    (or validation) split held out whatever the seed, the fields the flags name; a missing train split
+    is one line."""
+    calls = []
+
+    def fake(name, config=None):
+        calls.append((name, config))
+        rows = lambda n, first: [{"q": f"{i} + 1", "a": str(i + 1)} for i in range(first, first + n)]  # noqa: E731
+        return {"train": rows(20, 0), "validation": rows(5, 100)} if name == "me/data" else {"test": rows(3, 0)}
+
+    monkeypatch.setattr(tasks, "_load_hub_dataset", fake)
+    one = tasks.make_task("hf:me/data:main", seed=1, tiny_prompts=True, prompt_field="q", answer_field="a")
+    two = tasks.make_task("hf:me/data:main", seed=2, tiny_prompts=True, prompt_field="q", answer_field="a")
+    assert calls[0] == ("me/data", "main") and one.name == "me/data"
+    assert one.test == two.test and [p.prompt for p in one.test] == [f"{i} + 1" for i in range(100, 105)]
+    assert sorted(p.prompt for p in one.train) == sorted(p.prompt for p in two.train) and one.train != two.train
+    assert one.is_correct("<answer>101</answer>", one.problem("test", 0))
+    with pytest.raises(SystemExit) as no_train:
+        tasks.make_task("hf:other/data", seed=1, tiny_prompts=True)
+    assert str(no_train.value).startswith("error: --task: other/data has no train split")
