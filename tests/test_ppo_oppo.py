@@ -458,6 +458,7 @@ def test_realistic_model_chat_template_and_bf16_sampler_by_default(tmp_path, rea
     assert "<|im_start|>user" in out.stdout and "<|im_start|>assistant" in out.stdout  # the printed sample prompt
     for r in rows:  # before the first step of every iteration, the ratio is 1: pi_old is the learner's
         assert r["charts/first_ratio_deviation"] < 1e-3
-        assert r["charts/tis_max_ratio"] < 2.0 and 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0
+        assert 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0  # (a carried-over token's ratio also carries its staleness)
     assert rows[0]["charts/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at iteration 0
-    assert rows[0]["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6)  # the bf16 sampler's own numbers are corrected
+    # nothing stale yet: the weight corrects the bf16 sampler's own numbers only, ratios near 1 but not 1
+    assert rows[0]["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6) and rows[0]["charts/tis_max_ratio"] < 2.0
