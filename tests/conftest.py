@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # a sampler, a server, a script's main(), or a script's run shared by several tests
-SLOW_FIXTURES = {"sampler", "server_url", "error_before_start", "sync_run", "zero_lag_pipeline"}
+SLOW_FIXTURES = {"sampler", "server_url", "error_before_start", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}
 SLOW_CALLS = ("_run(", "_run_realistic(", "subprocess.", "start_sampler(", "Sampler(", ".main(", "_check_push_matches_learner(")
 
 
@@ -105,3 +105,44 @@ def tiny_reward_model(tiny_path, tmp_path_factory):
     model.save_pretrained(path)
     common.load_tokenizer(tiny_path).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def sampler_start_kwargs(monkeypatch, tmp_path):
+    """`sampler_start_kwargs(script_module, *flags)`: run the script's main() in this process with those flags
+    (in a temporary directory) up to the sampler's start, and return the keyword arguments it passed to
+    vllm_sampler.start_sampler; nothing is sampled."""
+    import sys
+
+    import common
+    import vllm_sampler
+
+    class Started(Exception):
+        pass
+
+    seen, loggers, logger_init = {}, [], common.RunLogger.__init__
+
+    def start_sampler(*args, **kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    def keep_logger(self, *args, **kwargs):
+        logger_init(self, *args, **kwargs)
+        loggers.append(self)
+
+    monkeypatch.setattr(vllm_sampler, "start_sampler", start_sampler)
+    monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)  # (this process's filters stay as pytest set them)
+    monkeypatch.setattr(common.RunLogger, "__init__", keep_logger)
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
+    monkeypatch.chdir(tmp_path)
+
+    def run(module, *flags) -> dict:
+        seen.clear()
+        monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *flags])
+        with pytest.raises(Started):
+            module.main()
+        return dict(seen)
+
+    yield run
+    for logger in loggers:  # its TensorBoard writer's thread, before the working directory changes back
+        logger.close()

@@ -353,40 +353,11 @@ def test_sampler_log_levels_follow_verbose():
 
 
 @pytest.mark.parametrize("script", ["rloo_kreuse", "online_dpo_async", "pipeline_rl", "ppo_oppo"])
-def test_verbose_reaches_the_sampler(monkeypatch, tmp_path, script):
+def test_verbose_reaches_the_sampler(sampler_start_kwargs, script):
     """--verbose gets to the sampler's config (its log levels and load bar: log_environment); without it the
     sampler is started quiet. main() up to the sampler's start."""
     import importlib
 
-    import vllm_sampler
-
     module = importlib.import_module(script)
-    seen = []
-
-    class Started(Exception):
-        pass
-
-    def start_sampler(*args, **kwargs):
-        seen.append(kwargs.get("verbose"))
-        raise Started
-
-    loggers, logger_init = [], common.RunLogger.__init__
-
-    def keep_logger(self, *args, **kwargs):
-        logger_init(self, *args, **kwargs)
-        loggers.append(self)
-
-    monkeypatch.setattr(vllm_sampler, "start_sampler", start_sampler)
-    monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)  # (this process's filters stay as pytest set them)
-    monkeypatch.setattr(common.RunLogger, "__init__", keep_logger)
-    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
-    monkeypatch.chdir(tmp_path)
-    try:
-        for flags in (["--verbose"], []):
-            monkeypatch.setattr(sys, "argv", [f"{script}.py", "--model", "tiny", *flags])
-            with pytest.raises(Started):
-                module.main()
-    finally:
-        for logger in loggers:  # its TensorBoard writer's thread, before the working directory changes back
-            logger.close()
-    assert seen == [True, False]
+    assert sampler_start_kwargs(module, "--model", "tiny", "--verbose")["verbose"] is True
+    assert sampler_start_kwargs(module, "--model", "tiny")["verbose"] is False

@@ -337,36 +337,10 @@ def test_short_run_exits_0(mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, max_num_seqs", [([], 64), (["--mode", "conventional", "--steps-per-rl-step", "3"], 192),
                                                  (["--mode", "conventional", "--gen-batch-size", "100"], 100)])
-def test_the_sampler_decodes_h_sequences_at_once(monkeypatch, tmp_path, flags, max_num_seqs):
+def test_the_sampler_decodes_h_sequences_at_once(sampler_start_kwargs, flags, max_num_seqs):
     """vLLM's max_num_seqs is H in both modes: B by default in pipeline mode, B*G in conventional mode (Algorithm 1
     generates the whole RL step with one policy; it was a fixed 256), or --gen-batch-size. main() up to the sampler's start."""
-    class Started(Exception):
-        pass
-
-    seen = {}
-
-    def start_sampler(*args, **kwargs):
-        seen.update(kwargs)
-        raise Started
-
-    loggers, logger_init = [], common.RunLogger.__init__
-
-    def keep_logger(self, *args, **kwargs):
-        logger_init(self, *args, **kwargs)
-        loggers.append(self)
-
-    monkeypatch.setattr(vllm_sampler, "start_sampler", start_sampler)
-    monkeypatch.setattr(common.RunLogger, "__init__", keep_logger)
-    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
-    monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", "--exp-name", "pytest_prl_h", *flags])
-    monkeypatch.chdir(tmp_path)
-    try:
-        with pytest.raises(Started):
-            prl.main()
-    finally:
-        for logger in loggers:  # its TensorBoard writer's thread, before the working directory changes back
-            logger.close()
-    assert seen["max_num_seqs"] == max_num_seqs
+    assert sampler_start_kwargs(prl, "--exp-name", "pytest_prl_h", *flags)["max_num_seqs"] == max_num_seqs
 
 
 def test_ess_guard_skips_stale_batches():
