@@ -1,13 +1,14 @@
 """What a reader of the four method scripts looks up: flag checks, model loading, the learner's
 logprobs (the logprob contract), prompts and evaluation, logging and checkpoints. The method
-itself lives in each script; the other modules beside this one:
+itself lives in each script; tasks.py beside this one holds tasks and rewards. The plumbing is the
+package fastrl/, which never imports this module or a script (imports run scripts -> common -> fastrl):
 
-    tasks.py          tasks and rewards (Countdown, GSM8K)
-    vllm_sampler.py   the vLLM sampler process and its handle `Sampler` (its contract opens it)
-    remote_sampler.py the same handle over running vLLM servers (--sampler-url)
-    weight_sync.py    weight pushes; gloo_transfer.py, shm_transfer.py: our CPU engines for them
-    distributed.py    the learner under torchrun (FSDP2)
-    tiny_model.py     the built-in tiny model (`--model tiny`)
+    fastrl/vllm_sampler.py   the vLLM sampler process and its handle `Sampler` (its contract opens it)
+    fastrl/remote_sampler.py the same handle over running vLLM servers (--sampler-url)
+    fastrl/weight_sync.py    weight pushes; gloo_transfer.py, shm_transfer.py: our CPU engines for them
+    fastrl/distributed.py    the learner under torchrun (FSDP2)
+    fastrl/tiny_model.py     the built-in tiny model (`--model tiny`)
+    fastrl/memory_plan.py    what a run needs on a GPU; fastrl/util.py: loading, progress, files
 
 Terms (README, "Glossary"): a *sampling round* is one batch of prompts sent to the sampler and
 its completions returned; a *step* is one optimizer.step(); an *episode* is one completion used
@@ -19,29 +20,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
 import random
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-from transformers import set_seed  # noqa: F401  (python, numpy, torch and CUDA generators)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-import vllm_sampler
-from vllm_sampler import peak_rss_mib
+from fastrl import distributed, vllm_sampler
+from fastrl.util import (CACHE_DIR, Progress, _Tee, load_hf, load_tokenizer, on_terminal,  # noqa: F401  (re-exported)
+                         replace_atomically, set_seed)
+from fastrl.vllm_sampler import peak_rss_mib
 
 if TYPE_CHECKING:  # annotations only
     from tasks import Problem
-    from vllm_sampler import Completion, Sampler
+    from fastrl.vllm_sampler import Completion, Sampler
 
 # --------------------------------------------------------------------------------------
 # Errors and argument checks
@@ -92,7 +92,7 @@ def memory_plan(args, model_path: str, script: str) -> float | None:
     script: rloo, dpo, pipeline or ppo."""
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return args.sampler_gpu_memory
-    import memory_plan as plan_memory
+    from fastrl import memory_plan as plan_memory
 
     reward = 0
     if getattr(args, "reward_model", None):
@@ -160,7 +160,7 @@ class RewardModel:
 # --------------------------------------------------------------------------------------
 
 TINY = "tiny"
-CACHE_DIR = Path(os.environ.get("FASTRL_CACHE", Path.home() / ".cache" / "fastrl"))
+
 
 
 def resolve_model(name: str, task: str = "countdown") -> str:
@@ -169,9 +169,32 @@ def resolve_model(name: str, task: str = "countdown") -> str:
     local path or Hub id."""
     if name != TINY:
         return name
-    import tiny_model
+    return str(tiny_model_path("countdown-steps" if task == "countdown-steps" else "countdown"))
 
-    return str(tiny_model.tiny_model_path(tiny_model.TinyConfig(task="countdown-steps" if task == "countdown-steps" else "countdown")))
+
+def tiny_model_path(task: str = "countdown", **config) -> Path:
+    """The built-in model supervised on `task` (fastrl/tiny_model.py: built once, cached);
+    `config`: other TinyConfig fields."""
+    from fastrl import tiny_model
+
+    config = tiny_model.TinyConfig(task=task, **config)
+    return tiny_model.tiny_model_path(config, tiny_sft_batch(config.task, config.seed))
+
+
+def tiny_sft_batch(task: str, seed: int):
+    """The tiny model's supervised data: `sft_batch(tokenizer, step, batch_size)` -> the padded
+    batch of worked examples of `task` (each answer followed by EOS)."""
+    import tasks
+
+    sft_task = tasks.make_task(task, seed=seed, tiny_prompts=True)
+
+    def sft_batch(tokenizer, step: int, batch_size: int):
+        problems = [sft_task.problem("train", step * batch_size + i) for i in range(batch_size)]
+        prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
+        completions = [tokenizer(sft_task.completion_text(p))["input_ids"] + [tokenizer.eos_token_id] for p in problems]
+        return pad_prompt_completions(prompts, completions, tokenizer.pad_token_id)
+
+    return sft_batch
 
 
 def check_run_flags(args) -> None:
@@ -225,31 +248,6 @@ def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) 
     if context and max_prompt_tokens + max_new_tokens > context:
         raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt tokens exceed "
                          f"the model's context of {context} tokens; use --max-new-tokens {context - max_prompt_tokens} or less")
-
-
-def load_hf(cls, path: str, flag: str = "--model", quiet: bool = False, **kwargs):
-    """`cls.from_pretrained(path)` that fails with one clear line naming `flag` instead of a Hub
-    traceback. `quiet`: no load report (e.g. a value head that is new by design)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    try:
-        if quiet:
-            hf_logging.set_verbosity_error()
-        return cls.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:
-        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or not Path(path).exists()
-        hint = " Offline or without the Hub? Use --model tiny (the built-in model)." if offline else ""
-        raise SystemExit(f"error: {flag}: cannot load {path!r}: {str(e).splitlines()[0]}{hint}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
-def load_tokenizer(path: str, flag: str = "--model"):
-    tokenizer = load_hf(AutoTokenizer, path, flag=flag)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torch.float32):
@@ -403,6 +401,33 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
 # --------------------------------------------------------------------------------------
 
 
+def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0,
+                  weights: torch.nn.Module | None = None, version: int = 0, background_push: bool = False,
+                  urls: list[str] | None = None, **kwargs) -> vllm_sampler.Sampler:
+    """Start the sampler process and wait until its engine is ready; or, with `urls`, connect to
+    those running vLLM servers instead (remote_sampler.RemoteSampler: the same interface; the
+    engine settings are then the servers' own). With `weights` (the learner's policy) also open
+    weight sync with it (init_weight_sync, `background_push` for pushes from a thread) and push
+    the learner's weights labelled `version` when resuming (`version` > 0) or to servers (always:
+    what they loaded is not ours to know), so the sampler starts from the learner's weights. Closes
+    the sampler if any of that fails."""
+    if urls:
+        from fastrl import remote_sampler  # (imported only for --sampler-url)
+
+        sampler = remote_sampler.RemoteSampler(urls, model_path)
+    else:
+        sampler = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
+    try:
+        if weights is not None:
+            sampler.init_weight_sync(weights, background=background_push)
+            if version or urls:
+                sampler.push_weights(version)
+    except BaseException:
+        sampler.close()
+        raise
+    return sampler
+
+
 def peak_memory_mib(sampler=None) -> dict[str, float]:
     """Peak memory of this run: the learner's resident memory, its GPU memory (torch's peak
     allocation) when it has a GPU, and the sampler process's: resident, and its GPU memory beside the
@@ -487,118 +512,6 @@ def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samp
 # --------------------------------------------------------------------------------------
 # Logging and checkpoints
 # --------------------------------------------------------------------------------------
-
-
-class _Tee(io.TextIOBase):
-    """stdout to the console and to the run's console.log, flushed as written (isatty: False)."""
-
-    def __init__(self, *streams):
-        self.streams = streams
-
-    def write(self, text):
-        for s in self.streams:
-            s.write(text)
-            s.flush()
-        return len(text)
-
-
-def on_terminal() -> bool:
-    """Whether a person watches this run: stdout (seen through RunLogger's copy to console.log and a
-    shown bar's line writer) and stderr, where bars go, are both terminals."""
-    out = sys.stdout
-    while isinstance(out, (_Tee, _AboveBars)):
-        out = out.streams[0]
-    return all(getattr(s, "isatty", lambda: False)() for s in (out, sys.stderr))
-
-
-class _AboveBars(io.TextIOBase):
-    """stdout while a bar is shown: each whole line is written above the bars (tqdm.write), so a print
-    anywhere (RunLogger.log, a sample) does not tear them."""
-
-    def __init__(self, stream):
-        self.streams, self.partial = (stream,), ""
-
-    def write(self, text):
-        from tqdm import tqdm
-
-        lines = (self.partial + text).split("\n")
-        self.partial = lines.pop()
-        if lines:
-            with tqdm.external_write_mode(file=sys.stderr):  # clears the bars (on stderr), draws them again after
-                self.streams[0].write("".join(line + "\n" for line in lines))
-        return len(text)
-
-    def flush(self):
-        self.streams[0].flush()
-
-
-class Progress:
-    """How far a loop of `total` units (rounds, steps, iterations, samples) has got and how long is
-    left, for a person to read at a glance. The contract:
-
-    - on a terminal (`on_terminal()`): a tqdm bar on stderr with the rate, the time left and the
-      metrics of the last `update(n, **metrics)` in its postfix; printed lines (`write`, or any print
-      while it is shown) scroll above it and still reach console.log. `leave=False`: the bar goes
-      when closed (an evaluation's); otherwise it stays as the loop's last line.
-    - otherwise (CI logs, tests, `> file`): no bar and no control characters; `write(line)` prints
-      the line with "(elapsed, ~left)" appended, and `update` prints one plain line of that kind
-      when `every` seconds have passed without one, so a quiet stretch (an evaluation, iterations
-      between two logged ones) still says how far it got. A printed line keeps its text, so a test
-      that greps it still finds it.
-    - `show=False` (a rank other than 0): nothing but the lines given to `write`, as they are.
-    A context manager; `close()` is idempotent and puts stdout back."""
-
-    def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, every: float = 30.0,
-                 leave: bool = True, show: bool = True, terminal: bool | None = None):
-        self.total, self.desc, self.unit, self.n, self.every, self.show = total, desc, unit, initial, every, show
-        self.initial, self.start = initial, time.monotonic()
-        self.last_line, self.metrics = self.start, {}
-        self.bar = None
-        if show and (on_terminal() if terminal is None else terminal):
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, dynamic_ncols=True, file=sys.stderr)
-            self._writer = None
-            if not isinstance(sys.stdout, _AboveBars):  # (an outer bar's writer serves the inner bar too)
-                self._writer = sys.stdout = _AboveBars(sys.stdout)
-
-    def timing(self) -> str:
-        """"1:02 elapsed, ~3:10 left" (the rate of the units done since the start)."""
-        from tqdm import tqdm
-
-        elapsed = time.monotonic() - self.start
-        done = self.n - self.initial
-        left = tqdm.format_interval((self.total - self.n) * elapsed / done) if done > 0 else "?"
-        return f"{tqdm.format_interval(elapsed)} elapsed, ~{left} left"
-
-    def update(self, n: int = 1, **metrics) -> None:
-        self.n += n
-        self.metrics = metrics
-        if self.bar is not None:
-            if metrics:
-                self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in metrics.items()}, refresh=False)
-            self.bar.update(n)
-        elif self.show and time.monotonic() - self.last_line >= self.every and self.n < self.total:
-            shown = "".join(f" {k} {v:.3g}" if isinstance(v, float) else f" {k} {v}" for k, v in metrics.items())
-            self.write(f"{self.desc}: {self.n}/{self.total} {self.unit}s{shown}")
-
-    def write(self, line: str) -> None:
-        if self.show and self.bar is None:
-            line, self.last_line = f"{line} ({self.timing()})", time.monotonic()
-        print(line)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-            if self._writer is not None and sys.stdout is self._writer:  # (a RunLogger closed meanwhile put its own back)
-                sys.stdout = self._writer.streams[0]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def run_dir_of(resume: str) -> Path:
@@ -791,29 +704,19 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 CHECKPOINT_KEYS = ("model", "optimizer", "step", "data_position", "rng")
 
 
-def replace_atomically(write, path: Path) -> None:
-    """write(tmp) then rename over `path`: a reader never sees half a file, two runs never share
-    a temporary name, and a failed write (disk full) leaves the previous file as it was."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
-        raise SystemExit(f"error: could not write {path} ({e.strerror or e}); the previous copy, if any, is intact") from None
-
-
-def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: int, hf_model=None, tokenizer=None, keep: int = 1, **extra) -> None:
+def save_checkpoint(path: str | Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    data_position: int, hf_model=None, tokenizer=None, keep: int = 1, dist=None, **extra) -> None:
     """Model, optimizer, step, RNG states and data position, written atomically; only tensors and
     plain data, so that --resume loads it with weights_only=True (no code runs on load). With
     `hf_model` (and its tokenizer), also <dir>/model/: a Hugging Face model directory
     (safetensors) that transformers and vLLM load as is. `path` is always the latest; with `keep` > 1
     (--keep-checkpoints) the latest `keep` are also kept as <dir>/checkpoints/<step>.pt (hard links:
-    no copy), older ones deleted; any of them resumes a run."""
+    no copy), older ones deleted; any of them resumes a run. Under torchrun (`dist`) every rank calls
+    it and rank 0 writes the file one process writes (`path` and `hf_model`, rank 0's unsharded copy,
+    are read on rank 0 only)."""
+    if dist is not None and dist.enabled:
+        write = lambda m, o: save_checkpoint(path, m, o, step, data_position, hf_model, tokenizer, keep, **extra)  # noqa: E731
+        return distributed.save_sharded(model, optimizer, write, dist)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     numpy_state = np.random.get_state(legacy=False)
@@ -870,9 +773,14 @@ def checkpoint_state(path: str | Path) -> dict:
     return state
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, required: tuple = ()) -> dict:
+def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, required: tuple = (),
+                    dist=None) -> dict:
     """Restore what save_checkpoint wrote; returns the whole state (step, data_position, extras).
-    `required`: the extra keys the caller reads, checked before anything is restored."""
+    `required`: the extra keys the caller reads, checked before anything is restored. Under torchrun
+    (`dist`) every rank calls it: rank 0 reads the file and restores its RNG, every rank gets its
+    shards and the state's scalars (distributed.load_sharded)."""
+    if dist is not None and dist.enabled:
+        return distributed.load_sharded(path, model, optimizer, lambda m, o: load_checkpoint(path, m, o, required), dist)
     state = checkpoint_state(path)
     missing = [k for k in required if k not in state]
     if missing:

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 import common
-import distributed
+from fastrl import distributed
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 
 @dataclass
@@ -386,14 +386,14 @@ def main():
     # --sync: the sampler's generators before the round a resume starts with, so that it samples as an uninterrupted run
     sampler_rng = None
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-        state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "totals"))
+        state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
         start_round, data_position, step = state["round"], state["data_position"], state["step"]
         totals |= state["totals"]
         sampler_rng = state.get("sampler_rng")
         distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
                                          weights=push_model, version=step, verbose=args.verbose) if dist.is_main else None
@@ -575,8 +575,8 @@ def main():
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 # the data position of the first round not trained on yet: a round in flight is generated again on resume
                 # (every rank; rank 0 writes the single-process file)
-                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                            data_position if last else batch["position"], dist, hf_model=push_model,
+                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                                            data_position if last else batch["position"], dist=dist, hf_model=push_model,
                                             tokenizer=tokenizer, round=round_index + 1, totals=totals,
                                             keep=args.keep_checkpoints, sampler_rng=(sampler.rng_state() if last and args.sync and dist.is_main
                                                                                      and hasattr(sampler, "rng_state") else sampler_rng))

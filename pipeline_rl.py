@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 import common
-import distributed
+from fastrl import distributed
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 
 @dataclass
@@ -424,7 +424,7 @@ def main():
     step, data_position = 0, 0
     totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-        state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("totals",))
+        state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
         step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
         distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: step {step}")
@@ -433,7 +433,7 @@ def main():
         print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
 
     # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                          max_num_seqs=args.gen_batch_size,
@@ -587,8 +587,8 @@ def main():
                     logger.snapshot(step, push_model)
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):  # (every rank; rank 0 writes)
                 gather()
-                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, totals=totals,
+                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                                            data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer, totals=totals,
                                             keep=args.keep_checkpoints)
 
         def evaluate():

@@ -59,9 +59,9 @@ import torch
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
-import distributed
+from fastrl import distributed
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 
 @dataclass
@@ -656,7 +656,7 @@ def main():
         sampler_rng = state.get("sampler_rng")
         print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
                                          urls=args.sampler_url, weights=push_model, version=version,
@@ -917,8 +917,8 @@ def main():
             if dist.is_main and args.snapshot_every and iteration % args.snapshot_every == 0:
                 logger.snapshot(version, push_model)
             if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):  # (every rank; rank 0 writes)
-                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version,
-                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
+                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version,
+                                            data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
                                             totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
                                             carried_keys=[r.key for r in buffer.values()], keep=args.keep_checkpoints,
                                             # nothing in flight without inter: what the next iteration draws from

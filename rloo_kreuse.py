@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 import common
-import distributed
+from fastrl import distributed
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 
 @dataclass
@@ -355,13 +355,13 @@ def main():
     warned: list[float] = []  # the logprob_diff warning, once
     timing = dict(sample=0.0, update=0.0, wall=0.0)
     if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-        state = distributed.load_checkpoint(args.resume, policy, optimizer, dist, required=("round", "timing"))
+        state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "timing"))
         start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
         sampler_rng = state.get("sampler_rng")
         distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
         print(f"resumed from {args.resume}: round {start_round}, step {step}")
 
-    sampler = vllm_sampler.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                          gpu_memory_utilization=args.sampler_gpu_memory,
                                          max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
                                          weights=push_model, version=step, verbose=args.verbose) if dist.is_main else None
@@ -509,8 +509,8 @@ def main():
             if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
                 logger.log(step, evaluate())
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
-                distributed.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                            data_position, dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
+                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                                            data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
                                             timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
 
         progress.close()

@@ -16,8 +16,8 @@ import os, sys, time, torch
 sys.path.insert(0, {str(ROOT)!r})
 torch.set_num_threads(1)
 import common
-import tiny_model
-model = common.load_policy(str(tiny_model.tiny_model_path()), "cpu")
+from fastrl import tiny_model
+model = common.load_policy(str(common.tiny_model_path()), "cpu")
 ids = torch.randint(4, 90, (64, 40))
 for _ in range(3):
     model(ids).logits.mean().backward()

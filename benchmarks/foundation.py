@@ -23,9 +23,7 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import common  # noqa: E402
-import tiny_model  # noqa: E402
 import tasks  # noqa: E402
-import vllm_sampler  # noqa: E402
 from push_bandwidth import random_54m  # noqa: E402  (the same random model; the same environment defaults as above)
 
 
@@ -54,7 +52,7 @@ def time_throughput(path, prompts, args):
     from vllm import LLM, SamplingParams
 
     ours, direct = [], []
-    with vllm_sampler.start_sampler(path, placement="cpu") as sampler:
+    with common.start_sampler(path, placement="cpu") as sampler:
         llm = LLM(model=path, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
                   kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256, enable_prefix_caching=False, seed=0)
         params = SamplingParams(n=args.n, **sampling(args))
@@ -82,7 +80,7 @@ def time_push(path, args):
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = [torch.empty_like(p) for p in model.parameters()]
     times, copy_times, floor_times = [], [], []
-    with vllm_sampler.start_sampler(path, placement="cpu") as sampler:
+    with common.start_sampler(path, placement="cpu") as sampler:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)  # warm-up, both
         sampler.time_local_load(path)
@@ -102,7 +100,7 @@ def time_push(path, args):
 def main():
     args = tyro.cli(Args)
     common.limit_cpu_threads()
-    tiny = str(tiny_model.tiny_model_path())
+    tiny = str(common.tiny_model_path())
     tokenizer = common.load_tokenizer(tiny)
     task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]

@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import tasks  # noqa: E402
-import vllm_sampler  # noqa: E402
 
 # script, flags every arm shares, and per arm: (flags, rounds between snapshots ~ every 4-5 s on 2 cores)
 PAPERS = {
@@ -168,7 +167,7 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
     # the prompt budget where the script has it as a flag; else whatever fits the model's context with the response cap
     max_prompt_tokens = first["max_prompt_tokens"] or policy.config.max_position_embeddings - first["max_new_tokens"]
     curves, version = {}, 0
-    with vllm_sampler.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
+    with common.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
                                     max_model_len=max_prompt_tokens + first["max_new_tokens"]) as sampler:
         for run_dir in run_dirs:
             snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")), key=lambda s: s["step"])

@@ -27,13 +27,12 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import torch  # noqa: E402
 
 import common  # noqa: E402
-import vllm_sampler  # noqa: E402
+from fastrl import vllm_sampler  # noqa: E402
 
 
 def random_54m(directory) -> str:
     """A random ~54M-parameter Qwen2 with tied embeddings and a 32k vocabulary (hidden 512, 12 layers,
     MLP 1536) and the tiny model's tokenizer; foundation.py pushes the same model."""
-    import tiny_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -41,7 +40,7 @@ def random_54m(directory) -> str:
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
                          tie_word_embeddings=True, torch_dtype="float32")
     Qwen2ForCausalLM(config).save_pretrained(directory)
-    common.load_tokenizer(str(tiny_model.tiny_model_path())).save_pretrained(directory)
+    common.load_tokenizer(str(common.tiny_model_path())).save_pretrained(directory)
     return str(directory)
 
 
@@ -69,7 +68,7 @@ def measure_push(path: str, backend: str = "shm", repeats: int = 7) -> dict:
     saved = os.environ.get("FASTRL_CPU_WEIGHT_BACKEND")
     os.environ["FASTRL_CPU_WEIGHT_BACKEND"] = backend  # read by the sampler at start and by init_weight_sync
     try:
-        sampler = vllm_sampler.start_sampler(path, placement="cpu", weights=model)
+        sampler = common.start_sampler(path, placement="cpu", weights=model)
     finally:
         if saved is None:
             os.environ.pop("FASTRL_CPU_WEIGHT_BACKEND")

@@ -90,9 +90,8 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import tiny_model  # noqa: E402
 import tasks  # noqa: E402
-import vllm_sampler  # noqa: E402
+from fastrl import vllm_sampler  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 MAX_PROMPT_TOKENS = 64  # what our scripts use with --model tiny (and so with the 50M model run as `tiny`)
@@ -487,7 +486,7 @@ def evaluate_model(model_dir: str, w: Workload) -> float:
     quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL")}
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # the sampler process inherits it; keeps the benchmark's output readable
     try:
-        sampler = vllm_sampler.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
+        sampler = common.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
     finally:
         if quiet["VLLM_LOGGING_LEVEL"] is None:
             os.environ.pop("VLLM_LOGGING_LEVEL")
@@ -511,7 +510,7 @@ def build_50m() -> str:
     longer than the char tokenizer's context). Deterministic; cached."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tiny = tiny_model.tiny_model_path()
+    tiny = common.tiny_model_path()
     path = M50_CACHE / tiny.name
     if (path / "config.json").exists():
         return str(path)
@@ -632,7 +631,7 @@ def main():
     started = time.time()
     print(f"TRL {trl_version}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    tiny = str(tiny_model.tiny_model_path())
+    tiny = str(common.tiny_model_path())
     workdir = Path(tempfile.mkdtemp(prefix="trl_comparison_"))
     shared = dict(learning_rate=args.learning_rate, max_new_tokens=args.max_new_tokens, seed=args.seed)
     rloo = Workload("rloo", tiny, args.rloo_steps, args.rloo_prompts, args.rloo_completions, args.rloo_temperature,

@@ -31,9 +31,9 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def tiny_path():
-    import tiny_model
+    import common
 
-    return str(tiny_model.tiny_model_path())
+    return str(common.tiny_model_path())
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +46,9 @@ def tokenizer(tiny_path):
 @pytest.fixture(scope="session")
 def sampler(tiny_path):
     """One real vLLM sampler process on the tiny model for the whole session."""
-    import vllm_sampler
+    import common
 
-    s = vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0)
+    s = common.start_sampler(tiny_path, placement="cpu", seed=0)
     yield s
     s.close()
 
@@ -69,12 +69,11 @@ def error_before_start(monkeypatch):
     loading a model or starting a sampler. (A command line costs ~4 s of imports each; every
     script also has one test of the real command line.)"""
     import common
-    import vllm_sampler
 
     def never(*args, **kwargs):
         raise AssertionError("got past the argument checks")
 
-    monkeypatch.setattr(vllm_sampler, "start_sampler", never)
+    monkeypatch.setattr(common, "start_sampler", never)
     monkeypatch.setattr(common, "load_policy", never)
 
     def run(script, *flags) -> str:
@@ -115,7 +114,7 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
     import sys
 
     import common
-    import vllm_sampler
+    from fastrl import vllm_sampler
 
     class Started(Exception):
         pass
@@ -130,7 +129,7 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
         logger_init(self, *args, **kwargs)
         loggers.append(self)
 
-    monkeypatch.setattr(vllm_sampler, "start_sampler", start_sampler)
+    monkeypatch.setattr(common, "start_sampler", start_sampler)
     monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)  # (this process's filters stay as pytest set them)
     monkeypatch.setattr(common.RunLogger, "__init__", keep_logger)
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test

@@ -24,7 +24,7 @@ import torch
 
 import common
 import tasks
-import tiny_model
+from fastrl import tiny_model
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2.5's template, shortened: ChatML turns, a generation prompt for the assistant

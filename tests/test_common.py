@@ -343,7 +343,7 @@ def test_progress_off_a_terminal_prints_plain_lines_with_the_time_left(capsys):
 
 def test_sampler_log_levels_follow_verbose():
     """--verbose: vLLM's and torch's start-up warnings and vLLM's load bar; without it errors only."""
-    import vllm_sampler
+    from fastrl import vllm_sampler
 
     assert vllm_sampler.log_environment(False) == {"VLLM_LOGGING_LEVEL": "ERROR", "TORCH_CPP_LOG_LEVEL": "ERROR"}
     assert vllm_sampler.log_environment(True) == {"VLLM_LOGGING_LEVEL": "WARNING", "TORCH_CPP_LOG_LEVEL": "WARNING"}

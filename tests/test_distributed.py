@@ -26,7 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import distributed  # noqa: E402
+import common  # noqa: E402
+from fastrl import distributed  # noqa: E402
 
 STEPS = (7, 1, 5)  # global batch sizes of the training steps; then one step of RESUMED_STEP after a resume
 RESUMED_STEP = 6
@@ -127,12 +128,12 @@ def scenario(tiny_path: str, out: Path, other_checkpoint: Path | None, d: distri
     if d.is_main:
         torch.save(push_model.state_dict(), out / "push.pt")
         (out / "log.json").write_text(json.dumps(log))
-    distributed.save_checkpoint(out / "checkpoint.pt", learner, optimizer, step=len(STEPS), data_position=sum(STEPS), d=d,
+    common.save_checkpoint(out / "checkpoint.pt", learner, optimizer, step=len(STEPS), data_position=sum(STEPS), dist=d,
                                 round=len(STEPS))
     if other_checkpoint is None:
         return
     learner, push_model, optimizer = _models(tiny_path, d)
-    state = distributed.load_checkpoint(other_checkpoint, learner, optimizer, d, required=("round",))
+    state = common.load_checkpoint(other_checkpoint, learner, optimizer, dist=d, required=("round",))
     saved = distributed.state_for_checkpoint(learner, optimizer, d)
     if d.is_main:
         torch.save({**saved, "scalars": {k: state[k] for k in ("step", "data_position", "round")}}, out / "resumed.pt")
@@ -141,7 +142,7 @@ def scenario(tiny_path: str, out: Path, other_checkpoint: Path | None, d: distri
     if d.is_main:
         torch.save(saved, out / "after.pt")
     try:  # a bad --resume: one line on rank 0, every rank stops (none waits in a collective)
-        distributed.load_checkpoint(out / "missing.pt", learner, optimizer, d)
+        common.load_checkpoint(out / "missing.pt", learner, optimizer, dist=d)
         outcome = "loaded"
     except SystemExit as e:
         outcome = e.code
@@ -186,7 +187,7 @@ def runs(tiny_path, tmp_path_factory):
         assert result.returncode == 0, result.stderr[-3000:]
         # and one process resumes the 2-rank checkpoint (the other direction), then takes the same step
         learner, _, optimizer = _models(tiny_path, distributed.Dist())
-        state = distributed.load_checkpoint(two / "checkpoint.pt", learner, optimizer, distributed.Dist(), required=("round",))
+        state = common.load_checkpoint(two / "checkpoint.pt", learner, optimizer, dist=distributed.Dist(), required=("round",))
         assert (state["step"], state["data_position"], state["round"]) == (len(STEPS), sum(STEPS), len(STEPS))
         torch.save(distributed.state_for_checkpoint(learner, optimizer, distributed.Dist()), one / "resumed.pt")
         _train_step(learner, optimizer, RESUMED_STEP, 99, distributed.Dist())

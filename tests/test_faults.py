@@ -19,7 +19,7 @@ import torch
 
 import common
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
@@ -116,7 +116,7 @@ def test_weight_sync_listens_on_loopback_only(tiny_path, monkeypatch):
     which listens nowhere: gloo is chosen here.)"""
     monkeypatch.setenv("FASTRL_CPU_WEIGHT_BACKEND", "gloo")  # the sampler process inherits it
     model = common.load_policy(tiny_path, "cpu")
-    with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
+    with common.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
         sampler.init_weight_sync(model)
         pids = [os.getpid(), sampler.process.pid]
         listening = [c for pid in pids for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
@@ -142,7 +142,7 @@ def _stopped_sampler_is_an_error_in_seconds(sampler, action):
 
 
 def test_stopped_sampler_during_generation(tiny_path, tokenizer):
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     prompts = _prompts(tokenizer, 64)
     ids = sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
     time.sleep(0.3)
@@ -151,7 +151,7 @@ def test_stopped_sampler_during_generation(tiny_path, tokenizer):
 
 def test_stopped_sampler_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     sampler.init_weight_sync(model)
     _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.push_weights(1))
 
@@ -181,7 +181,7 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
         import os, sys, threading, time
         sys.path.insert(0, {str(ROOT)!r})
         import common
-        import vllm_sampler
+        from fastrl import vllm_sampler
         if __name__ == "__main__":
             s = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model={tiny_path!r}, placement="cpu"))
             threading.Thread(target=s.start, daemon=True).start()
@@ -201,7 +201,7 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
 
 
 def test_killed_sampler_reports_its_exit_code_and_leaves_no_temporary_files(tiny_path, tokenizer):
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
+    sampler = common.start_sampler(tiny_path, placement="cpu")
     tmpdir = Path(sampler.tmpdir)
     assert list(tmpdir.glob("vllm_dist_*"))  # vLLM's rendezvous file, which a killed process cannot delete
     os.kill(sampler.process.pid, signal.SIGKILL)
@@ -219,7 +219,7 @@ def test_two_runs_building_a_model_build_it_once(tmp_path):
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
         import common
-        import tiny_model
+        from fastrl import tiny_model
 
         def build(path):
             def write(tmp):
@@ -243,9 +243,9 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        import vllm_sampler
+        from fastrl import vllm_sampler
         if __name__ == "__main__":
-            vllm_sampler.start_sampler({tiny_path!r}, placement="cpu").close()
+            common.start_sampler({tiny_path!r}, placement="cpu").close()
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
@@ -259,7 +259,7 @@ def test_prompts_all_too_long_is_one_clear_line():
 
 def test_sampler_killed_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
+    sampler = common.start_sampler(tiny_path, placement="cpu")
     sampler.init_weight_sync(model)
     real_update = sampler.update_weights
 

@@ -18,8 +18,8 @@ import torch
 
 import common
 import tasks
-import vllm_sampler
-import weight_sync
+from fastrl import vllm_sampler
+from fastrl import weight_sync
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -191,9 +191,9 @@ def test_vllm_nccl_and_ipc_transfer_types_build_from_the_installed_vllm():
     ipc = IPCTrainerInitInfo(rank=0, packed=True)
     assert ipc.backend == "ipc" and ipc.packed
     IPCWeightTransferUpdateInfo(names=["w"], dtype_names=["bfloat16"], shapes=[[2, 2]], ipc_handles={})
-    import gloo_transfer
+    from fastrl import weight_sync
 
-    gloo_transfer.register()
+    weight_sync.register_engines()
     assert {"nccl", "ipc", "gloo"} <= set(WeightTransferTrainerFactory._registry)
     for backend in ("nccl", "ipc", "gloo"):
         engine_cls = WeightTransferTrainerFactory._registry[backend]()
@@ -309,7 +309,7 @@ def test_gpu_background_transfer_runs_off_the_default_stream():
 def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
     """A NCCL broadcast to a dead peer never returns; the watchdog must not wait for it. Here the
     transfer is a stand-in that never returns, and the sampler is killed meanwhile."""
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
+    sampler = common.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
 
     def stuck_transfer():
@@ -325,7 +325,7 @@ def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
 
 def _push_then_compare(placement, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cuda")
-    with vllm_sampler.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
+    with common.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
         sampler.init_weight_sync(model)
         with torch.no_grad():
             for p in model.parameters():
@@ -450,7 +450,7 @@ def _push_cast_then_compare(placement: str, path: str):
             p.add_(PERTURB * torch.randn_like(p))
     embedding = model.get_input_embeddings().weight
     assert not torch.equal(embedding, embedding.to(torch.bfloat16).float())  # the push must round: fp32 values bf16 cannot hold
-    with vllm_sampler.start_sampler(path, placement=placement, max_model_len=1024) as sampler:  # dtype auto: bf16 on a GPU
+    with common.start_sampler(path, placement=placement, max_model_len=1024) as sampler:  # dtype auto: bf16 on a GPU
         assert sampler.weight_dtype() == torch.bfloat16
         sampler.init_weight_sync(model)
         sizes = [math.prod(m.shape) * m.dtype.itemsize for m in weight_sync.sampler_source(model, torch.bfloat16).metadata()]
@@ -494,7 +494,7 @@ def test_gpu_in_flight_update_labels_versions(realistic_path):
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(32)]
     max_tokens = 1024 - max(map(len, prompts)) - 1
     split = []
-    with vllm_sampler.start_sampler(realistic_path, placement="colocate", max_model_len=1024) as sampler:
+    with common.start_sampler(realistic_path, placement="colocate", max_model_len=1024) as sampler:
         sampler.init_weight_sync(model)
         for version in range(1, 6):
             ids = sampler.submit(prompts, n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, stream_every=8)
@@ -546,7 +546,7 @@ def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_pat
         torch.cuda.synchronize()  # the step is over on the device, not only queued
 
     in_flight_at_return, steps_during_push = 0, 0
-    with vllm_sampler.start_sampler(qwen05_path, placement="colocate", max_model_len=1024) as sampler:
+    with common.start_sampler(qwen05_path, placement="colocate", max_model_len=1024) as sampler:
         sampler.init_weight_sync(model, background=True)
         train_step()
         for version in range(1, 5):
@@ -620,7 +620,7 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
     rloo_step: the script's own loss, micro-batches, clipping and Adam). The plan's contract: within 15% of the
     measurement (tests/test_memory.py holds it to the fake-tensor measurement the same way), and never low by more
     than its HEADROOM (which stands for the context, workspaces and fragmentation): lower would be an OOM it let through."""
-    memory_plan = pytest.importorskip("memory_plan")
+    memory_plan = pytest.importorskip("fastrl.memory_plan")
     from types import SimpleNamespace
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

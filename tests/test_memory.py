@@ -214,7 +214,7 @@ def test_learner_steps_run_on_fake_tensors(realistic_path, script):
 # its refusal and the sampler's share, as pure functions of numbers
 # --------------------------------------------------------------------------------------
 
-import memory_plan  # noqa: E402
+from fastrl import memory_plan  # noqa: E402
 
 GB = 1e9
 
@@ -327,7 +327,7 @@ def test_plan_refuses_in_one_line_naming_the_flags_that_fit():
 
 
 def test_transfer_is_the_packed_buffer_and_a_background_snapshot():
-    import weight_sync
+    from fastrl import weight_sync
 
     packed = weight_sync.packed_buffer_bytes([QWEN.largest * 2])
     assert packed == QWEN.largest * 2  # the embedding in bf16, 272 MB

@@ -18,7 +18,7 @@ import torch
 
 import common
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 import pipeline_rl as prl
 
 ROOT = Path(__file__).resolve().parents[1]

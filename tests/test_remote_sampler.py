@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import common
-import remote_sampler
+from fastrl import remote_sampler
 import tasks
-from vllm_sampler import SamplerError
+from fastrl.vllm_sampler import SamplerError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-remote-"))  # the script writes its run here, not into the repository
@@ -246,7 +246,7 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
 
 
 def test_a_script_trains_through_sampler_url(server_url):
-    """`--sampler-url`: rloo_kreuse.py samples from the server (vllm_sampler.start_sampler(urls=...)),
+    """`--sampler-url`: rloo_kreuse.py samples from the server (common.start_sampler(urls=...)),
     pushes every round, and the server's logprobs stay the learner's."""
     out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--sampler-url", server_url, "--exp-name", "pytest_remote",
                           "--k", "2", "--num-rounds", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8",

@@ -17,7 +17,6 @@ import torch
 import common
 import rloo_kreuse as rloo
 import tasks
-import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
@@ -158,7 +157,7 @@ def test_two_rounds_from_the_command_line_then_resume():
 
     saved = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert all(torch.equal(saved.state_dict()[k], v) for k, v in state["model"].items() if k in saved.state_dict())
-    with vllm_sampler.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
+    with common.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
         tokenizer = common.load_tokenizer(str(run_dir / "model"))
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
 
@@ -213,7 +212,7 @@ class _Loaded(Exception):
 
 @pytest.mark.parametrize("flags, models", [([], 2), (["--beta-kl", "0"], 1)])
 def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tiny_path, flags, models):
-    import distributed
+    from fastrl import distributed
 
     loads = []
     real_load = common.load_policy
@@ -383,7 +382,7 @@ def test_a_forgotten_push_stops_the_run_in_one_line(tmp_path):
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         import rloo_kreuse as rloo
-        import vllm_sampler
+        from fastrl import vllm_sampler
         vllm_sampler.Sampler.push_weights = lambda self, version, **kw: 0.0
         sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nopush", "--k", "2", "--num-prompts", "4", "--group-size", "2",
                     "--num-rounds", "3", "--eval-problems", "4", "--eval-samples", "1"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import common
-import shm_transfer
+from fastrl import shm_transfer
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 MAPPING = "memfd:fastrl-weights"  # the name /proc/<pid>/maps shows for the shared buffer
@@ -139,7 +139,7 @@ def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
     gc.collect()
     mapped_before = _mapped()
     model = common.load_policy(tiny_path, "cpu")
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0)
+    sampler = common.start_sampler(tiny_path, placement="cpu", seed=0)
     try:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)
@@ -167,7 +167,7 @@ def test_a_killed_learner_leaves_no_shared_memory(tiny_path, tmp_path):
         import common, vllm_sampler
         if __name__ == "__main__":  # the sampler is spawned: it imports this file
             model = common.load_policy({tiny_path!r}, "cpu")
-            sampler = vllm_sampler.start_sampler({tiny_path!r}, placement="cpu", seed=0)
+            sampler = common.start_sampler({tiny_path!r}, placement="cpu", seed=0)
             sampler.init_weight_sync(model)
             sampler.push_weights(1)
             maps = open(f"/proc/{{sampler.process.pid}}/maps").read()

@@ -1,17 +1,13 @@
-"""The built-in tiny model (tiny_model.py): deterministic, tied embeddings like Qwen2.5, some
-success for RL to improve, and `python tiny_model.py` (the smoke run) failing in one line on a bad
-model path."""
+"""The built-in tiny model (fastrl/tiny_model.py): deterministic, tied embeddings like Qwen2.5, some
+success for RL to improve; a bad model path fails in one line."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 import common
 import tasks
-import tiny_model
+from fastrl import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,9 +30,9 @@ def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer
 
 def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
     config = tiny_model.TinyConfig(sft_steps=8)
-    a = tiny_model.build_tiny_model(tmp_path / "a", config, log=lambda *_: None)
-    b = tiny_model.build_tiny_model(tmp_path / "b", config, log=lambda *_: None)
-    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=8, seed=1), log=lambda *_: None)
+    a = tiny_model.build_tiny_model(tmp_path / "a", config, common.tiny_sft_batch(config.task, config.seed), log=lambda *_: None)
+    b = tiny_model.build_tiny_model(tmp_path / "b", config, common.tiny_sft_batch(config.task, config.seed), log=lambda *_: None)
+    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=8, seed=1), common.tiny_sft_batch("countdown", 1), log=lambda *_: None)
     ma, mb, mc = (common.load_policy(str(p), "cpu") for p in (a, b, c))
     for (name, pa), pb, pc in zip(ma.named_parameters(), mb.parameters(), mc.parameters()):
         assert torch.equal(pa, pb), name
@@ -48,7 +44,7 @@ def test_the_tokenizer_loads_as_it_was_trained(tmp_path):
     byte-level pipeline around the vocabulary: the tiny tokenizer must encode the same after a save
     and a load (a plain-" " vocabulary once lost every space: trained on "5 7 3->15:", prompted with
     "573->15:"), and so must the steps task's prompts and answers."""
-    built = tiny_model.build_tiny_model(tmp_path / "m", tiny_model.TinyConfig(sft_steps=1), log=lambda *_: None)
+    built = tiny_model.build_tiny_model(tmp_path / "m", tiny_model.TinyConfig(sft_steps=1), common.tiny_sft_batch("countdown", 0), log=lambda *_: None)
     loaded, fresh = common.load_tokenizer(str(built)), tiny_model._tiny_tokenizer()
     assert type(loaded).__name__ == "Qwen2Tokenizer"  # what the scripts and vLLM get
     texts = ["5 7 3->15:", "a b\nc  d"]
@@ -79,9 +75,11 @@ def test_steps_task_answers_vary_in_length_and_score(tmp_path):
     assert plain.completion_text(plain.problem("train", 0)).startswith("<answer>")  # the default task is unchanged
 
 
-def test_bad_model_path_is_one_clear_line(tmp_path):
-    out = subprocess.run([sys.executable, str(ROOT / "tiny_model.py"), "--model", str(tmp_path / "missing")],
-                         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode != 0
-    last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --model: cannot load") and "--model tiny" in last
+def test_bad_model_path_is_one_clear_line(tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit) as stop:
+        common.load_policy(str(tmp_path / "missing"), "cpu")
+    message = str(stop.value)
+    assert "\n" not in message and message.startswith("error: --model: cannot load") and "--model tiny" in message

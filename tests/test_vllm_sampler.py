@@ -16,7 +16,7 @@ import torch
 
 import common
 import tasks
-import vllm_sampler
+from fastrl import vllm_sampler
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
@@ -60,7 +60,7 @@ def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
     vLLM's own nccl and ipc engines load on a GPU). A layer that receives nothing, or a tensor of the wrong
     shape, fails the push in the learner with the layer's name."""
     model = common.load_policy(tiny_path, "cpu")
-    with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0, in_place_updates=False) as own:
+    with common.start_sampler(tiny_path, placement="cpu", seed=0, in_place_updates=False) as own:
         own.init_weight_sync(model)
         assert own.weight_load_path() == "layerwise"
         _check_push_matches_learner(model, tokenizer, own)
@@ -94,7 +94,7 @@ def test_seeded_requests_longer_than_a_step_are_never_split(tiny_path, tokenizer
     more than one step's budget of 2048."""
     prompts = [tokenizer(f"{i % 10} " * 20)["input_ids"][:40] for i in range(80)]
     assert all(len(p) == 40 for p in prompts)
-    with vllm_sampler.start_sampler(tiny_path, placement="cpu", seed=0, max_model_len=128) as own:
+    with common.start_sampler(tiny_path, placement="cpu", seed=0, max_model_len=128) as own:
         samples = own.generate(prompts, n=1, temperature=1.0, max_tokens=8, seed=7)  # (failed here, in the sampler)
     assert len(samples) == 80 and all(s.finished and 1 <= len(s.token_ids) <= 8 for s in samples)
 
@@ -228,7 +228,7 @@ def test_end_of_run_memory_has_the_samplers_peak(sampler):
 
 
 def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
-    sampler = vllm_sampler.start_sampler(tiny_path, placement="cpu")
+    sampler = common.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
     _, prompts = _prompts(tokenizer, 64)
     sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
@@ -248,9 +248,9 @@ def test_dead_learner_takes_the_sampler_down(tiny_path):
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         import common
-        import vllm_sampler
+        from fastrl import vllm_sampler
         if __name__ == "__main__":
-            s = vllm_sampler.start_sampler({tiny_path!r}, placement="cpu")
+            s = common.start_sampler({tiny_path!r}, placement="cpu")
             print(s.process.pid, flush=True)
             os._exit(1)  # die without any cleanup
     """)

@@ -534,48 +534,41 @@ class _StateOf:
         self.state = state
 
 
-def save_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, data_position: int,
-                    d: Dist | None = None, hf_model=None, tokenizer=None, **extra) -> None:
-    """common.save_checkpoint of the full state: every rank takes part, rank 0 writes the same file a
-    single process writes. `hf_model`: rank 0's unsharded copy for the HF directory (push_copy, kept
-    current by gather_into; ignored on other ranks). One process: common.save_checkpoint."""
-    import common
-
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, write, d: Dist | None = None) -> None:
+    """`write(model, optimizer)` once, on rank 0, with the full (unsharded) state: objects whose
+    state_dict() is what one process would have (common.save_checkpoint passes its own writer). Every
+    rank takes part; the file exists on every rank on return. One process: write(model, optimizer)."""
     d = _d(d)
     if not d.enabled:
-        common.save_checkpoint(path, model, optimizer, step, data_position, hf_model=hf_model, tokenizer=tokenizer, **extra)
+        write(model, optimizer)
         return
     state = state_for_checkpoint(model, optimizer, d)
     if d.is_main:
-        common.save_checkpoint(path, _StateOf(state["model"]), _StateOf(state["optimizer"]), step, data_position,
-                               hf_model=hf_model, tokenizer=tokenizer, **extra)
-    tdist.barrier()  # the file exists on return, on every rank
+        write(_StateOf(state["model"]), _StateOf(state["optimizer"]))
+    tdist.barrier()
 
 
-def load_checkpoint(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, d: Dist | None = None,
-                    required: tuple = ()) -> dict:
-    """common.load_checkpoint for every rank: rank 0 reads and checks the file (a one-line error
-    stops every rank) and restores its RNG; every rank gets its shards of the model and optimizer and
-    the returned state (step, data_position, the extras; no model/optimizer/rng under torchrun).
-    Reads checkpoints written by one process or by several alike. One process: common.load_checkpoint."""
-    import common
-
+def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, read, d: Dist | None = None) -> dict:
+    """`read(model, optimizer)` (common.load_checkpoint's reader of `path`) on rank 0, into full-state
+    holders; a one-line error stops every rank. Every rank then gets its shards of the model and
+    optimizer and the returned state (step, data_position, the extras; no model/optimizer/rng).
+    Reads checkpoints written by one process or by several alike. One process: read(model, optimizer)."""
     d = _d(d)
     if not d.enabled:
-        return common.load_checkpoint(path, model, optimizer, required=required)
+        return read(model, optimizer)
     held = {}
     _reshard(model)
     expected = _shapes(model)
 
-    def read():
+    def read_on_main():
         model_state, optimizer_state = _StateOf(), _StateOf()
-        state = common.load_checkpoint(path, model_state, optimizer_state, required=required)
+        state = read(model_state, optimizer_state)
         problem = _fit_problem(expected, model_state.state)
         if problem:
             raise SystemExit(f"error: --resume: {path} does not fit this model ({problem})")
         held.update(model=model_state.state, optimizer=optimizer_state.state)
         return {k: v for k, v in state.items() if k not in ("model", "optimizer", "rng")}
 
-    scalars = from_main(read, d)
+    scalars = from_main(read_on_main, d)
     load_into(model, optimizer, held if d.is_main else None, d)
     return scalars

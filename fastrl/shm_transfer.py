@@ -44,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from gloo_transfer import GlooWeightTransferEngine, TransferError
+from fastrl.gloo_transfer import GlooWeightTransferEngine, TransferError
 
 ALIGN = 64  # bytes: each tensor starts on a cache line
 

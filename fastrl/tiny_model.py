@@ -2,7 +2,7 @@
 Qwen2.5-0.5B, and a character tokenizer, briefly supervised on the offline Countdown generator so
 that it starts with some success and RL has room to improve it (with `--task countdown-steps`, a
 second one supervised on that task's step-by-step answers). Built on first use, cached in
-common.CACHE_DIR, the same for a given seed everywhere. `cached_build` is the cache's rule (also
+util.CACHE_DIR, the same for a given seed everywhere. `cached_build` is the cache's rule (also
 used by the tests' realistic fixture)."""
 
 from __future__ import annotations
@@ -11,16 +11,13 @@ import dataclasses
 import hashlib
 import json
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import common
-import tasks
-import vllm_sampler
+from fastrl import util
+
 
 TINY_SPECIAL = ["<pad>", "<eos>", "<unk>"]
 TINY_ADDED = ["<answer>", "</answer>"]
@@ -74,8 +71,10 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
-def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log=print) -> Path:
-    """Build, briefly fine-tune and save the tiny model as a normal HF directory. Deterministic
+def build_tiny_model(out_dir: str | Path, config: TinyConfig, sft_batch, log=print) -> Path:
+    """Build, briefly fine-tune and save the tiny model as a normal HF directory. `sft_batch(tokenizer,
+    step, batch_size)` -> (input_ids, attention_mask, completion_mask) of worked examples of
+    config.task (common.resolve_model gives it: this package does not import tasks.py). Deterministic
     for a given config on a given machine (one CPU thread, fixed seeds)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -83,7 +82,7 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        common.set_seed(config.seed)
+        util.set_seed(config.seed)
         tokenizer = _tiny_tokenizer()
         model_config = Qwen2Config(
             vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
@@ -96,17 +95,13 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
         with tempfile.TemporaryDirectory() as saved:
             tokenizer.save_pretrained(saved)
             model_config.save_pretrained(saved)
-            tokenizer = common.load_tokenizer(saved)
+            tokenizer = util.load_tokenizer(saved)
         model = Qwen2ForCausalLM(model_config)
-        task = tasks.make_task(config.task, seed=config.seed, tiny_prompts=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
-        progress = common.Progress(config.sft_steps, "tiny model", unit="step", every=float("inf"))  # (off a terminal: the log lines)
+        progress = util.Progress(config.sft_steps, "tiny model", unit="step", every=float("inf"))  # (off a terminal: the log lines)
         for step in range(config.sft_steps):
-            problems = [task.problem("train", step * config.sft_batch_size + i) for i in range(config.sft_batch_size)]
-            prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
-            completions = [tokenizer(task.completion_text(p))["input_ids"] + [tokenizer.eos_token_id] for p in problems]
-            input_ids, attention_mask, completion_mask = common.pad_prompt_completions(prompts, completions, tokenizer.pad_token_id)
+            input_ids, attention_mask, completion_mask = sft_batch(tokenizer, step, config.sft_batch_size)
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
             labels = input_ids[:, 1:].masked_fill(completion_mask[:, 1:] == 0, -100)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -124,17 +119,17 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig = TinyConfig(), log
             tokenizer.save_pretrained(tmp)
             (tmp / "tiny_config.json").write_text(json.dumps(dataclasses.asdict(config), indent=1))
 
-        common.replace_atomically(write, out_dir)  # a half-built model is never picked up from the cache
+        util.replace_atomically(write, out_dir)  # a half-built model is never picked up from the cache
     finally:
         torch.set_num_threads(threads)
     return out_dir
 
 
-def tiny_model_path(config: TinyConfig = TinyConfig(), log=print) -> Path:
+def tiny_model_path(config: TinyConfig, sft_batch, log=print) -> Path:
     """The cached tiny model, built on first use (about 2 minutes on 2 cores; the step-by-step one
-    longer)."""
-    return cached_build(common.CACHE_DIR / f"tiny-qwen2-{config.key()}", lambda path: build_tiny_model(path, config, log=log),
-                        lambda: log(f"building the tiny model into {common.CACHE_DIR} (once; cached afterwards)"))
+    longer); `sft_batch` as in build_tiny_model (common.resolve_model passes it)."""
+    return cached_build(util.CACHE_DIR / f"tiny-qwen2-{config.key()}", lambda path: build_tiny_model(path, config, sft_batch, log=log),
+                        lambda: log(f"building the tiny model into {util.CACHE_DIR} (once; cached afterwards)"))
 
 
 def cached_build(path: Path, build, announce=lambda: None) -> Path:
@@ -152,47 +147,3 @@ def cached_build(path: Path, build, announce=lambda: None) -> Path:
             announce()
             build(path)
     return path
-
-
-# --------------------------------------------------------------------------------------
-# `python tiny_model.py`: build the tiny model (cached), start the sampler, sample, push weights
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class SmokeArgs:
-    model: str = common.TINY
-    """`tiny` (built-in, offline) or an HF model directory / Hub id"""
-    num_prompts: int = 128
-    """held-out Countdown prompts to sample"""
-    placement: str = "auto"
-    """sampler placement: cpu, colocate (learner's GPU, ipc), separate (own GPU, nccl), auto"""
-
-
-def smoke(args: SmokeArgs) -> None:
-    common.limit_cpu_threads()
-    path = common.resolve_model(args.model)
-    tokenizer = common.load_tokenizer(path)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy = common.load_policy(path, device)
-    task = tasks.make_task("countdown", seed=0, tiny_prompts=args.model == common.TINY)
-    problems, prompts, skipped = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.num_prompts)], 96)
-    with vllm_sampler.start_sampler(path, placement=args.placement) as sampler:
-        sampler.init_weight_sync(policy)
-        start = time.perf_counter()
-        samples = sampler.generate(prompts, n=1, temperature=1.0, max_tokens=48)
-        seconds = time.perf_counter() - start
-        accuracy = np.mean([task.is_correct(s.text, p) for s, p in zip(samples, problems)])
-        tokens = sum(len(s.token_ids) for s in samples)
-        push = sampler.push_weights(version=1)
-        after = sampler.generate(prompts[:8], n=1, temperature=1.0, max_tokens=48)
-        print(f"model {path}\nsampled {len(samples)} completions ({tokens} tokens, {tokens / seconds:.0f} tok/s), "
-              f"skipped {skipped} long prompts\nheld-out accuracy at T=1: {accuracy:.3f}\n"
-              f"weight push: {push:.3f}s, versions after push: {sorted({s.version_max for s in after})}\n"
-              f"example: {problems[0].prompt!r} -> {samples[0].text!r}")
-
-
-if __name__ == "__main__":
-    import tyro
-
-    smoke(tyro.cli(SmokeArgs))

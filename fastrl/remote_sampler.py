@@ -71,8 +71,8 @@ from typing import Any
 
 import torch
 
-from vllm_sampler import Completion, SamplerConfig, SamplerError, engine_settings
-from weight_sync import WeightPusher
+from fastrl.vllm_sampler import Completion, SamplerConfig, SamplerError, engine_settings
+from fastrl.weight_sync import WeightPusher
 
 # vLLM's token-in/token-out server prefixes the caller's request id
 # (vllm/entrypoints/scale_out/token_in_token_out/serving.py:194-196): aborts must name that id
@@ -199,13 +199,13 @@ def server_plugin() -> None:
     vllm/plugins/__init__.py load_general_plugins in every vLLM process on this Python: the API
     server (vllm/engine/arg_utils.py:906), the engine core (vllm/v1/engine/core.py:129) and each
     worker before it builds the model (vllm/v1/worker/worker_base.py:276). Registers our weight
-    engines (gloo_transfer.server_plugin; with FASTRL_IN_PLACE_UPDATES=1 a CPU worker also keeps its
+    engines (weight_sync.server_plugin; with FASTRL_IN_PLACE_UPDATES=1 a CPU worker also keeps its
     linear weights, vllm/model_executor/layers/linear.py:214-216 looks the packing function up at
     load time) and the worker method `fastrl_weight_load_path` for /collective_rpc (a method name
     is all that endpoint takes, vllm/v1/serial_utils.py:499-505 run_method). Cheap and idempotent."""
-    import gloo_transfer
+    from fastrl import gloo_transfer, weight_sync
 
-    gloo_transfer.server_plugin()
+    weight_sync.server_plugin()
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
     if not hasattr(WorkerWrapperBase, "fastrl_weight_load_path"):
@@ -256,9 +256,9 @@ class RemoteSampler(WeightPusher):
         self.master_address = master_address or os.environ.get("FASTRL_LEARNER_ADDRESS", "127.0.0.1")
         self.tokenizer = None
         if model_path is not None:
-            import common
+            from fastrl.util import load_tokenizer
 
-            self.tokenizer = common.load_tokenizer(model_path)
+            self.tokenizer = load_tokenizer(model_path)
         self.pending: set[str] = set()
         self.version = 0
         self.paused = False

@@ -194,7 +194,7 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
 def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: bool, learner_dtype: str = "float32") -> int:
     """What a push allocates on the learner's GPU: vLLM's packed staging buffer (weight_sync.packed_buffer_bytes;
     NCCL keeps two), the tensor being cast to the sampler's dtype, a background push's snapshot."""
-    import weight_sync
+    from fastrl import weight_sync
 
     b = DTYPE_BYTES[sampler_dtype]
     rest = (s.params - s.largest) * b  # the other tensors, none larger than the largest: the same maximum and sum

@@ -16,6 +16,10 @@ import time
 import torch
 
 
+class SamplerError(RuntimeError):
+    """The sampler process failed, died or stopped answering."""
+
+
 def weight_backend(placement: str) -> str:
     """The weight-transfer engine for a placement. "cpu": the sampler runs on the learner's host, so
     through shared memory (shm_transfer.py: ~90 ms a push at 54M parameters, gloo over loopback
@@ -92,11 +96,11 @@ def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_siz
     None: vLLM's default, 1 GiB)."""
     packed = {} if packed_bytes is None else {"packed_buffer_size_bytes": packed_bytes}
     if backend == "shm":
-        import shm_transfer
+        from fastrl import shm_transfer
 
         return shm_transfer.ShmTrainerInitInfo(rank=0)  # shared memory: the sampler is on this host
     if backend == "gloo":
-        import gloo_transfer
+        from fastrl import gloo_transfer
 
         return gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=master_address, master_port=0, world_size=world_size)
     if backend == "nccl":
@@ -133,10 +137,7 @@ class WeightPusher:
 
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        import gloo_transfer
-        from vllm_sampler import SamplerError
-
-        gloo_transfer.register()
+        register_engines()
         self._model, self._snapshot = model, None
         self._device = next(iter(model.parameters()), torch.empty(0)).device
         if background:
@@ -230,8 +231,6 @@ class WeightPusher:
 
     def wait_for_push(self) -> None:
         """Wait until a background push has landed; raise its error if it failed."""
-        from vllm_sampler import SamplerError
-
         if self._push_thread is not None:
             # every wait inside the push has its own deadline; this one bounds them all
             self._push_thread.join(timeout=self._push_deadline())
@@ -241,3 +240,35 @@ class WeightPusher:
         if self._push_error is not None:
             error, self._push_error = self._push_error, None
             raise error
+
+
+def register_engines() -> None:
+    """Make vLLM's worker and trainer factories know "gloo" and "shm" (shm_transfer.py; idempotent)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from fastrl import gloo_transfer, shm_transfer
+
+    for name, worker, trainer in (("gloo", gloo_transfer.GlooWeightTransferEngine, gloo_transfer.GlooTrainerWeightTransferEngine),
+                                  ("shm", shm_transfer.ShmWeightTransferEngine, shm_transfer.ShmTrainerWeightTransferEngine)):
+        if name not in WeightTransferEngineFactory._registry:
+            WeightTransferEngineFactory.register_engine(name, worker)
+        if name not in WeightTransferTrainerFactory._registry:
+            WeightTransferTrainerFactory.register_engine(name, trainer)
+
+
+def server_plugin() -> None:
+    """vLLM general plugin (pyproject.toml, entry point group "vllm.general_plugins"): a vLLM server
+    started on its own (remote_sampler.py) loads it in each of its processes
+    (vllm/plugins/__init__.py load_general_plugins, called by the engine core, vllm/v1/engine/core.py,
+    and by each worker before it loads the model, vllm/v1/worker/worker_base.py), so that the
+    server knows the "gloo" engine. With FASTRL_IN_PLACE_UPDATES=1 (remote_sampler.start_server
+    sets it) a CPU server also keeps its linear weights for in-place loads; without it pushes take
+    vLLM's layerwise reload (correct, slower)."""
+    register_engines()
+    if os.environ.get("FASTRL_IN_PLACE_UPDATES") == "1":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from fastrl import gloo_transfer
+
+            gloo_transfer.keep_cpu_linear_weights()

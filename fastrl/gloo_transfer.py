@@ -25,7 +25,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 GROUP_TIMEOUT = timedelta(seconds=float(os.environ.get("FASTRL_WEIGHT_TIMEOUT", "60")))
 PACK_BYTES = 256 * 2**20
@@ -402,31 +401,3 @@ def weights_not_loaded(worker) -> list[str]:
         return engine.params_not_loaded()
     model = engine.model if engine is not None else worker.model_runner.get_model()
     return layerwise_layers_not_loaded(model)
-
-
-def register() -> None:
-    """Make vLLM's worker and trainer factories know "gloo" and "shm" (shm_transfer.py; idempotent)."""
-    import shm_transfer
-
-    for name, worker, trainer in (("gloo", GlooWeightTransferEngine, GlooTrainerWeightTransferEngine),
-                                  ("shm", shm_transfer.ShmWeightTransferEngine, shm_transfer.ShmTrainerWeightTransferEngine)):
-        if name not in WeightTransferEngineFactory._registry:
-            WeightTransferEngineFactory.register_engine(name, worker)
-        if name not in WeightTransferTrainerFactory._registry:
-            WeightTransferTrainerFactory.register_engine(name, trainer)
-
-
-def server_plugin() -> None:
-    """vLLM general plugin (pyproject.toml, entry point group "vllm.general_plugins"): a vLLM server
-    started on its own (remote_sampler.py) loads it in each of its processes
-    (vllm/plugins/__init__.py load_general_plugins, called by the engine core, vllm/v1/engine/core.py,
-    and by each worker before it loads the model, vllm/v1/worker/worker_base.py), so that the
-    server knows the "gloo" engine. With FASTRL_IN_PLACE_UPDATES=1 (remote_sampler.start_server
-    sets it) a CPU server also keeps its linear weights for in-place loads; without it pushes take
-    vLLM's layerwise reload (correct, slower)."""
-    register()
-    if os.environ.get("FASTRL_IN_PLACE_UPDATES") == "1":
-        from vllm.platforms import current_platform
-
-        if current_platform.is_cpu():
-            keep_cpu_linear_weights()

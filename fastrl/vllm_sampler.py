@@ -45,11 +45,7 @@ from typing import Any
 
 import torch
 
-from weight_sync import WeightPusher, weight_backend
-
-
-class SamplerError(RuntimeError):
-    """The sampler process failed, died or stopped answering."""
+from fastrl.weight_sync import SamplerError, WeightPusher, weight_backend  # noqa: F401  (SamplerError: re-exported)
 
 
 class WeightLoadError(RuntimeError):
@@ -380,11 +376,12 @@ class SamplerServer:
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
         import logging
 
-        import gloo_transfer
         from vllm import EngineArgs, LLMEngine
         from vllm.config import WeightTransferConfig
 
-        gloo_transfer.register()
+        from fastrl import gloo_transfer, weight_sync
+
+        weight_sync.register_engines()
         pin_pytorch_top_k_top_p()  # one sampler path on CPU and GPU (engine_settings)
         if config.placement == "cpu":
             torch.set_num_threads(1)
@@ -442,7 +439,7 @@ class SamplerServer:
         self.engine.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
     def weights_finish(self, payload) -> None:
-        import gloo_transfer
+        from fastrl import gloo_transfer
 
         version, recompute_kv = payload
         # before vLLM's finish: it puts a layer that received nothing back to its old weights and forgets it
@@ -467,7 +464,7 @@ class SamplerServer:
         return sampler_peak_memory_mib()
 
     def weight_load_path(self, _) -> str:
-        import gloo_transfer
+        from fastrl import gloo_transfer
 
         return self.engine.collective_rpc(gloo_transfer.weight_load_path)[0]
 
@@ -483,7 +480,7 @@ class SamplerServer:
             torch.cuda.set_rng_state(state["cuda"])
 
     def time_local_load(self, model_dir: str) -> float:
-        import gloo_transfer
+        from fastrl import gloo_transfer
 
         return self.engine.collective_rpc(gloo_transfer.time_local_load, args=(model_dir,))[0]
 
@@ -501,7 +498,7 @@ class SamplerServer:
             self.outbox.send(("ack", call_id, None))
             raise
         except Exception as e:
-            import gloo_transfer
+            from fastrl import gloo_transfer
 
             clear = isinstance(e, (WeightLoadError, gloo_transfer.TransferError))  # their message says it all
             self.outbox.send(("error", None, f"{type(e).__name__}: {e}" if clear else traceback.format_exc()))
@@ -924,30 +921,3 @@ class Sampler(WeightPusher):
 
 _LIVE_SAMPLERS: set[Sampler] = set()  # closed at exit, whatever path the learner takes out
 atexit.register(lambda: [s.close() for s in list(_LIVE_SAMPLERS)])
-
-
-def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0,
-                  weights: torch.nn.Module | None = None, version: int = 0, background_push: bool = False,
-                  urls: list[str] | None = None, **kwargs) -> Sampler:
-    """Start the sampler process and wait until its engine is ready; or, with `urls`, connect to
-    those running vLLM servers instead (remote_sampler.RemoteSampler: the same interface; the
-    engine settings are then the servers' own). With `weights` (the learner's policy) also open
-    weight sync with it (init_weight_sync, `background_push` for pushes from a thread) and push
-    the learner's weights labelled `version` when resuming (`version` > 0) or to servers (always:
-    what they loaded is not ours to know), so the sampler starts from the learner's weights. Closes
-    the sampler if any of that fails."""
-    if urls:
-        import remote_sampler
-
-        sampler = remote_sampler.RemoteSampler(urls, model_path)
-    else:
-        sampler = Sampler(SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
-    try:
-        if weights is not None:
-            sampler.init_weight_sync(weights, background=background_push)
-            if version or urls:
-                sampler.push_weights(version)
-    except BaseException:
-        sampler.close()
-        raise
-    return sampler
