@@ -599,8 +599,11 @@ def run_dir_of(resume: str) -> Path:
 RUN_LENGTH = ("num_rounds", "num_steps", "num_iterations")  # what a resume may change without --resume-changes: how long it runs
 
 
-def parse_args(args_cls, argv: list[str] | None = None):
-    """tyro.cli(args_cls); on `--resume RUN` the saved run's args.json supplies the defaults, so the run
+def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = None):
+    """tyro.cli(args_cls). `args_cls`'s own defaults are the built-in tiny model's; `paper` holds the
+    defaults that differ for a real model (the paper's), used when --model is not `tiny`, so --help
+    shows the defaults of the model given (`--model Qwen/Qwen2.5-0.5B --help`: the paper's).
+    On `--resume RUN` the saved run's args.json supplies the defaults, so the run
     continues as it was started whatever the command line leaves out. A flag given with a value other
     than the saved one is refused in one line naming it (the run would silently change), unless
     `--resume-changes` says so; the run's length (RUN_LENGTH) may always be extended, and --verbose
@@ -608,7 +611,10 @@ def parse_args(args_cls, argv: list[str] | None = None):
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(args_cls, args=argv)
+    model = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
+                  if (a == "--model" and i + 1 < len(argv)) or a.startswith("--model=")), args_cls.model)
+    default = dataclasses.replace(args_cls(), **paper) if paper and model != TINY else None
+    args = tyro.cli(args_cls, args=argv, default=default)
     if not args.resume:
         return args
     saved_file = run_dir_of(args.resume) / "args.json"

@@ -417,3 +417,19 @@ def test_optimizer_step_skips_a_non_finite_step_and_zeroes_the_gradient():
     loss.backward()
     norm, stepped = common.optimizer_step(model, optimizer, 1e-3, loss)
     assert stepped and norm > 1e-3 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_parse_args_takes_the_paper_defaults_for_a_real_model_and_the_tiny_ones_otherwise():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Args:
+        model: str = "tiny"
+        group_size: int = 8
+        resume: str | None = None
+
+    paper = dict(group_size=2)
+    assert common.parse_args(Args, [], paper=paper).group_size == 8
+    assert common.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
+    assert common.parse_args(Args, ["--model=Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
+    assert common.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B", "--group-size", "4"], paper=paper).group_size == 4
