@@ -476,25 +476,43 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
 
 def start_sampler(model_path: str, placement: str = "auto", max_model_len: int | None = None, seed: int = 0,
                   weights: torch.nn.Module | None = None, version: int = 0, background_push: bool = False,
-                  urls: list[str] | None = None, **kwargs) -> vllm_sampler.Sampler:
+                  urls: list[str] | None = None, wait: bool = True, **kwargs) -> vllm_sampler.Sampler:
     """Start the sampler process and wait until its engine is ready; or, with `urls`, connect to
     those running vLLM servers instead (remote_sampler.RemoteSampler: the same interface; the
-    engine settings are then the servers' own). With `weights` (the learner's policy) also open
-    weight sync with it (init_weight_sync, `background_push` for pushes from a thread) and push
-    the learner's weights labelled `version` when resuming (`version` > 0) or to servers (always:
-    what they loaded is not ours to know), so the sampler starts from the learner's weights. Closes
-    the sampler if any of that fails."""
+    engine settings are then the servers' own). With `weights`, then connect_weights. `wait=False`
+    (no `weights`): return as soon as the process is spawned, so that vLLM imports and builds its
+    engine while the learner loads its models; connect_weights waits for it. Closes the sampler if
+    any of that fails."""
     if urls:
         from fastrl import remote_sampler  # (imported only for --sampler-url)
 
         sampler = remote_sampler.RemoteSampler(urls, model_path)
     else:
-        sampler = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)).start()
+        config = vllm_sampler.SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)
+        sampler = vllm_sampler.Sampler(config).start(wait=wait)
+    if weights is not None:
+        connect_weights(sampler, weights, version, background_push)
+    return sampler
+
+
+def start_sampler_early(placement: str) -> bool:
+    """Whether the sampler may build its engine while the learner loads its models: not when it shares
+    the learner's GPU, because vLLM sizes its KV cache from the device's free memory before and after
+    its own profiling run (vllm/utils/mem_utils.py:312-315, total_consumed = before_create.free_memory
+    - after_profile.free_memory), so the learner's allocations meanwhile would count as the engine's."""
+    return vllm_sampler.resolve_placement(placement) != "colocate"
+
+
+def connect_weights(sampler, weights: torch.nn.Module, version: int = 0, background_push: bool = False):
+    """Wait until the sampler is ready, open weight sync with the learner's policy `weights`
+    (init_weight_sync, `background_push` for pushes from a thread) and push them labelled `version`
+    when resuming (`version` > 0) or to servers (always: what they loaded is not ours to know), so the
+    sampler starts from the learner's weights. Closes the sampler if any of that fails."""
     try:
-        if weights is not None:
-            sampler.init_weight_sync(weights, background=background_push)
-            if version or urls:
-                sampler.push_weights(version)
+        sampler.wait_ready()
+        sampler.init_weight_sync(weights, background=background_push)
+        if version or getattr(sampler, "urls", None):  # (a RemoteSampler)
+            sampler.push_weights(version)
     except BaseException:
         sampler.close()
         raise

@@ -694,6 +694,10 @@ class RemoteSampler(WeightPusher):
         if not self.paused:  # a pause the caller made stays until its resume()
             self._call_all("/resume")
 
+    def wait_ready(self) -> "RemoteSampler":
+        """The servers were found at construction: nothing to wait for (Sampler's interface)."""
+        return self
+
     def init_weight_sync(self, model: torch.nn.Module, background: bool = False) -> None:
         """Open the weight group between the learner (rank 0, its gloo device on `master_address`)
         and every server's workers: gloo on CPU (servers started with '{"backend": "gloo"}'),

@@ -36,6 +36,7 @@ import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -595,7 +596,9 @@ class Sampler(WeightPusher):
         self._weight_engine = None
 
     # -- lifecycle --
-    def start(self) -> "Sampler":
+    def start(self, wait: bool = True) -> "Sampler":
+        """Spawn the sampler process; with `wait`, return once its engine is ready (else call
+        wait_ready() before anything else)."""
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -609,13 +612,22 @@ class Sampler(WeightPusher):
                                    name="vllm-sampler", daemon=False)
         added = {k: v for k, v in log_environment(self.config.verbose).items() if k not in os.environ}
         os.environ.update(added)  # the child reads TORCH_CPP_LOG_LEVEL as torch loads, before _sampler_main runs
-        try:
+        main = sys.modules["__main__"]
+        hidden = {k: main.__dict__.pop(k) for k in ("__file__",) if k in main.__dict__}
+        spec, main.__spec__ = getattr(main, "__spec__", None), None
+        try:  # spawn re-runs the parent's main module in the child unless it cannot find it: nothing there is needed (~4 s)
             self.process.start()
         finally:
+            main.__dict__.update(hidden)
+            main.__spec__ = spec
             for name in added:
                 os.environ.pop(name, None)
         child.close()
         _LIVE_SAMPLERS.add(self)
+        return self.wait_ready() if wait else self
+
+    def wait_ready(self) -> "Sampler":
+        """Wait until the engine is built (a SamplerError if it fails or takes longer than startup_timeout)."""
         self._wait(lambda: self._ready, self.config.startup_timeout, "start")
         return self
 
