@@ -481,15 +481,17 @@ def start_sampler(model_path: str, placement: str = "auto", max_model_len: int |
     those running vLLM servers instead (remote_sampler.RemoteSampler: the same interface; the
     engine settings are then the servers' own). With `weights`, then connect_weights. `wait=False`
     (no `weights`): return as soon as the process is spawned, so that vLLM imports and builds its
-    engine while the learner loads its models; connect_weights waits for it. Closes the sampler if
-    any of that fails."""
+    engine while the learner loads its models, and connect_weights waits for it; where that is not
+    safe (start_sampler_early) the process starts in connect_weights instead."""
     if urls:
         from fastrl import remote_sampler  # (imported only for --sampler-url)
 
         sampler = remote_sampler.RemoteSampler(urls, model_path)
     else:
         config = vllm_sampler.SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)
-        sampler = vllm_sampler.Sampler(config).start(wait=wait)
+        sampler = vllm_sampler.Sampler(config)
+        if wait or start_sampler_early(placement):  # (otherwise connect_weights starts it, once the learner has loaded)
+            sampler.start(wait=wait)
     if weights is not None:
         connect_weights(sampler, weights, version, background_push)
     return sampler

@@ -627,7 +627,10 @@ class Sampler(WeightPusher):
         return self.wait_ready() if wait else self
 
     def wait_ready(self) -> "Sampler":
-        """Wait until the engine is built (a SamplerError if it fails or takes longer than startup_timeout)."""
+        """Wait until the engine is built (a SamplerError if it fails or takes longer than startup_timeout);
+        start the process first if nobody has."""
+        if self.process is None:
+            self.start(wait=False)
         self._wait(lambda: self._ready, self.config.startup_timeout, "start")
         return self
 
