@@ -112,6 +112,20 @@ def limit_cpu_threads() -> None:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
+def sampler_threads(requested: int, overlapped: bool) -> int:
+    """The sampler's CPU threads, fixed when its engine starts (vLLM's CPU worker then makes
+    torch.set_num_threads a no-op, vllm/v1/worker/cpu_worker.py:139-145): `requested` if > 0 (the
+    scripts' --sampler-threads); else every core when the schedule takes turns (the learner waits
+    while the sampler generates, and the idle sampler waits while the learner trains), half of them
+    when generation and training overlap. An explicit OMP_NUM_THREADS is a fixed budget and is kept."""
+    if requested > 0:
+        return requested
+    if "OMP_NUM_THREADS" in os.environ:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores // 2) if overlapped else cores
+
+
 def learner_threads(sampler) -> int:
     """On CPU, set the learner's torch threads for the phase about to run: every core while the
     sampler has nothing to generate (a synchronous phase, or paused: its process sleeps), one while it

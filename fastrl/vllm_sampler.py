@@ -100,6 +100,8 @@ class SamplerConfig:
     silence_timeout: float = 15.0  # no heartbeat for this long: the sampler is stopped or frozen (SamplerError)
     in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
     verbose: bool = False  # vLLM's and torch's start-up warnings and vLLM's load bar (--verbose); errors show either way
+    threads: int = 1  # CPU: torch threads of the engine, fixed at its start (vllm/v1/worker/cpu_worker.py:139-145 makes
+    # torch.set_num_threads a no-op afterwards); common.sampler_threads chooses it from the schedule
 
 
 def sampler_cuda_device(placement: str, visible: str | None, device_count: int) -> str | None:
@@ -288,7 +290,7 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
 
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     os.environ.update(sampler_environment(cuda_device))
-    for name, value in {**SAMPLER_ENV_DEFAULTS, **log_environment(config.verbose)}.items():
+    for name, value in {**SAMPLER_ENV_DEFAULTS, "OMP_NUM_THREADS": str(config.threads), **log_environment(config.verbose)}.items():
         os.environ.setdefault(name, value)
     quiet_libraries(config.verbose)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
@@ -385,7 +387,7 @@ class SamplerServer:
         weight_sync.register_engines()
         pin_pytorch_top_k_top_p()  # one sampler path on CPU and GPU (engine_settings)
         if config.placement == "cpu":
-            torch.set_num_threads(1)
+            torch.set_num_threads(config.threads)
             if config.in_place_updates:
                 gloo_transfer.keep_cpu_linear_weights()
         # vLLM's layerwise reload logs "<class>: Failed to load weights" for a layer that received no weights

@@ -433,3 +433,15 @@ def test_parse_args_takes_the_paper_defaults_for_a_real_model_and_the_tiny_ones_
     assert common.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
     assert common.parse_args(Args, ["--model=Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
     assert common.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B", "--group-size", "4"], paper=paper).group_size == 4
+
+
+def test_sampler_threads_take_every_core_when_the_schedule_takes_turns_and_half_when_it_overlaps(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert common.sampler_threads(0, overlapped=False) == 8
+    assert common.sampler_threads(0, overlapped=True) == 4
+    assert common.sampler_threads(3, overlapped=False) == 3  # --sampler-threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert common.sampler_threads(0, overlapped=True) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a fixed budget
+    assert common.sampler_threads(0, overlapped=False) == 2
