@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from fastrl import distributed, vllm_sampler
 from fastrl.util import (CACHE_DIR, Progress, _Tee, load_hf, load_tokenizer, on_terminal,  # noqa: F401  (re-exported)
@@ -92,6 +91,8 @@ def memory_plan(args, model_path: str, script: str) -> float | None:
     script: rloo, dpo, pipeline or ppo."""
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return args.sampler_gpu_memory
+    from transformers import AutoConfig
+
     from fastrl import memory_plan as plan_memory
 
     reward = 0
@@ -145,6 +146,8 @@ class RewardModel:
     """Any HF AutoModelForSequenceClassification with num_labels=1, scored in batches."""
 
     def __init__(self, path: str, device: str = "cpu", batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification
+
         self.tokenizer = load_tokenizer(path)
         self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()  # pad: EOS if none
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -254,8 +257,15 @@ def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> Non
 
 
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
-    """Prompt budget + response cap must fit the model's context, or vLLM refuses to start."""
-    context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
+    """Prompt budget + response cap must fit the model's context, or vLLM refuses to start. (A local
+    directory's config.json is read as it is: importing transformers here would delay the sampler's start.)"""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        context = json.loads(config_file.read_text()).get("max_position_embeddings")
+    else:
+        from transformers import AutoConfig
+
+        context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
     if context and max_prompt_tokens >= context:
         raise SystemExit(f"error: --max-prompt-tokens: {max_prompt_tokens} prompt tokens leave no room for a response in the model's "
                          f"context of {context} tokens; use --max-prompt-tokens {context // 2} or less")
@@ -265,6 +275,8 @@ def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) 
 
 
 def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
     return load_hf(AutoModelForCausalLM, path, dtype=dtype).to(device)
 
 

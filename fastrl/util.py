@@ -12,9 +12,16 @@ import threading
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer, set_seed  # noqa: F401  (set_seed: python, numpy, torch and CUDA generators)
 
 CACHE_DIR = Path(os.environ.get("FASTRL_CACHE", Path.home() / ".cache" / "fastrl"))
+
+
+def set_seed(seed: int) -> None:
+    """transformers.set_seed: the python, numpy, torch and CUDA generators (imported on use: transformers
+    takes seconds to import, and the sampler starts before the learner needs it)."""
+    from transformers import set_seed as seed_everything
+
+    seed_everything(seed)
 
 
 def load_hf(cls, path: str, flag: str = "--model", quiet: bool = False, **kwargs):
@@ -36,6 +43,8 @@ def load_hf(cls, path: str, flag: str = "--model", quiet: bool = False, **kwargs
 
 
 def load_tokenizer(path: str, flag: str = "--model"):
+    from transformers import AutoTokenizer
+
     tokenizer = load_hf(AutoTokenizer, path, flag=flag)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -1,6 +1,6 @@
 """Bad input and faults: one clear line, no hang, nothing lost, nobody let in.
 
-Each test here backs one reliability promise of the README (section "Reliability")."""
+Each test here backs one reliability promise of docs/reliability.md."""
 
 import errno
 import os
