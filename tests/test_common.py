@@ -111,6 +111,7 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
     assert common.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -149,6 +150,7 @@ def test_logprob_diff_beyond_the_precisions_warns_once(capsys):
     assert len(out) == 1 and out[0].startswith("warning: charts/logprob_diff 0.03 on fresh weights")
 
 
+@pytest.mark.slow
 def test_keep_checkpoints_keeps_the_latest_n_and_each_resumes_its_run(tmp_path):
     import dataclasses
 
@@ -352,6 +354,7 @@ def test_sampler_log_levels_follow_verbose():
         assert vllm_sampler.engine_settings(config, "cpu")["use_tqdm_on_load"] is verbose
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["rloo_kreuse", "online_dpo_async", "pipeline_rl", "ppo_oppo"])
 def test_verbose_reaches_the_sampler(sampler_start_kwargs, script):
     """--verbose gets to the sampler's config (its log levels and load bar: log_environment); without it the

@@ -84,9 +84,9 @@ def _chunked_head():
 
 
 def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> dict:
-    """One optimizer step on a global batch of n rows, each rank on its micro-batches: a policy-gradient
-    term (token_logprobs) and a value loss (critic backbone + score), both normalised by the GLOBAL
-    number of completion tokens."""
+    """One optimizer step on a global batch of n rows through common.accumulate and optimizer_step (each
+    rank on its micro-batches): a policy-gradient term (token_logprobs) and a value loss (critic backbone
+    + score), both normalised by the GLOBAL number of completion tokens."""
     import common
 
     policy, critic = learner["policy"], learner["critic"]
@@ -95,10 +95,10 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     mask = cmask[:, 1:].float()
     global_tokens = mask.sum()
-    micro = distributed.my_micro_batches(common.micro_batches(lengths, MICRO_TOKENS), d)
-    loss_sum = 0.0
-    for rows, weight in micro:
-        width = max(lengths[i] for i in rows)
+    micro = distributed.my_micro_batches(common.micro_batches(lengths, MICRO_TOKENS), d)  # what accumulate deals this rank
+
+    def loss_fn(mb):  # the micro-batch's mean over its tokens; accumulate weighs it by its share of the global tokens
+        rows, width = mb.items, mb.width
         x, a, c, m = ids[rows, :width], attn[rows, :width], cmask[rows, :width], mask[rows, :width - 1]
         with _chunked_head():  # the backbone, then the head per chunk (~3 positions), checkpointed
             logp = common.token_logprobs(policy, x, a, c, temperature=0.9, chunk_bytes=4 * policy.config.vocab_size * 3)
@@ -106,13 +106,13 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
         values = critic.score(critic.base_model(input_ids=x, attention_mask=a).last_hidden_state[:, :-1]).squeeze(-1) * m
         pg = -(advantages[rows].to(d.device)[:, None] * logp).sum() + 0.01 * (logits.logsumexp(-1) * m).sum()
         vf = 0.5 * ((values - returns[rows].to(d.device)[:, None]) ** 2 * m).sum()
-        loss = (pg + vf) / global_tokens * weight
-        loss.backward()
-        loss_sum += loss.item()
-    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0))
-    optimizer.step()
-    optimizer.zero_grad()
-    return dict(loss=distributed.all_sum(loss_sum, d), grad_norm=grad_norm.item(), micro=len(micro),
+        tokens = m.sum().item()
+        return (pg + vf) / tokens, tokens, {}
+
+    loss, _ = common.accumulate(loss_fn, lengths, MICRO_TOKENS, total=global_tokens.item(), dist=d)
+    grad_norm, stepped = common.optimizer_step(learner, optimizer, 1.0, loss, d)
+    assert stepped
+    return dict(loss=float(loss), grad_norm=grad_norm, micro=len(micro),
                 stand_ins=distributed.all_sum(sum(w == 0 for _, w in micro), d))  # over all ranks
 
 

@@ -86,6 +86,7 @@ class _Evil:
         return (os.system, (f"touch {_Evil.marker}",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "empty", "truncated", "foreign", "code"])
 def test_bad_resume_is_one_line_and_creates_nothing(tmp_path, kind):
     target = tmp_path / "run" / "checkpoint.pt"
@@ -110,6 +111,7 @@ def test_bad_resume_is_one_line_and_creates_nothing(tmp_path, kind):
     assert runs_after == runs_before  # no runs/<that path> made before failing
 
 
+@pytest.mark.slow
 def test_weight_sync_listens_on_loopback_only(tiny_path, monkeypatch):
     """The rendezvous store and the gloo pairs are bound to 127.0.0.1 for a local sampler, on a
     port the learner bound itself (no bind-close-reuse race). (The local default is shared memory,
@@ -141,6 +143,7 @@ def _stopped_sampler_is_an_error_in_seconds(sampler, action):
         sampler.close()
 
 
+@pytest.mark.slow
 def test_stopped_sampler_during_generation(tiny_path, tokenizer):
     sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     prompts = _prompts(tokenizer, 64)
@@ -149,6 +152,7 @@ def test_stopped_sampler_during_generation(tiny_path, tokenizer):
     _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.wait_for(ids))
 
 
+@pytest.mark.slow
 def test_stopped_sampler_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
     sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
@@ -156,6 +160,7 @@ def test_stopped_sampler_during_a_push(tiny_path):
     _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.push_weights(1))
 
 
+@pytest.mark.slow
 def test_stopped_sampler_while_its_engine_is_built(tiny_path):
     sampler = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model=tiny_path, placement="cpu", silence_timeout=5))
     real_wait = sampler._wait
@@ -176,6 +181,7 @@ def test_stopped_sampler_while_its_engine_is_built(tiny_path):
         sampler.close()
 
 
+@pytest.mark.slow
 def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_path):
     script = textwrap.dedent(f"""
         import os, sys, threading, time
@@ -200,6 +206,7 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
     assert gone()
 
 
+@pytest.mark.slow
 def test_killed_sampler_reports_its_exit_code_and_leaves_no_temporary_files(tiny_path, tokenizer):
     sampler = common.start_sampler(tiny_path, placement="cpu")
     tmpdir = Path(sampler.tmpdir)
@@ -211,6 +218,7 @@ def test_killed_sampler_reports_its_exit_code_and_leaves_no_temporary_files(tiny
     assert not tmpdir.exists()
 
 
+@pytest.mark.slow
 def test_two_runs_building_a_model_build_it_once(tmp_path):
     """Runs started together on an empty cache: one builds, the other waits and uses it; no
     temporary directory is left behind."""
@@ -239,6 +247,7 @@ def test_two_runs_building_a_model_build_it_once(tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model", "model.lock"]
 
 
+@pytest.mark.slow
 def test_a_run_ends_without_leaked_semaphores(tiny_path):
     script = textwrap.dedent(f"""
         import sys
@@ -251,12 +260,14 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
     assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_prompts_all_too_long_is_one_clear_line():
     out = _run("rloo_kreuse.py", "--max-prompt-tokens", "3")
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith("error: --model/--task: every prompt is longer than the prompt budget of 3")
 
 
+@pytest.mark.slow
 def test_sampler_killed_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
     sampler = common.start_sampler(tiny_path, placement="cpu")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -64,6 +66,7 @@ def _scratch_repo(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.slow
 def test_setup_refuses_an_old_python_in_one_line_before_creating_anything(tmp_path):
     repo = _scratch_repo(tmp_path)
     fake = repo / "python3.10"  # this Python, reporting itself as 3.10
@@ -77,6 +80,7 @@ def test_setup_refuses_an_old_python_in_one_line_before_creating_anything(tmp_pa
     assert not (repo / ".venv").exists()
 
 
+@pytest.mark.slow
 def test_setup_refuses_the_gpu_build_in_an_environment_with_the_cpu_build(tmp_path):
     repo = _scratch_repo(tmp_path)
     (repo / ".venv" / "bin").mkdir(parents=True)

@@ -61,12 +61,14 @@ def pipeline_run(root: Path, name: str = "prl_pipeline__1__1795271179", steps: i
 
 # ---- the x axes ----
 
+@pytest.mark.slow
 def test_samples_axis_uses_the_cumulative_episodes_counter(tmp_path):
     rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=3))
     # eval row before training: 0; training rows: the counter; the final eval row carries the last value forward
     assert plot_runs.samples_axis(rows) == [0.0, 512.0, 1024.0, 1536.0, 1536.0]
 
 
+@pytest.mark.slow
 def test_samples_axis_carries_the_counter_over_eval_rows(tmp_path):
     rows = plot_runs.common.read_metrics(pipeline_run(tmp_path, steps=4))
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3, 4, 4]
@@ -75,12 +77,14 @@ def test_samples_axis_carries_the_counter_over_eval_rows(tmp_path):
     assert (xs, ys) == ([0.0, 128.0, 256.0], [0.135, 0.2, 0.26])
 
 
+@pytest.mark.slow
 def test_samples_axis_without_the_counter_is_an_error(tmp_path):
     run_dir = write_run(tmp_path, "other__1__1", [{"step": 1, "wall": 1.0, "charts/reward": 0.5}], {"exp_name": "other"})
     with pytest.raises(SystemExit, match="needs the charts/episodes counter"):
         plot_runs.samples_axis(plot_runs.common.read_metrics(run_dir), run_dir)
 
 
+@pytest.mark.slow
 def test_step_and_wall_axes(tmp_path):
     rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=2, wall0=10.0, dt=2.0))
     assert plot_runs.x_axis(rows, "step") == [0.0, 1.0, 2.0, 2.0]
@@ -94,6 +98,7 @@ def test_wall_axis_continues_across_a_resume(tmp_path):
     assert plot_runs.wall_axis(rows) == pytest.approx([16.1, 16.359, 16.614, 16.614, 16.749, 16.917])
 
 
+@pytest.mark.slow
 def test_series_skips_rows_without_a_finite_value(tmp_path):
     rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=3))
     xs = plot_runs.x_axis(rows, "step")
@@ -109,6 +114,7 @@ def test_moving_average_is_trailing():
     assert plot_runs.moving_average([3.0, 6.0, 9.0, 0.0], 3) == [3.0, 4.5, 6.0, 5.0]
 
 
+@pytest.mark.slow
 def test_a_partly_written_last_line_is_ignored(tmp_path):
     run_dir = dpo_run(tmp_path, rounds=2)
     with open(run_dir / "metrics.jsonl", "a") as f:
@@ -129,6 +135,7 @@ def check_png(path: Path) -> np.ndarray:
     return image
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(tmp_path):
     runs = [dpo_run(tmp_path, "dpo_sync__1__1"), dpo_run(tmp_path, "dpo_async__1__2", dt=0.9)]
     out = plot_runs.plot(runs, ["charts/reward", "eval/accuracy", "charts/episodes_per_second"], "wall",
@@ -140,12 +147,14 @@ def test_plot_writes_a_png(tmp_path):
     assert one.shape[0] > two.shape[0]  # three subplots on two rows vs one subplot
 
 
+@pytest.mark.slow
 def test_plot_metric_in_only_some_runs(tmp_path):
     # charts/ess is logged by pipeline_rl.py only: the DPO run simply has no line in that subplot
     out = plot_runs.plot([dpo_run(tmp_path), pipeline_run(tmp_path)], ["charts/reward", "charts/ess"], "samples", tmp_path / "mix.png")
     check_png(out)
 
 
+@pytest.mark.slow
 def test_plot_rejects_mismatched_labels(tmp_path):
     with pytest.raises(SystemExit, match="2 labels for 1 run directories"):
         plot_runs.plot([dpo_run(tmp_path)], ["charts/reward"], "step", tmp_path / "x.png", labels=["a", "b"])
@@ -157,6 +166,7 @@ def cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "plot_runs.py"), *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_writes_the_png_and_prints_its_path(tmp_path):
     runs = [str(dpo_run(tmp_path)), str(pipeline_run(tmp_path))]
     out = tmp_path / "cli.png"
@@ -167,6 +177,7 @@ def test_cli_writes_the_png_and_prints_its_path(tmp_path):
     check_png(out)
 
 
+@pytest.mark.slow
 def test_cli_missing_run_dir_is_a_one_line_error(tmp_path):
     missing = tmp_path / "no_such_run__1__1"
     result = cli(str(dpo_run(tmp_path)), str(missing), "--out", str(tmp_path / "x.png"))
@@ -175,6 +186,7 @@ def test_cli_missing_run_dir_is_a_one_line_error(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.slow
 def test_cli_unknown_metric_is_a_one_line_error(tmp_path):
     run_dir = dpo_run(tmp_path)
     result = cli(str(run_dir), "--metrics", "charts/reward", "charts/no_such_metric", "--out", str(tmp_path / "x.png"))

@@ -121,6 +121,7 @@ def _wait_all(sampler, ids, finals, timeout=120):
     return [finals[i] for i in ids]
 
 
+@pytest.mark.slow
 def test_generation_returns_token_ids_logprobs_and_tags(server_url, tiny_path, tokenizer):
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
         prompts = _prompts(tokenizer, 4)
@@ -142,6 +143,7 @@ def test_generation_returns_token_ids_logprobs_and_tags(server_url, tiny_path, t
         assert len({tuple(c.token_ids) for c in again[0]}) > 1
 
 
+@pytest.mark.slow
 def test_a_push_makes_the_servers_logprobs_the_learners_and_pause_keeps_requests(server_url, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cpu")
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
@@ -173,6 +175,7 @@ def test_a_push_makes_the_servers_logprobs_the_learners_and_pause_keeps_requests
             assert by_id[rid].token_ids[:len(tokens)] == tokens  # continued, not restarted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute_kv", [False, True])
 def test_an_in_flight_push_labels_both_versions(server_url, tiny_path, tokenizer, recompute_kv):
     """The push lands while the requests run: tokens before it are the old model's, tokens after
@@ -208,6 +211,7 @@ def test_an_in_flight_push_labels_both_versions(server_url, tiny_path, tokenizer
         assert after.max() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_push_when_idle_lets_the_running_requests_finish_first(server_url, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cpu")
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
@@ -221,6 +225,7 @@ def test_a_push_when_idle_lets_the_running_requests_finish_first(server_url, tin
         assert all(c.versions == [(2, 0, len(c.token_ids))] for c in sampler.generate(_prompts(tokenizer, 2), max_tokens=8, **SAMPLING))
 
 
+@pytest.mark.slow
 def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer):
     prompts = _prompts(tokenizer, 64)
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
@@ -245,6 +250,7 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
     assert _counter(server_url, "vllm:generation_tokens_total") - generated < 0.5 * len(ids) * 110
 
 
+@pytest.mark.slow
 def test_a_script_trains_through_sampler_url(server_url):
     """`--sampler-url`: rloo_kreuse.py samples from the server (common.start_sampler(urls=...)),
     pushes every round, and the server's logprobs stay the learner's."""
@@ -290,6 +296,7 @@ class _FakeGenerate(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_a_round_is_split_across_servers_prompt_by_prompt():
     servers = []
     for delay in (0.0, 1.0):  # the second is slow: the least-loaded rule sends it less
@@ -320,6 +327,7 @@ def test_a_round_is_split_across_servers_prompt_by_prompt():
             server.shutdown()
 
 
+@pytest.mark.slow
 def test_no_server_is_an_error_at_once():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -335,6 +343,7 @@ def test_no_server_is_an_error_at_once():
 
 # ---- faults on the real server: last, it ends the module's server ----
 
+@pytest.mark.slow
 def test_a_hung_then_a_dead_server_is_an_error_within_the_timeout(server, tiny_path, tokenizer):
     prompts = _prompts(tokenizer, 8)
     # hung (SIGSTOP, the whole server: front end, engine core): the health watch gives up after `timeout`

@@ -98,6 +98,7 @@ def test_a_buffer_of_the_wrong_size_is_refused():
         os.close(fd)
 
 
+@pytest.mark.slow
 def test_pushes_match_the_learner_logprobs(tiny_path, tokenizer, session_sampler):
     sampler = session_sampler
     model = common.load_policy(tiny_path, "cpu")
@@ -118,6 +119,7 @@ def test_pushes_match_the_learner_logprobs(tiny_path, tokenizer, session_sampler
     assert _mapped() >= 1 and not _dev_shm_ours()
 
 
+@pytest.mark.slow
 def test_background_push_sends_the_snapshot(tiny_path, tokenizer, session_sampler):
     sampler = session_sampler
     model = common.load_policy(tiny_path, "cpu")
@@ -135,6 +137,7 @@ def test_background_push_sends_the_snapshot(tiny_path, tokenizer, session_sample
     assert all(s.versions == [(version, 0, len(s.token_ids))] for s in samples)
 
 
+@pytest.mark.slow
 def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
     gc.collect()
     mapped_before = _mapped()
@@ -158,6 +161,7 @@ def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
     assert _mapped() == mapped_before and not _dev_shm_ours()
 
 
+@pytest.mark.slow
 def test_a_killed_learner_leaves_no_shared_memory(tiny_path, tmp_path):
     """SIGKILL the learner right after a push: its sampler ends, and with it the last mapping."""
     script = tmp_path / "learner.py"

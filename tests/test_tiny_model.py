@@ -3,6 +3,7 @@ success for RL to improve; a bad model path fails in one line."""
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import common
@@ -18,6 +19,7 @@ def _prompts(tokenizer, count, split="test"):
     return problems, [tokenizer(p.prompt)["input_ids"] for p in problems]
 
 
+@pytest.mark.slow
 def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer, sampler):
     model = common.load_policy(tiny_path, "cpu")
     assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
@@ -76,8 +78,6 @@ def test_steps_task_answers_vary_in_length_and_score(tmp_path):
 
 
 def test_bad_model_path_is_one_clear_line(tmp_path, monkeypatch):
-    import pytest
-
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as stop:
         common.load_policy(str(tmp_path / "missing"), "cpu")

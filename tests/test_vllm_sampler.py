@@ -40,6 +40,7 @@ def _learner_logprobs(model, samples, pad_id):
 
 
 
+@pytest.mark.slow
 def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
     # the sampler path the GPU pins too (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
     assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner", "top_k_top_p": "pytorch"}
@@ -55,6 +56,7 @@ def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
     _check_push_matches_learner(model, tokenizer, sampler)
 
 
+@pytest.mark.slow
 def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
     """The fallback for samplers whose linear weights were not kept: vLLM's layerwise reload (also how
     vLLM's own nccl and ipc engines load on a GPU). A layer that receives nothing, or a tensor of the wrong
@@ -87,6 +89,7 @@ def _check_push_without_a_layer_fails(tiny_path, sampler, named):
     assert sampler.version == version
 
 
+@pytest.mark.slow
 def test_seeded_requests_longer_than_a_step_are_never_split(tiny_path, tokenizer):
     """vLLM's CPU runner cannot rewind a seeded request's generator after a partial prefill ("CPU
     Generator does not use offset": pipeline_rl.py crashed on the long-tail task); with a known
@@ -123,6 +126,7 @@ def _check_push_matches_learner(model, tokenizer, sampler):
     assert (stale - old_learner)[stale_mask].abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
     _, prompts = _prompts(tokenizer, 4)
     ids = sampler.submit(prompts, n=1, stream_every=3, temperature=1.0, max_tokens=48, ignore_eos=True, seed=5)
@@ -151,6 +155,7 @@ def test_streaming_chunks_add_up_to_the_completion(tokenizer, sampler):
         assert any(len(c.token_ids) >= 10 for c in chunks[rid][1:])  # after the resize
 
 
+@pytest.mark.slow
 def test_background_push_sends_the_snapshot_while_training_goes_on(tiny_path, tokenizer, sampler):
     """PipelineRL's push: copied into the snapshot, sent from a thread; the model keeps changing
     meanwhile, and the sampler ends up with exactly the weights of the moment of the push."""
@@ -179,6 +184,7 @@ def test_background_push_sends_the_snapshot_while_training_goes_on(tiny_path, to
     assert all(s.versions == [(version, 0, len(s.token_ids))] for s in samples)
 
 
+@pytest.mark.slow
 def test_push_when_idle_waits_for_the_running_requests(tiny_path, tokenizer, sampler):
     """Async online DPO's push: issued while a round is generating, applied only after its last
     request has finished, so the round is all old version and the next one all new."""
@@ -197,6 +203,7 @@ def test_push_when_idle_waits_for_the_running_requests(tiny_path, tokenizer, sam
     assert all(c.version_min == c.version_max == old + 1 for c in second)
 
 
+@pytest.mark.slow
 def test_pause_keeps_sequences_and_resume_continues(tokenizer, sampler):
     _, prompts = _prompts(tokenizer, 8)
     sampler.pause()
@@ -213,12 +220,14 @@ def test_pause_keeps_sequences_and_resume_continues(tokenizer, sampler):
     assert sorted(c.request_id for c in done) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_sampler_error_is_reported_not_hung(sampler):
     with pytest.raises(vllm_sampler.SamplerError, match="max_tokens|ValueError|must be"):
         sampler.generate([[5, 6, 7]], n=1, max_tokens=-3)
     sampler.generate([[5, 6, 7]], n=1, max_tokens=2, timeout=60)  # still serving afterwards
 
 
+@pytest.mark.slow
 def test_end_of_run_memory_has_the_samplers_peak(sampler):
     """On CPU the summary's sampler memory is its peak resident memory (vLLM, torch and the model: well over
     100 MiB), and no GPU figure; on a GPU "sampler_gpu" joins it (test_gpu_path)."""
@@ -227,6 +236,7 @@ def test_end_of_run_memory_has_the_samplers_peak(sampler):
     assert 100 < memory["sampler"] <= sampler.peak_rss_mib()  # a peak only grows
 
 
+@pytest.mark.slow
 def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
     sampler = common.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
@@ -243,6 +253,7 @@ def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
     assert [c for c in psutil.Process().children(recursive=True) if c.pid == pid] == []
 
 
+@pytest.mark.slow
 def test_dead_learner_takes_the_sampler_down(tiny_path):
     script = textwrap.dedent(f"""
         import os, sys
@@ -264,6 +275,7 @@ def test_dead_learner_takes_the_sampler_down(tiny_path):
 
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_learner_and_sampler(tmp_path):
     """SIGINT to the whole foreground process group (what Ctrl-C does) ends both processes."""
     proc = subprocess.Popen([sys.executable, str(ROOT / "rloo_kreuse.py"), "--exp-name", "pytest_ctrl_c", "--num-rounds", "500",
