@@ -12,6 +12,7 @@ pushed to the sampler once per round.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -21,9 +22,10 @@ import numpy as np
 import torch
 
 import common
-from fastrl import distributed
 import tasks
-from fastrl import vllm_sampler
+from fastrl import distributed, vllm_sampler
+
+ON_GPU = torch.cuda.is_available()
 
 
 @dataclass
@@ -38,7 +40,7 @@ class Args:
     """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
     """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
-    task: str | None = None
+    task: str = "countdown"
     """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
     a line) or hf:DATASET[:CONFIG] (README "Your own data and reward") [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
@@ -56,35 +58,38 @@ class Args:
     stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
+    sampler_threads: int = 0
+    """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
+    learner take turns, half of them when the schedule overlaps them (--overlap)"""
 
     # the method
     k: int = 1
     """K: gradient steps per sampling round (1 = on-policy RLOO; the paper sweeps 1/2/4/8)"""
-    group_size: int | None = None
+    group_size: int = 8
     """group size G: responses per prompt for the leave-one-out baseline [paper 2; tiny 8]"""
-    num_prompts: int | None = None
+    num_prompts: int = 32
     """prompts per sampling round [paper 4; tiny 32]"""
-    num_rounds: int | None = None
+    num_rounds: int = 80
     """sampling rounds (the paper's 'training steps') [paper 250; tiny 80]"""
-    learning_rate: float | None = None
+    learning_rate: float = 1e-4
     """Adam learning rate, constant [paper 1e-6; tiny 1e-4]"""
-    beta_kl: float = 0.01
+    kl_coef: float = 0.01
     """KL penalty coefficient (the paper's beta_KL, Eq. 4); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """how the KL penalty enters (see kl_penalty): k1 folded into the reward (the gradient of the report's sequence-level
     KL(pi || pi_ref), Eq. 4), or as a loss term k2 (the per-token KLs' gradient only) or k3 (GRPO's; neither)"""
-    beta_ent: float | None = None
-    """entropy bonus coefficient [paper 0.05; tiny 0.01]"""
+    ent_coef: float = 0.01
+    """entropy bonus coefficient (the paper's beta_ent, Eq. 4) [paper 0.05; tiny 0.01]"""
     max_grad_norm: float = 0.5
     """gradient clipping norm"""
     temperature: float = 0.8
     """sampling temperature"""
     top_p: float = 0.95
     """nucleus sampling (the paper's 0.95); the learner applies the same nucleus (the logprob contract)"""
-    max_new_tokens: int | None = None
+    max_new_tokens: int = 32
     """response length cap [paper setup 512; tiny 32]"""
-    max_prompt_tokens: int | None = None
-    """prompt budget: longer prompts are skipped and counted [tiny 64; otherwise 256]"""
+    max_prompt_tokens: int = 64
+    """prompt budget: longer prompts are skipped and counted [paper 256; tiny 64]"""
     iw_level: Literal["sequence", "token"] = "sequence"
     """importance weights per `sequence` (the paper) or per `token`"""
     iw_clip: float | None = None
@@ -112,7 +117,7 @@ class Args:
     # evaluation, logging, checkpoints
     eval_samples: int = 16
     """samples per held-out problem for pass@k (the paper's Table 4 uses 16)"""
-    eval_problems: int | None = None
+    eval_problems: int = 200
     """held-out problems [paper 50; tiny 200]"""
     eval_every: int = 0
     """also evaluate every N rounds (0: only at start and end)"""
@@ -133,26 +138,53 @@ class Args:
     micro_batch_tokens: int = 8192
     """token budget of one forward/backward: sequences sorted by length are packed into micro-batches of at most this
     many padded tokens (rows x longest row; a longer sequence goes alone); the gradients accumulate to exactly the batch's"""
-    autocast_bf16: bool | None = None
+    autocast_bf16: bool = False
     """run the learner's forwards under bf16 autocast; weights, gradients and Adam stay in --dtype. The logprobs are then
-    bf16-accurate (see charts/logprob_diff, --tis) [default: on for a real model on a GPU, off for tiny or on CPU]"""
-    gradient_checkpointing: bool | None = None
-    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
-    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    bf16-accurate (see charts/logprob_diff, --tis) [paper: on when a GPU is visible; tiny off]"""
+    gradient_checkpointing: bool = False
+    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, more compute)
+    [paper: on when a GPU is visible; tiny off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
     on most weights"""
     sampler_gpu_memory: float | None = None
-    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization); None: sized by the memory plan
+    (about 0.3 on the learner's GPU, 0.85 on its own)"""
+
+    def __post_init__(self):
+        for ok, flag, message in [
+            (self.k >= 1, "--k", f"must be >= 1, got {self.k}"),
+            (self.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {self.group_size}"),
+            (self.num_prompts >= 1 and self.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1"),
+            (self.learning_rate > 0, "--learning-rate", "must be > 0"),
+            (0 < self.top_p <= 1 and self.temperature > 0, "--top-p/--temperature", "need 0 < top_p <= 1, temperature > 0"),
+            (self.iw_clip is None or self.iw_clip > 0, "--iw-clip", "must be > 0"),
+            (self.ppo_clip is None or 0 < self.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)"),
+            (not (self.recompute_old_logprobs and self.overlap), "--recompute-old-logprobs",
+             "cannot be combined with --overlap: the learner no longer holds the sampling weights"),
+            (self.tis_cap >= 1, "--tis-cap", f"must be >= 1, got {self.tis_cap}"),
+            (not (self.tis == "on" and self.overlap), "--tis",
+             "on cannot be combined with --overlap: the learner no longer holds the sampling weights"),
+            (self.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1"),
+            (self.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1"),
+            (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
+            (self.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1"),
+            (self.sampler_gpu_memory is None or 0 < self.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)"),
+            (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
+            (self.sampler_threads >= 0, "--sampler-threads", f"must be >= 0, got {self.sampler_threads}"),
+            (self.eval_samples >= 1 and self.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1"),
+        ]:
+            common.check_args(ok, flag, message)
+        common.check_sampler_urls(self.sampler_url)
 
 
-PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, beta_ent=0.05, max_new_tokens=512, eval_problems=50,
-             max_prompt_tokens=256)
-TINY = dict(task="countdown", group_size=8, num_prompts=32, num_rounds=80, learning_rate=1e-4, beta_ent=0.01, max_new_tokens=32, eval_problems=200,
-            max_prompt_tokens=64)
+# a real model's defaults (the paper's v3 setup), where they differ from the tiny model's above
+PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, ent_coef=0.05, max_new_tokens=512,
+             max_prompt_tokens=256, eval_problems=50, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
+# ALGO LOGIC: the method's math, each piece checked by hand in tests/test_rloo_kreuse.py
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """Leave-one-out advantage A_i = r_i - mean_{j != i} r_j within each group. rewards: [P, G]."""
     group = rewards.shape[1]
@@ -171,7 +203,7 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     """Per-sequence KL term between pi and pi_ref, summed over the response ([N]), for samples
     drawn from pi (Schulman's k1/k2/k3; Tang & Munos 2025 for their gradients as losses):
     - k1 = log pi - log pi_ref (the default): its gradient as a loss is zero in expectation, so it
-      is not used as a loss; main() subtracts beta_kl * k1 from the reward instead (RLHF's KL-shaped
+      is not used as a loss; main() subtracts kl_coef * k1 from the reward instead (RLHF's KL-shaped
       reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4;
     - k2 = (log pi - log pi_ref)^2 / 2 per token: as a loss, the gradient of each token's
       KL(pi || pi_ref) at the sampled prefix, which leaves out how earlier tokens move later tokens' KL;
@@ -186,36 +218,37 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     return -log_ratio.sum(1)
 
 
-def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, args, tis=None):
-    """The paper's Eq. 4 for one minibatch: -E[w A log pi] - beta_ent H + beta_kl KL(pi||pi_ref).
-    logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated
-    mismatch weights (--tis-cap) at the level of the method's weights ([N] per sequence, [N, T] per
-    token) or None. Returns (loss, stats)."""
-    tis = 1.0 if tis is None else tis  # (a [N] tensor of ones broke --iw-level token: [N, T] x [N])
+def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: float | None, iw_level: str, iw_clip: float | None,
+              kl_estimator: str, kl_coef: float, ent_coef: float, tis=None):
+    """The paper's Eq. 4 for one minibatch: -E[w A log pi] - ent_coef H + kl_coef KL(pi||pi_ref).
+    logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated IS weights
+    (--tis-cap) at the level of the method's weights ([N] per sequence, [N, T] per token) or None.
+    Returns (loss, stats): the mean pg, kl and entropy terms and the importance weights w [N]."""
+    tis = 1.0 if tis is None else tis  # a number broadcasts at either level
     seq_logp = (logp * mask).sum(1)
-    if args.ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
+    if ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
-        clipped = ratio.clamp(1 - args.ppo_clip, 1 + args.ppo_clip)
+        clipped = ratio.clamp(1 - ppo_clip, 1 + ppo_clip)
         pg = -torch.min(ratio * advantages, clipped * advantages) * tis
         w = ratio.detach()
     else:
-        w = importance_weights(logp, old_logp, mask, args.iw_level).detach()
-        if args.iw_clip is not None:
-            w = w.clamp(max=args.iw_clip)
-        if args.iw_level == "sequence":
+        w = importance_weights(logp, old_logp, mask, iw_level).detach()
+        if iw_clip is not None:
+            w = w.clamp(max=iw_clip)
+        if iw_level == "sequence":
             pg = -w * tis * advantages * seq_logp
         else:
             pg = -(w * tis * logp * mask).sum(1) * advantages
-    no_kl_loss = args.kl_estimator == "k1" or ref_logp is None  # (None: --beta-kl 0, no reference model)
-    kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, args.kl_estimator)
+    no_kl_loss = kl_estimator == "k1" or ref_logp is None  # (None: --kl-coef 0, no reference model)
+    kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, kl_estimator)
     tokens = mask.sum(1).clamp(min=1)
     mean_entropy = (entropy * mask).sum(1) / tokens
-    loss = (pg + args.beta_kl * kl - args.beta_ent * mean_entropy).mean()
+    loss = (pg + kl_coef * kl - ent_coef * mean_entropy).mean()
     w_seq = w if w.dim() == 1 else (w.sum(1) / tokens)
     return loss, dict(pg=pg.mean(), kl=kl.mean(), entropy=mean_entropy.mean(), w=w_seq)
 
 
-def truncated_mismatch_weights(learner_logp, sampler_logp, mask, level: str, cap: float):
+def truncated_is_weights(learner_logp, sampler_logp, mask, level: str, cap: float):
     """Training-inference mismatch correction (truncated importance sampling, as TRL, verl,
     open-instruct and PipelineRL do it): min(pi_learner / pi_sampler, cap) per sequence or per
     token, for samples the sampler drew while the learner held the same weights. Kept apart from
@@ -230,164 +263,192 @@ def truncated_mismatch_weights(learner_logp, sampler_logp, mask, level: str, cap
     return ratio.clamp(max=cap), stats
 
 
-
-def micro_logprobs(model, ids, attn, cmask, lengths: list[int], rows: list[int], args, **kw) -> torch.Tensor:
-    """common.token_logprobs of the micro-batch `rows` of the right-padded batch, cut to its longest row
-    ([rows, width - 1]), under the sampler's processing (the logprob contract) and --autocast-bf16."""
-    width = lengths[rows[-1]]
-    with common.autocast(ids.device, args.autocast_bf16):  # weights and Adam stay fp32
-        return common.token_logprobs(model, ids[rows, :width], attn[rows, :width], cmask[rows, :width], temperature=args.temperature,
-                                     top_p=args.top_p, **kw)
-
-
-@torch.no_grad()
-def batch_logprobs(model, ids, attn, cmask, lengths: list[int], micro: list[tuple[list[int], float]], args) -> torch.Tensor:
-    """Token logprobs of the rows of `micro` (this process's (rows, weight) micro-batches; weight 0:
-    a stand-in that only keeps the processes in step), laid out like the batch ([N, T - 1], other
-    rows 0)."""
-    out = torch.zeros(cmask[:, 1:].shape, device=ids.device)
-    for rows, weight in micro:
-        logp = micro_logprobs(model, ids, attn, cmask, lengths, rows, args)
-        if weight:
-            out[rows, :logp.shape[1]] = logp
-    return out
-
-
-def rloo_backward(policy, ids, attn, cmask, lengths: list[int], micro: list[tuple[list[int], float]], old_logp, ref_logp, advantages,
-                  tis, args, sampler_logp=None):
-    """One of the K steps' loss (Eq. 4 over the whole batch) and its gradient, accumulated over the
-    micro-batches: each micro-batch's mean loss is weighted by its share of the rows, so the gradient
-    is exactly the batch mean's (summed over processes under torchrun). Returns (loss, stats,
-    importance weights [N] at their rows (0 for rows of other processes), and with sampler_logp the
-    sum of |learner - sampler| token logprobs over the completion tokens), for this process's rows."""
-    mask = cmask[:, 1:].float()
-    loss, stats, weights, diff_sum = 0.0, {}, torch.zeros(len(lengths), device=ids.device), 0.0
-    for rows, part in micro:
-        logp, entropy = micro_logprobs(policy, ids, attn, cmask, lengths, rows, args, with_entropy=True)
-        cut = lambda x: x[rows, :logp.shape[1]]  # noqa: E731  (the micro-batch's rows and width)
-        if sampler_logp is not None:
-            diff_sum += part * ((logp.detach() - cut(sampler_logp)).abs() * cut(mask)).sum().item()
-        mb_loss, mb_stats = rloo_loss(logp, cut(old_logp), None if ref_logp is None else cut(ref_logp), entropy, cut(mask), advantages[rows], args,
-                                      None if tis is None else (tis[rows] if tis.dim() == 1 else cut(tis)))
-        share = part * len(rows) / len(lengths)
-        (mb_loss * share).backward()  # micro-batch means add up to the batch mean
-        loss = loss + mb_loss.detach() * share
-        stats = {k: stats.get(k, 0.0) + v.detach() * share for k, v in mb_stats.items() if k != "w"}
-        if part:
-            weights[rows] = mb_stats["w"]
-    return loss, stats, weights, diff_sum
-
-
 def ess(weights: torch.Tensor) -> float:
     """Normalised effective sample size (sum w)^2 / (N sum w^2), in (0, 1]."""
     return (weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())).item()
 
 
-def main():
-    args = common.parse_args(Args)  # on --resume: the saved run's flags
-    vllm_sampler.quiet_libraries(args.verbose)
-    defaults = TINY if args.model == common.TINY else PAPER
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    common.memory_defaults(args)
-    common.check_args(args.k >= 1, "--k", f"must be >= 1, got {args.k}")
-    common.check_args(args.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {args.group_size}")
-    common.check_args(args.num_prompts >= 1 and args.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1")
-    common.check_args(args.learning_rate > 0, "--learning-rate", "must be > 0")
-    common.check_args(0 < args.top_p <= 1 and args.temperature > 0, "--top-p/--temperature", "need 0 < top_p <= 1, temperature > 0")
-    common.check_args(args.iw_clip is None or args.iw_clip > 0, "--iw-clip", "must be > 0")
-    common.check_args(args.ppo_clip is None or 0 < args.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)")
-    common.check_args(not (args.recompute_old_logprobs and args.overlap), "--recompute-old-logprobs",
-                      "cannot be combined with --overlap: the learner no longer holds the sampling weights")
-    common.check_args(args.tis_cap >= 1, "--tis-cap", f"must be >= 1, got {args.tis_cap}")
-    common.check_args(not (args.tis == "on" and args.overlap), "--tis",
-                      "on cannot be combined with --overlap: the learner no longer holds the sampling weights")
-    common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1")
-    common.check_sampler_urls(args.sampler_url)
-    common.check_run_flags(args)
-    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
-    common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1")
-    common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1")
-    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
-    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
-    common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
-    # pi_theta0 at the learner's precision whenever the sampler's differs; the sampler's logprobs then enter only the correction
+# ALGO LOGIC: one K step's loss on a micro-batch (common.accumulate adds the micro-batches up to the batch's gradient)
+@dataclass
+class Batch:
+    """One sampling round on the learner: right-padded rows ([N, T]; `mask`, the logprobs and `tis`: [N, T - 1],
+    aligned with input_ids[:, 1:]), and the leave-one-out advantages [N]."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    tis: torch.Tensor | None = None
+
+    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
+        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
+                                     **contract)
+
+
+def learner_batch(samples, pad_token_id: int, device) -> Batch:
+    """The round's completions as padded rows, with the sampler's per-token logprobs."""
+    input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
+    mask = completion_mask[:, 1:].float()
+    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+
+def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, *, temperature: float, top_p: float, bf16: bool = False,
+                     logprob_diff: bool = False, **hyperparameters):
+    """common.accumulate's loss_fn for one of the K steps: rloo_loss (Eq. 4) on the micro-batch's rows cut to their
+    width, under the sampler's processing (the logprob contract). Returns (its mean loss, its rows, outputs): the
+    importance weights per row, the loss terms as their share of the batch mean, and with `logprob_diff` the sum of
+    |learner - sampler| logprobs over its completion tokens."""
+    rows = mb.items
+    with common.autocast(batch.input_ids.device, bf16):  # weights and Adam stay in --dtype
+        logp, entropy = common.token_logprobs(policy, batch.input_ids[rows, :mb.width], batch.attention_mask[rows, :mb.width],
+                                              batch.completion_mask[rows, :mb.width], temperature=temperature, top_p=top_p,
+                                              with_entropy=True)
+    cut = lambda x: None if x is None else x[rows] if x.dim() == 1 else x[rows, :logp.shape[1]]  # noqa: E731
+    loss, stats = rloo_loss(logp, cut(batch.old_logp), cut(batch.ref_logp), entropy, cut(batch.mask), batch.advantages[rows],
+                            tis=cut(batch.tis), **hyperparameters)
+    share = len(rows) / len(batch.lengths)  # of the batch mean
+    outputs = {"w": stats["w"]} | {k: stats[k] * share for k in ("pg", "kl", "entropy")}
+    if logprob_diff:
+        outputs["logprob_diff"] = ((logp.detach() - cut(batch.sampler_logp)).abs() * cut(batch.mask)).sum().item()
+    return loss, len(rows), outputs
+
+
+# TRY NOT TO MODIFY: sampling rounds, loading, resuming, reporting
+class Rounds:
+    """The training problems in data order, sent to the sampler one round at a time (rank 0 only)."""
+
+    def __init__(self, sampler, task, tokenizer, args: Args, position: int):
+        self.sampler, self.task, self.tokenizer, self.args, self.position = sampler, task, tokenizer, args, position
+
+    def submit(self):
+        """Send the next --num-prompts problems, --group-size samples each; returns what collect() waits for."""
+        a = self.args
+        problems = [self.task.problem("train", self.position + i) for i in range(a.num_prompts)]
+        problems, prompts, skipped = common.encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
+        self.position += a.num_prompts
+        ids = self.sampler.submit(prompts, n=a.group_size, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
+        return problems, ids, skipped, time.perf_counter()
+
+    def collect(self, pending):
+        """(problems, their completions, prompts skipped as too long, seconds since the round was sent)."""
+        problems, ids, skipped, submitted = pending
+        return problems, self.sampler.wait_for(ids), skipped, time.perf_counter() - submitted
+
+
+def mismatch_correction_on(args: Args) -> bool:
+    """--tis: whether the sampler's logprobs enter only the truncated IS weight (pi_theta0 is then the learner's)."""
     learner_bf16 = args.autocast_bf16 or args.dtype == "bfloat16"
-    tis_on = not args.overlap and common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
-    if args.overlap and args.tis == "auto" and common.mismatch_correction("auto", args.sampler_dtype, args.placement, learner_bf16):
+    differs = common.mismatch_correction("auto", args.sampler_dtype, args.placement, learner_bf16)
+    if args.overlap and args.tis == "auto" and differs:
         print("note: --overlap with a sampler whose precision differs from the learner's: log pi_theta0 is the sampler's "
               "(the learner no longer holds the sampling weights), so K-reuse's weights include the mismatch")
-    args.recompute_old_logprobs = args.recompute_old_logprobs or tis_on
-    args.tis_level = "sequence" if args.ppo_clip is not None else args.iw_level
-    args.batch_size = args.num_prompts * args.group_size  # episodes per round
+    return not args.overlap and common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
+
+
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with their checks (a chat template exists, some prompt fits the budget)."""
+    tokenizer = common.load_tokenizer(model_path)
+    common.check_chat_template(tokenizer, args.chat_template)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
+                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
+    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+def load_models(args: Args, model_path: str, dist):
+    """The policy (sharded under torchrun), the frozen reference (only when --kl-coef uses it), the copy the
+    sampler's weight sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
+    dtype = getattr(torch, args.dtype)
+    policy = common.load_policy(model_path, dist.device, dtype=dtype)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
+    ref_policy = common.load_policy(model_path, dist.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
+    push_model = distributed.push_copy(policy, dist)
+    policy = distributed.shard(policy, dist)
+    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    return policy, ref_policy, push_model, optimizer
+
+
+def resume(args: Args, policy, optimizer, push_model, dist):
+    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
+    Adam and the RNGs, and return (round, data position, step, timing, the sampler's generators); a new run starts at 0."""
+    if not args.resume:
+        return 0, 0, 0, dict(sample=0.0, update=0.0, wall=0.0), None
+    state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "timing"))
+    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+    print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
+    return state["round"], state["data_position"], state["step"], state["timing"], state.get("sampler_rng")
+
+
+def sample_metrics(samples, rewards, correct: float, mask, skipped: int, version: int) -> dict:
+    """What a round's samples say: reward, accuracy, response length, prompts skipped as too long, and the lag
+    of each token: the learner `version` at the round's first k-step minus the version that sampled it."""
+    lags = [version - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
+    return {"charts/reward": rewards.mean().item(), "charts/accuracy": correct, "charts/response_length": mask.sum(1).mean().item(),
+            "charts/skipped_long_prompts": skipped, "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)),
+            "charts/lag_max": max(lags)}
+
+
+def report(logger, args: Args, step: int, timing: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
+    """The end of the run: its line of the paper's Table 2 and the held-out pass@k of Table 4."""
+    wall, sample, update = timing["wall"], timing["sample"], timing["update"]
+    logger.report(step, f"RLOO K={args.k}: {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap} "
+                  f"(the paper's Table 2; held-out: Table 4, {args.eval_samples} samples per problem)",
+                  {"K": str(args.k), "wall (s)": wall, "sample (s)": sample, "update (s)": update,
+                   "sample %": f"{100 * sample / wall:.0f}%", "grad steps/s": step / wall}, eval_start, eval_end, memory)
+
+
+def main():
+    args = common.parse_args(Args, paper=PAPER)  # on --resume: the saved run's flags
+    vllm_sampler.quiet_libraries(args.verbose)
+    common.check_run_flags(args)
+    tis_on = mismatch_correction_on(args)
+    recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
+    tis_level = "sequence" if args.ppo_clip is not None else args.iw_level  # Proximal RLOO's ratio is per sequence
+    batch_size = args.num_prompts * args.group_size  # episodes per round
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = dist.device
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
-    args.sampler_gpu_memory = common.memory_plan(args, model_path, "rloo")  # GPU only: the plan line, or a refusal naming flags
-    tokenizer = common.load_tokenizer(model_path)
-    common.check_chat_template(tokenizer, args.chat_template)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
-                           prompt_field=args.prompt_field, answer_field=args.answer_field,
-                           system_prompt=args.system_prompt)
-    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype))
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    # the reference model only when a term uses it
-    ref_policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False) if args.beta_kl else None
-    # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
-    push_model = distributed.push_copy(policy, dist)
-    policy = distributed.shard(policy, dist)
-    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
-    print(f"run directory: {logger.dir}")
-
-    start_round, data_position, step, nonfinite_skipped = 0, 0, 0, 0
-    sampler_rng = None  # the sampler's generators between two rounds: a resumed synchronous run samples as an uninterrupted one
-    warned: list[float] = []  # the logprob_diff warning, once
-    timing = dict(sample=0.0, update=0.0, wall=0.0)
-    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-        state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "timing"))
-        start_round, data_position, step, timing = state["round"], state["data_position"], state["step"], state["timing"]
-        sampler_rng = state.get("sampler_rng")
-        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-        print(f"resumed from {args.resume}: round {start_round}, step {step}")
-
+    sampler_gpu_memory = common.memory_plan(args, model_path, "rloo")  # GPU only: the plan line, or a refusal naming flags
+    tokenizer, task = load_task(args, model_path)
+    # the sampler process builds its engine while the learner loads its models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         gpu_memory_utilization=args.sampler_gpu_memory,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
-                                         weights=push_model, version=step, verbose=args.verbose) if dist.is_main else None
+                                   gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                                   urls=args.sampler_url, threads=common.sampler_threads(args.sampler_threads, overlapped=args.overlap),
+                                   verbose=args.verbose, wait=False) if dist.is_main else None
     try:
-        sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
-
-        def next_prompts():
-            nonlocal data_position
-            problems, prompts, skipped = common.encode_prompts(
-                tokenizer, [task.problem("train", data_position + i) for i in range(args.num_prompts)], args.max_prompt_tokens,
-                args.chat_template)
-            data_position += args.num_prompts
-            return problems, prompts, skipped
-
-        def submit_round():
-            problems, prompts, skipped = next_prompts()
-            ids = sampler.submit(prompts, n=args.group_size, **sampling)
-            return problems, ids, skipped, time.perf_counter()
-
-        def collect_round(pending):
-            problems, ids, skipped, submitted = pending
-            return problems, sampler.wait_for(ids), skipped, time.perf_counter() - submitted
-
-        def evaluate():  # pass@k on the held-out split, sampling as in training (Table 4 protocol)
-            return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   args.chat_template, **sampling)
+        policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
+        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        print(f"run directory: {logger.dir}")
+        # sampler_rng: the sampler's generators between two rounds, so a resumed synchronous run samples as an uninterrupted one
+        start_round, data_position, step, timing, sampler_rng = resume(args, policy, optimizer, push_model, dist)
+        nonfinite_skipped, warned = 0, []  # warned: the logprob_diff warning, once
+        if dist.is_main:
+            common.connect_weights(sampler, push_model, version=step)
+        rounds = Rounds(sampler, task, tokenizer, args, data_position)
+        # pass@k on the held-out split, sampling as in training (Table 4 protocol)
+        evaluate = functools.partial(common.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples,
+                                     args.max_prompt_tokens, args.chat_template, temperature=args.temperature, top_p=args.top_p,
+                                     max_tokens=args.max_new_tokens)
+        # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
+        contract = dict(temperature=args.temperature, top_p=args.top_p, bf16=args.autocast_bf16)
+        no_grad = dict(max_tokens=args.micro_batch_tokens, dist=dist, **contract)
+        hyperparameters = {name: getattr(args, name) for name in ("ppo_clip", "iw_level", "iw_clip", "kl_estimator", "kl_coef", "ent_coef")}
 
         eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
@@ -395,77 +456,56 @@ def main():
             logger.snapshot(step, push_model)  # time 0 of the learning curve
         if sampler_rng is not None and dist.is_main and hasattr(sampler, "set_rng_state"):
             sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
-        pending = submit_round() if dist.is_main else None
+        pending = rounds.submit() if dist.is_main else None
         loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
         progress = common.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
         for round_index in range(start_round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start = time.perf_counter()
-            # under torchrun rank 0 samples and every rank gets the round
-            problems, samples, skipped, generated_in = distributed.broadcast(collect_round(pending) if dist.is_main else None, dist)
+            problems, samples, skipped, generated_in = distributed.broadcast(rounds.collect(pending) if dist.is_main else None, dist)
             common.check_sampler_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or one round behind
             if dist.is_main and not args.overlap and hasattr(sampler, "rng_state"):
                 sampler_rng = sampler.rng_state()  # nothing generating now: what the next round will draw from
             sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             timing["sample"] += sample_seconds
             if dist.is_main and args.overlap and round_index + 1 < args.num_rounds:
-                pending = submit_round()  # generated with the current weights while we update
+                pending = rounds.submit()  # generated with the current weights while we update
 
             update_start = time.perf_counter()
             common.learner_threads(sampler)  # every core in a synchronous round; one while the next round generates
-            texts = [s.text for s in samples]
-            rewards = torch.tensor([task.reward(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
-            correct = np.mean([task.is_correct(t, problems[i // args.group_size]) for i, t in enumerate(texts)])
-            input_ids, attention_mask, completion_mask = common.pad_prompt_completions(
-                [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], tokenizer.pad_token_id)
-            input_ids, attention_mask, completion_mask = input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
-            mask = completion_mask[:, 1:].float()
-            sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
-            lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-            # each cut to its longest row (rows are right-padded); under torchrun each rank takes its share
-            micro = distributed.my_micro_batches(common.micro_batches(lengths, args.micro_batch_tokens), dist)
-            # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
-            ref_logp = (distributed.all_sum(batch_logprobs(ref_policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
-                        if ref_policy is not None else None)
+            # ALGO LOGIC: rewards, pi_theta0 and pi_ref of the sampled tokens, leave-one-out advantages
+            rewards = torch.tensor([task.reward(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
+            correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
+            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device)
+            batch.ref_logp = batch.logprobs(ref_policy, **no_grad) if ref_policy is not None else None
             # log pi_theta0: the learner's own recomputation (--tis on, --recompute-old-logprobs), or the sampler's logprobs
-            old_logp = (distributed.all_sum(batch_logprobs(policy, input_ids, attention_mask, completion_mask, lengths, micro, args), dist)
-                        if args.recompute_old_logprobs else sampler_logp)
-            tis, mismatch = None, {}
-            if tis_on:
-                tis, tis_stats = truncated_mismatch_weights(old_logp, sampler_logp, mask, args.tis_level, args.tis_cap)
-                mismatch = {"charts/tis_max_ratio": tis_stats["max_ratio"], "charts/tis_truncated_fraction": tis_stats["truncated_fraction"]}
+            batch.old_logp = batch.logprobs(policy, **no_grad) if recompute_old_logprobs else batch.sampler_logp
+            batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, tis_level, args.tis_cap)
+                                    if tis_on else (None, {}))
             # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
-            kl_value = kl_penalty(old_logp, ref_logp, mask, "k3").mean().item() if ref_logp is not None else float("nan")
-            if args.kl_estimator == "k1" and ref_logp is not None:  # KL-shaped reward: r - beta_kl * sum_t log(pi / pi_ref), before the baseline
-                rewards_for_baseline = rewards.to(device) - args.beta_kl * kl_penalty(old_logp, ref_logp, mask, "k1")
-            else:
-                rewards_for_baseline = rewards.to(device)
-            advantages = rloo_advantages(rewards_for_baseline.view(-1, args.group_size)).view(-1)
-            fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
-            diff_sum = 0.0
+            kl_value = kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item() if ref_policy is not None else math.nan
+            shaped = rewards.to(dist.device)
+            if args.kl_estimator == "k1" and ref_policy is not None:  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
+                shaped = shaped - args.kl_coef * kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k1")
+            batch.advantages = rloo_advantages(shaped.view(-1, args.group_size)).view(-1)
 
-            # ---- K gradient steps on this one batch ----
-            iw_means, ess_values, round_start_step = [], [], step
+            # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
+            fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
+            iw_means, ess_values, round_start_step, logprob_diff = [], [], step, float("nan")
             for k_step in range(args.k):
-                optimizer.zero_grad()
-                # at k-step 1 with fresh weights, |learner - sampler| logprobs: the first thing to look at when training
-                # goes wrong (~1e-6 in fp32)
-                loss, stats, weights, diff = rloo_backward(policy, input_ids, attention_mask, completion_mask, lengths, micro, old_logp,
-                                                           ref_logp, advantages, tis, args, sampler_logp if k_step == 0 and fresh else None)
-                loss, weights, diff = (distributed.all_sum(x, dist) for x in (loss, weights, diff))  # every rank's rows
-                stats = {k: distributed.all_sum(v, dist) for k, v in stats.items()}
-                diff_sum += diff
-                grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-                    # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
-                    optimizer.zero_grad()
+                # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
+                loss_fn = functools.partial(micro_batch_loss, policy, batch, logprob_diff=fresh and k_step == 0, **contract,
+                                            **hyperparameters)
+                loss, out = common.accumulate(loss_fn, batch.lengths, args.micro_batch_tokens, dist=dist)
+                if fresh and k_step == 0:
+                    logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
+                grad_norm, stepped = common.optimizer_step(policy, optimizer, args.max_grad_norm, loss, dist)
+                if not stepped:  # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
                     nonfinite_skipped += 1
                     continue
-                optimizer.step()
                 step += 1
-                iw_means.append(weights.mean().item())
-                ess_values.append(ess(weights))
-            logprob_diff = diff_sum / mask.sum().item() if fresh else float("nan")
+                iw_means.append(out["w"].mean().item())
+                ess_values.append(ess(out["w"]))
             update_seconds = time.perf_counter() - update_start
             timing["update"] += update_seconds
 
@@ -473,45 +513,40 @@ def main():
             distributed.gather_into(policy, push_model, dist)  # under torchrun: every rank takes part
             push_seconds = sampler.push_weights(step) if dist.is_main else 0.0
             if dist.is_main and not args.overlap and round_index + 1 < args.num_rounds:
-                pending = submit_round()
+                pending = rounds.submit()
             if dist.is_main and args.snapshot_every and (round_index + 1) % args.snapshot_every == 0:
                 logger.snapshot(step, push_model)
             timing["wall"] = time.perf_counter() - loop_start
 
-            # per token: the learner version at the round's first k-step minus the version that sampled the token
-            lags = [round_start_step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
-            metrics = {
-                "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
-                "charts/response_length": mask.sum(1).mean().item(), "charts/episodes": (round_index + 1) * args.batch_size,
-                "charts/skipped_long_prompts": skipped, "charts/ess_min": min(ess_values, default=float("nan")),
-                "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
-                "losses/loss": loss.item(), "losses/pg": stats["pg"].item(), "losses/kl_penalty": stats["kl"].item(),
-                "losses/entropy": stats["entropy"].item(), "losses/grad_norm": grad_norm.item(),
+            metrics = sample_metrics(samples, rewards, correct, batch.mask, skipped, round_start_step) | {
+                "charts/episodes": (round_index + 1) * batch_size, "charts/ess": min(ess_values, default=float("nan")),
+                "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
+                "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
+                "losses/entropy": out["entropy"].item(), "losses/grad_norm": grad_norm,
                 "time/generate_seconds": sample_seconds, "time/train_seconds": update_seconds, "time/push_seconds": push_seconds,
-                "charts/episodes_per_second": (round_index + 1 - start_round) * args.batch_size / max(timing["wall"] - resumed_wall, 1e-9),
+                "charts/episodes_per_second": (round_index + 1 - start_round) * batch_size / max(timing["wall"] - resumed_wall, 1e-9),
                 "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
                 "time/grad_steps_per_second": step / max(timing["wall"], 1e-9),
             }
             if math.isfinite(logprob_diff):
                 metrics["charts/logprob_diff"] = logprob_diff
                 common.warn_logprob_diff(logprob_diff, tis_on, warned)
-            metrics |= mismatch
+            metrics |= {f"charts/tis_{k}": v for k, v in tis_stats.items()}  # charts/tis_max_ratio, charts/tis_truncated_fraction
             metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
             metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
             logger.log(step, metrics, echo=False)
             progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(correct), kl=kl_value)
-            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
-                           f"acc {correct:.3f} kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} "
-                           f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess_min']:.2f} "
-                           f"sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
+            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} acc {correct:.3f} "
+                           f"kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} iw {' '.join(f'{w:.2f}' for w in iw_means)} "
+                           f"ess {metrics['charts/ess']:.2f} sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
 
             last = round_index + 1 == args.num_rounds
             if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
                 logger.log(step, evaluate())
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
                 common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                            data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
-                                            timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
+                                       rounds.position, dist=dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
+                                       timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
 
         progress.close()
         eval_end = evaluate() if dist.is_main else {}
@@ -522,11 +557,7 @@ def main():
             sampler.close()
         distributed.close(dist)
 
-    wall, sample, update = timing["wall"], timing["sample"], timing["update"]
-    logger.report(step, f"RLOO K={args.k}: {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap} "
-                  f"(the paper's Table 2; held-out: Table 4, {args.eval_samples} samples per problem)",
-                  {"K": str(args.k), "wall (s)": wall, "sample (s)": sample, "update (s)": update,
-                   "sample %": f"{100 * sample / wall:.0f}%", "grad steps/s": step / wall}, eval_start, eval_end, memory)
+    report(logger, args, step, timing, eval_start, eval_end, memory)
     logger.close()
 
 

@@ -225,32 +225,28 @@ def with_autocast(enabled: bool):
 def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None,
               autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
     """rloo_kreuse.py at the paper's v3 setup: 4 prompts x 2 responses, K steps on the batch."""
+    import functools
+
     import rloo_kreuse as rloo
 
-    args = rloo.Args(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
-    for name, value in rloo.PAPER.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if micro_batch_tokens:
-        args.micro_batch_tokens = micro_batch_tokens
+    overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
+    args = rloo.Args(**rloo.PAPER | overrides | (dict(micro_batch_tokens=micro_batch_tokens) if micro_batch_tokens else {}))
     policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)
     optimizer = adam(policy.parameters())
     n = prompts * group
     _, _, ids, attn, cmask, lengths = sequences(n, prompt, response, config.vocab_size)
     mask = cmask[:, 1:].float()
-    sampler_logp = torch.zeros_like(mask)
-    micro = [(rows, 1.0) for rows in common.micro_batches(lengths, args.micro_batch_tokens)]  # (rows, weight), one process
-    ref_logp = rloo.batch_logprobs(ref, ids, attn, cmask, lengths, micro, args)
-    old_logp = sampler_logp
-    advantages = rloo.rloo_advantages(torch.zeros(prompts, group)).view(-1)
+    batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask),
+                       advantages=rloo.rloo_advantages(torch.zeros(prompts, group)).view(-1))
+    contract = dict(temperature=args.temperature, top_p=args.top_p, bf16=args.autocast_bf16)
+    hyperparameters = {name: getattr(args, name) for name in ("ppo_clip", "iw_level", "iw_clip", "kl_estimator", "kl_coef", "ent_coef")}
+    batch.ref_logp = batch.logprobs(ref, args.micro_batch_tokens, **contract)
+    batch.old_logp = batch.sampler_logp
     for k_step in range(steps):  # K steps reuse the batch
-        optimizer.zero_grad()
-        loss, stats, weights, _ = rloo.rloo_backward(policy, ids, attn, cmask, lengths, micro, old_logp, ref_logp, advantages, None, args,
-                                                     sampler_logp if k_step == 0 else None)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
-            optimizer.step()
-    return dict(micro_batches=len(micro), rows=n, tokens=sum(lengths))
+        loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, logprob_diff=k_step == 0, **contract, **hyperparameters)
+        loss, _ = common.accumulate(loss_fn, lengths, args.micro_batch_tokens)
+        common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
+    return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens)), rows=n, tokens=sum(lengths))
 
 
 def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None, autocast: bool = False,

@@ -30,12 +30,12 @@ script logs). Our async DPO also leaves out its last round, which has no next ro
 training per step (EOS included, padding not) / wall per step.
 
 What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
-- RLOO KL: ours adds beta_kl * KL(pi || pi_ref) (k3 estimator, summed per response) to the
+- RLOO KL: ours adds kl_coef * KL(pi || pi_ref) (k3 estimator, summed per response) to the
   loss, with its gradient; TRL subtracts beta * (log pi_old - log pi_ref) summed per response
   (k1) from the reward, before the leave-one-out baseline. Same beta (0.01), different estimator
   and place.
 - RLOO entropy bonus: ours 0.01 (the tiny default); TRL has none. `--ours-rloo-extra
-  '--beta-ent 0'` removes ours.
+  '--ent-coef 0'` removes ours.
 - RLOO policy gradient: ours -w A log pi(y) with w = exp(log pi - log pi_sampler) detached
   (sequence level, ~1 at K = 1); TRL -min(r A, clip(r) A) with r = exp(log pi - log pi_old) and
   log pi_old recomputed by the learner (exactly 1 at num_iterations = 1). Same gradient at K = 1.
@@ -141,7 +141,7 @@ class Args:
     m50_ours_threads: tuple[int, ...] = (1, 2)
     """our runs on the ~50M model, one per OMP_NUM_THREADS (1: as the scripts ship; 2: the learner uses both cores)"""
     ours_rloo_extra: str = ""
-    """extra flags for rloo_kreuse.py, e.g. '--beta-ent 0'"""
+    """extra flags for rloo_kreuse.py, e.g. '--ent-coef 0'"""
     ours_dpo_extra: str = ""
     """extra flags for online_dpo_async.py"""
     quick: bool = False
@@ -149,8 +149,8 @@ class Args:
     accuracy_seeds: tuple[int, ...] = ()
     """if given, run only the RLOO accuracy study instead: the tiny RLOO workload once per seed for
     each of our --accuracy-variants and for TRL, accuracies per seed and their mean"""
-    accuracy_variants: tuple[str, ...] = ("", "--beta-ent 0")
-    """extra flags of our runs in the accuracy study ('': as shipped; '--beta-ent 0': no entropy bonus, as TRL)"""
+    accuracy_variants: tuple[str, ...] = ("", "--ent-coef 0")
+    """extra flags of our runs in the accuracy study ('': as shipped; '--ent-coef 0': no entropy bonus, as TRL)"""
 
 
 @dataclass

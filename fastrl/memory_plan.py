@@ -162,7 +162,7 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
     if script == "rloo":
         n = args.num_prompts * args.group_size
         rows = rows_per_micro_batch(n, T, args.micro_batch_tokens)
-        return Step(rows, T, (P,), (P,) if args.beta_kl else (), micro_batches=math.ceil(n / rows), top_p=args.top_p), n
+        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p), n
     if script == "dpo":
         n = getattr(args, "prompts_per_round", args.num_prompts) * args.group_size  # a round: --num-minibatches steps
         pairs = args.num_prompts  # a step: one pair per prompt of its minibatch

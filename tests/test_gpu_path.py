@@ -629,7 +629,7 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
     config = memory.qwen25_05b_config()
     measured = memory.measure_on_device(lambda tracker: memory.rloo_step(config, prompts=4, group=2, prompt=256, response=512,
                                                                          autocast=autocast, checkpointing=checkpointing), "cuda")["peak"]
-    args = SimpleNamespace(num_prompts=4, group_size=2, max_prompt_tokens=256, max_new_tokens=512, micro_batch_tokens=8192, beta_kl=0.01,
+    args = SimpleNamespace(num_prompts=4, group_size=2, max_prompt_tokens=256, max_new_tokens=512, micro_batch_tokens=8192, kl_coef=0.01,
                            top_p=0.95, autocast_bf16=autocast, gradient_checkpointing=checkpointing, dtype="float32")
     shape = memory_plan.shape_of(config)
     step, _ = memory_plan.script_step("rloo", args, shape)

@@ -8,6 +8,7 @@ never what they are, and they bound the peak memory.
   tensors (benchmarks/memory.py's tracker: no compute, the exact bytes of every live tensor), moves
   by less than 10% when the batch doubles at a fixed token budget; without the budget it doubles."""
 
+import functools
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,25 +119,24 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
     mask = cmask[:, 1:].float()
     advantages = rloo.rloo_advantages(torch.tensor([[1.0, 0.0], [0.1, 1.0], [0.0, 0.5]])).view(-1)
     results = []
+    contract = dict(temperature=0.8, top_p=0.95, bf16=False)
     for iw_level in ("sequence", "token"):
-        args = SimpleNamespace(temperature=0.8, top_p=0.95, autocast_bf16=False, ppo_clip=None, iw_level=iw_level, iw_clip=None,
-                               kl_estimator="k3", beta_kl=0.01, beta_ent=0.05)
+        hyperparameters = dict(ppo_clip=None, iw_level=iw_level, iw_clip=None, kl_estimator="k3", kl_coef=0.01, ent_coef=0.05)
         per_budget = []
         for budget in (BIG, 30):
-            micro = [(rows, 1.0) for rows in common.micro_batches(lengths, budget)]  # (rows, weight), one process
-            assert len(micro) == (1 if budget == BIG else 4)
-            ref_logp = rloo.batch_logprobs(ref, ids, attn, cmask, lengths, micro, args)
-            old_logp = rloo.batch_logprobs(policy, ids, attn, cmask, lengths, micro, args) - 0.01 * mask  # K-reuse: w != 1
+            assert len(common.micro_batches(lengths, budget)) == (1 if budget == BIG else 4)
+            batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask), advantages=advantages)
+            batch.ref_logp = batch.logprobs(ref, budget, **contract)
+            batch.old_logp = batch.logprobs(policy, budget, **contract) - 0.01 * mask  # K-reuse: w != 1
             policy.zero_grad()
-            loss, stats, weights, _ = rloo.rloo_backward(policy, ids, attn, cmask, lengths, micro, old_logp, ref_logp, advantages,
-                                                          None, args)
-            per_budget.append((ref_logp, loss, stats, weights, _grads(policy)))  # weights: one per row, in row order
-        (ref_a, loss_a, stats_a, w_a, grads_a), (ref_b, loss_b, stats_b, w_b, grads_b) = per_budget
+            loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, **contract, **hyperparameters)
+            loss, out = common.accumulate(loss_fn, lengths, budget)
+            per_budget.append((batch.ref_logp, loss, out, _grads(policy)))  # out["w"]: one per row, in row order
+        (ref_a, loss_a, out_a, grads_a), (ref_b, loss_b, out_b, grads_b) = per_budget
         torch.testing.assert_close(ref_a, ref_b, atol=1e-5, rtol=0)
         torch.testing.assert_close(loss_a, loss_b, atol=1e-6, rtol=1e-5)
-        for k in stats_a:
-            torch.testing.assert_close(stats_a[k], stats_b[k], atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(w_a, w_b, atol=1e-6, rtol=1e-5)
+        for k in out_a:
+            torch.testing.assert_close(out_a[k], out_b[k], atol=1e-6, rtol=1e-5)
         _assert_same(grads_a, grads_b)
         results.append(loss_a)
     assert all(torch.isfinite(x) for x in results)
@@ -224,7 +224,7 @@ def _paper_args(script: str, prompt: int, response: int, autocast: bool, checkpo
     base = dict(max_prompt_tokens=prompt, max_new_tokens=response, micro_batch_tokens=8192, autocast_bf16=autocast,
                 gradient_checkpointing=checkpointing, dtype="float32", placement="colocate", sampler_dtype="auto",
                 sampler_gpu_memory=None, sampler_url=None)
-    per_script = dict(rloo=dict(num_prompts=4, group_size=2, beta_kl=0.01, top_p=0.95),
+    per_script = dict(rloo=dict(num_prompts=4, group_size=2, kl_coef=0.01, top_p=0.95),
                       dpo=dict(num_prompts=64, group_size=2, top_p=1.0),
                       pipeline=dict(train_batch_size=64, micro_batch_size=16, kl_coef=0.0, gen_batch_size=None, mode="pipeline",
                                     steps_per_rl_step=4, background_push=True, top_p=1.0),

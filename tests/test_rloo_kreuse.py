@@ -29,9 +29,9 @@ def test_leave_one_out_advantage_by_hand():
     assert torch.allclose(rloo.rloo_advantages(torch.tensor([[1.0, 0.0]])), torch.tensor([[1.0, -1.0]]))
 
 
-def _args(**kw):
-    base = dict(ppo_clip=None, iw_level="sequence", iw_clip=None, beta_kl=0.0, beta_ent=0.0, kl_estimator="k3")
-    return SimpleNamespace(**{**base, **kw})
+def _hp(**kw):
+    """rloo_loss's hyperparameters, by name: plain RLOO with sequence weights, no KL, no entropy."""
+    return dict(ppo_clip=None, iw_level="sequence", iw_clip=None, kl_coef=0.0, ent_coef=0.0, kl_estimator="k3") | kw
 
 
 def test_rloo_loss_by_hand():
@@ -44,7 +44,7 @@ def test_rloo_loss_by_hand():
     adv = torch.tensor([1.0, -1.0])
     w = torch.tensor([torch.e ** 0.5, 1.0])  # exp(sum(logp - old)) per sequence
     pg = -(w * adv * torch.tensor([-3.0, -0.5]))
-    loss, stats = rloo.rloo_loss(logp, old, ref, ent, mask, adv, _args())
+    loss, stats = rloo.rloo_loss(logp, old, ref, ent, mask, adv, **_hp())
     assert loss.item() == pytest.approx(pg.mean().item(), rel=1e-6)
     assert torch.allclose(stats["w"], w)
     # gradient of -w A log pi wrt the token logprobs is -w A (w is not differentiated)
@@ -53,15 +53,15 @@ def test_rloo_loss_by_hand():
 
     # KL (k3, summed per sequence) and entropy (mean per token) terms
     kl = torch.tensor([(torch.e ** 0 - 0 - 1) + (torch.e ** 1 - 1 - 1), (torch.e ** -0.5 + 0.5 - 1)])
-    loss2, stats2 = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, _args(beta_kl=0.1, beta_ent=0.2))
+    loss2, stats2 = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, **_hp(kl_coef=0.1, ent_coef=0.2))
     assert stats2["kl"].item() == pytest.approx(kl.mean().item(), rel=1e-6)
     assert stats2["entropy"].item() == pytest.approx((1.0 + 2.0) / 2, rel=1e-6)
     assert loss2.item() == pytest.approx((pg + 0.1 * kl - 0.2 * torch.tensor([1.0, 2.0])).mean().item(), rel=1e-6)
 
     # importance-weight clipping and the PPO-style clipped ratio
-    _, clipped = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, _args(iw_clip=1.2))
+    _, clipped = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, **_hp(iw_clip=1.2))
     assert torch.allclose(clipped["w"], torch.tensor([1.2, 1.0]))
-    loss3, _ = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, _args(ppo_clip=0.2))
+    loss3, _ = rloo.rloo_loss(logp.detach(), old, ref, ent, mask, adv, **_hp(ppo_clip=0.2))
     assert loss3.item() == pytest.approx(-(min(w[0], 1.2) * 1.0 + -1.0 * 1.0) / 2, rel=1e-6)
 
 
@@ -72,6 +72,7 @@ def test_ess_and_pass_at_k():
     assert common.pass_at_k(4, 1, 1) == pytest.approx(0.25) and common.pass_at_k(4, 1, 2) == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
     """K=1 / fresh weights: w = 1 (1e-4) and ESS = 1; after an update, w moves away from 1."""
     policy = common.load_policy(tiny_path, "cpu")
@@ -97,7 +98,7 @@ def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
     for _ in range(2):
         logp = common.token_logprobs(policy, ids, attn, cmask, 0.8)
-        loss, _ = rloo.rloo_loss(logp, old, old, torch.zeros_like(logp), mask, adv, _args())
+        loss, _ = rloo.rloo_loss(logp, old, old, torch.zeros_like(logp), mask, adv, **_hp())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -110,10 +111,11 @@ def _run(*flags, timeout=600, cwd=WORK):
     return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_two_rounds_from_the_command_line_then_resume():
     """Two rounds at K=2 with top-p 0.9, then a resume. The first step of every round is on-policy:
-    its importance weight is 1 (the reported bug: with top-p < 1 it was 0.84 every round, the
-    learner's logprobs were over the full vocabulary and the sampler's over the nucleus)."""
+    its importance weight is 1, which holds only when the learner's logprobs are over the sampler's
+    nucleus (the logprob contract)."""
     flags = ["--exp-name", "pytest_rloo", "--k", "2", "--top-p", "0.9", "--num-prompts", "8", "--group-size", "4",
              "--eval-problems", "16", "--eval-samples", "4"]
     out = _run(*flags, "--num-rounds", "2")
@@ -162,6 +164,7 @@ def test_two_rounds_from_the_command_line_then_resume():
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
 
 
+@pytest.mark.slow
 def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
     """A user's prompts as JSONL and a reward in a module of their own, no code edits: the run trains on
     the file's problems with that reward, and what counts as correct stays the task's answer match."""
@@ -190,6 +193,7 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
     assert all(r["charts/reward"] < 1.0 and 0.0 <= r["charts/accuracy"] <= 1.0 for r in rounds)
 
 
+@pytest.mark.slow
 def test_overlap_mode_runs_one_round_off_policy():
     """--overlap trains on a round generated one round earlier; --snapshot-every keeps the weights
     (for benchmarks/learning_speed.py) from round 0 on, with the run's wall time."""
@@ -210,13 +214,15 @@ class _Loaded(Exception):
     pass
 
 
-@pytest.mark.parametrize("flags, models", [([], 2), (["--beta-kl", "0"], 1)])
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, models", [([], 2), (["--kl-coef", "0"], 1)])
 def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tiny_path, flags, models):
     from fastrl import distributed
 
     loads = []
     real_load = common.load_policy
     monkeypatch.setattr(common, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(common, "start_sampler", lambda *a, **k: SimpleNamespace(close=lambda: None))  # no process
 
     def stop(*a, **k):
         raise _Loaded
@@ -239,15 +245,37 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
                                          (["--system-prompt", "Be brief."], "--system-prompt")]
                          + ([] if torch.cuda.is_available() else [(["--placement", "colocate"], "--placement")])
                          + ([] if importlib.util.find_spec("wandb") else [(["--track"], "--track")]))
+@pytest.mark.slow  # main() up to its checks
 def test_bad_flags_are_rejected_at_start(error_before_start, flags, flag):
     assert error_before_start(rloo, *flags).startswith(f"error: {flag}")
 
 
+@pytest.mark.slow
 def test_a_bad_flag_is_one_line_on_the_command_line():
     out = _run("--k", "0", timeout=120)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --k") and "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("fields, flag", [(dict(k=0), "--k"), (dict(group_size=1), "--group-size"), (dict(iw_clip=0.0), "--iw-clip"),
+                                          (dict(ppo_clip=1.0), "--ppo-clip"), (dict(tis="on", overlap=True), "--tis"),
+                                          (dict(sampler_url=["localhost:8000"]), "--sampler-url")])
+def test_flag_checks_live_with_the_flags(fields, flag):
+    """Args checks its own values when it is made (the parser makes it), one line naming the flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        rloo.Args(**fields)
+    assert str(exit_info.value.code).startswith(f"error: {flag}: ") and "\n" not in str(exit_info.value.code)
+
+
+def test_a_real_model_gets_the_papers_defaults_and_tiny_its_own():
+    paper = common.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo.PAPER)
+    tiny = common.parse_args(rloo.Args, [], paper=rloo.PAPER)
+    assert (paper.task, paper.group_size, paper.num_prompts, paper.num_rounds, paper.learning_rate, paper.ent_coef,
+            paper.max_new_tokens) == ("countdown-hub", 2, 4, 250, 1e-6, 0.05, 512)
+    assert (tiny.task, tiny.group_size, tiny.num_prompts, tiny.ent_coef, tiny.kl_coef) == ("countdown", 8, 32, 0.01, 0.01)
+    assert common.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--num-prompts", "8"], paper=rloo.PAPER).num_prompts == 8
+
+
+@pytest.mark.slow  # main() up to the parser
 @pytest.mark.parametrize("flags, flag", [(["--iw-level", "word"], "--iw-level"), (["--kl-estimator", "k4"], "--kl-estimator")])
 def test_choice_flags_are_refused_by_the_parser_with_their_choices(monkeypatch, capsys, flags, flag):
     monkeypatch.setattr(sys, "argv", ["rloo_kreuse.py", *flags])
@@ -302,11 +330,11 @@ def test_which_sequence_level_kl_gradient_each_estimator_gives():
         total = 0.0
         for i in range(4):
             one = (logp[i:i + 1], logp[i:i + 1].detach(), ref[i:i + 1], torch.zeros(1, 2), mask[i:i + 1])
-            if estimator == "k1":  # main(): r - beta_kl * k1, here with r = 0 and beta_kl = 1, no baseline
+            if estimator == "k1":  # main(): r - kl_coef * k1, here with r = 0 and kl_coef = 1, no baseline
                 advantage = -rloo.kl_penalty(logp[i:i + 1].detach(), ref[i:i + 1], mask[i:i + 1], "k1")
-                loss, _ = rloo.rloo_loss(*one, advantage, _args(beta_kl=1.0, kl_estimator="k1"))
+                loss, _ = rloo.rloo_loss(*one, advantage, **_hp(kl_coef=1.0, kl_estimator="k1"))
             else:
-                loss, _ = rloo.rloo_loss(*one, torch.zeros(1), _args(beta_kl=1.0, kl_estimator=estimator))
+                loss, _ = rloo.rloo_loss(*one, torch.zeros(1), **_hp(kl_coef=1.0, kl_estimator=estimator))
             total = total + weight[i] * loss
         return torch.autograd.grad(total, (theta1, theta2))
 
@@ -325,24 +353,24 @@ def test_which_sequence_level_kl_gradient_each_estimator_gives():
 def test_k1_is_folded_into_the_reward_not_the_loss():
     logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -1.0]])
     loss, stats = rloo.rloo_loss(logp, logp, ref, torch.zeros_like(logp), torch.ones_like(logp), torch.zeros(1),
-                                 _args(beta_kl=1.0, kl_estimator="k1"))
+                                 **_hp(kl_coef=1.0, kl_estimator="k1"))
     assert stats["kl"].item() == 0 and loss.item() == 0
 
 
-def test_truncated_mismatch_weights_by_hand():
+def test_truncated_is_weights_by_hand():
     learner = torch.tensor([[-1.0, -1.0], [-2.0, -0.1]])
     sampler = torch.tensor([[-1.0, -2.0], [-1.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    w, stats = rloo.truncated_mismatch_weights(learner, sampler, mask, "sequence", cap=2.0)
+    w, stats = rloo.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
     assert torch.allclose(w, torch.tensor([2.0, torch.e ** -1]))  # e^1 = 2.72 truncated at 2
     assert stats["max_ratio"] == pytest.approx(torch.e) and stats["truncated_fraction"] == 0.5
-    w, stats = rloo.truncated_mismatch_weights(learner, sampler, mask, "token", cap=2.0)
+    w, stats = rloo.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0], [torch.e ** -1, 0.0]]))
     assert stats["truncated_fraction"] == pytest.approx(1 / 3)  # of the 3 response tokens
     # the loss is weighted by them: a sequence at weight 0.5 pushes half as hard
     logp = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
     loss, _ = rloo.rloo_loss(logp, logp.detach(), logp.detach(), torch.zeros_like(logp), torch.ones_like(logp), torch.ones(2),
-                             _args(), tis=torch.tensor([1.0, 0.5]))
+                             **_hp(), tis=torch.tensor([1.0, 0.5]))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-0.5], [-0.25]]))
 
@@ -353,6 +381,7 @@ def test_sequence_weights_never_overflow():
     assert torch.isfinite(w).all() and rloo.ess(torch.cat([w, torch.ones(3)])) > 0
 
 
+@pytest.mark.slow
 def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
     """The path users run on a GPU, on CPU: BPE tokenizer with pad == eos, bf16 checkpoint, T 0.8 / top-p
     0.95 (the paper's defaults for a non-tiny model), a bf16 sampler against the fp32 learner, every other
@@ -375,6 +404,7 @@ def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
     assert rounds[0]["charts/kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at round 0, both the learner's
 
 
+@pytest.mark.slow
 def test_a_forgotten_push_stops_the_run_in_one_line(tmp_path):
     """A student's copy that lost `sampler.push_weights(step)`: the second round was generated by
     version 0 while the learner is at 2, and the run stops saying so instead of training off-policy."""
@@ -395,6 +425,7 @@ def test_a_forgotten_push_stops_the_run_in_one_line(tmp_path):
     assert "round 1/3 step 2" in out.stdout and "round 2/3" not in out.stdout
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     """A NaN loss skips the optimizer step, is counted, and neither the pushed nor the saved
     weights change."""
@@ -421,6 +452,7 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     assert all(torch.equal(saved[name], initial[name]) for name in initial)
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_train_as_one_process_and_resume():
     """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same rounds, losses and
     trained weights as one process on the same global batch; rank 0 alone writes the run; the run
@@ -440,7 +472,7 @@ def test_two_torchrun_ranks_train_as_one_process_and_resume():
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
     rows = {k: [r for r in common.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]
-    for key in ("charts/reward", "losses/loss", "losses/pg", "losses/grad_norm", "charts/kl", "charts/ess_min"):
+    for key in ("charts/reward", "losses/loss", "losses/pg", "losses/grad_norm", "charts/kl", "charts/ess"):
         assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"])  # rank 0 pushed the gathered weights
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))

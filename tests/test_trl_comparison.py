@@ -61,9 +61,9 @@ def test_accuracy_study_variants_reach_our_command_line():
     """Each --accuracy-variants entry is passed to rloo_kreuse.py after the shared flags (so it
     wins), and '' is ours as shipped."""
     w = bench.Workload("rloo", "unused", 3, 4, 2, 0.8, 1e-4, 32, 7, 20, 16)
-    args = bench.Args(ours_rloo_extra="--beta-kl 0")
-    shipped, no_entropy = bench.ours_flags(w, args, ""), bench.ours_flags(w, args, "--beta-ent 0")
-    assert shipped[-2:] == ["--exp-name", "trl_cmp_rloo"] and "--beta-kl" not in shipped
-    assert no_entropy[-2:] == ["--beta-ent", "0"] and no_entropy[:-2] == shipped
-    assert bench.ours_flags(w, args)[-2:] == ["--beta-kl", "0"]  # no variant: --ours-rloo-extra
+    args = bench.Args(ours_rloo_extra="--kl-coef 0")
+    shipped, no_entropy = bench.ours_flags(w, args, ""), bench.ours_flags(w, args, "--ent-coef 0")
+    assert shipped[-2:] == ["--exp-name", "trl_cmp_rloo"] and "--kl-coef" not in shipped
+    assert no_entropy[-2:] == ["--ent-coef", "0"] and no_entropy[:-2] == shipped
+    assert bench.ours_flags(w, args)[-2:] == ["--kl-coef", "0"]  # no variant: --ours-rloo-extra
     assert shipped[shipped.index("--seed") + 1] == "7"
