@@ -24,24 +24,30 @@ none; --ess-threshold adds one).
 
     python pipeline_rl.py --model tiny
     python pipeline_rl.py --model tiny --mode conventional --steps-per-rl-step 4
-    torchrun --nproc-per-node 2 pipeline_rl.py --model tiny   # the learner data-parallel (FSDP2, distributed.py)
+    torchrun --nproc-per-node 2 pipeline_rl.py --model tiny   # the learner data-parallel (FSDP2, fastrl/distributed.py)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Annotated, Callable, Literal
 
 import numpy as np
 import torch
+import tyro
 
 import common
-from fastrl import distributed
 import tasks
-from fastrl import vllm_sampler
+from fastrl import distributed, vllm_sampler
+
+
+def help_default(text: str):
+    """--help's text for a default that other flags decide (mode_defaults, the memory plan)."""
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
 
 
 @dataclass
@@ -72,9 +78,12 @@ class Args:
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
     stays fp32 either way (the difference is the training-inference mismatch, charts/logprob_diff: the truncated IS
-    against the sampler's logprobs corrects it, --is-clip)"""
+    against the sampler's logprobs corrects it, --tis-cap)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
+    sampler_threads: int = 0
+    """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
+    learner take turns, half of them when the schedule overlaps them"""
 
     # the method
     mode: Literal["pipeline", "conventional"] = "pipeline"
@@ -83,52 +92,50 @@ class Args:
     """the paper's G (conventional mode only; not the group size): optimizer steps per RL step, on B*G sequences generated at once"""
     train_batch_size: int = 64
     """B: sequences per optimizer step (a multiple of --group-size)"""
-    gen_batch_size: int | None = None
-    """H: sequences the sampler decodes at once (vLLM's max_num_seqs) [pipeline: B; conventional: B*G]. Pipeline mode keeps
-    H in flight (Algorithm 2, lines 6-7). Section 4 ("Configuring PipelineRL") says to use the smallest H that produces
-    enough training data: a larger H raises the generation latency t_gen and with it the lag, g_max = ceil(t_gen / t_train),
-    and buys throughput only while the engine's batch is below the size where throughput saturates (Figure 2a). The paper's
-    runs (Section 5) keep B in flight: B = 1024, 16 generation GPUs at H = 64 each; its Conventional RL keeps all B*G in
-    flight (32 GPUs at H = 128, B*G = 4096), as this default does. A larger H trades lag for throughput where the engine
-    is underused (this script's old default, 4B, was more off-policy than Conventional RL with G = 4)"""
+    gen_batch_size: Annotated[int | None, help_default("B; conventional: B*G")] = None
+    """H: sequences the sampler decodes at once (vLLM's max_num_seqs). Pipeline mode keeps H in flight (Algorithm 2, lines
+    6-7). Section 4 ("Configuring PipelineRL") says to use the smallest H that produces enough training data: a larger H
+    raises the generation latency t_gen and with it the lag, g_max = ceil(t_gen / t_train), and buys throughput only while
+    the engine's batch is below the size where throughput saturates (Figure 2a). The paper's runs (Section 5) keep B in
+    flight: B = 1024, 16 generation GPUs at H = 64 each; its Conventional RL keeps all B*G in flight (32 GPUs at H = 128,
+    B*G = 4096), as the default here does"""
     group_size: int = 4
     """samples per prompt; the per-prompt mean reward is the baseline"""
-    num_steps: int | None = None
-    """optimizer steps [tiny 120; otherwise 1000]"""
-    learning_rate: float | None = None
-    """Adam learning rate [tiny 1e-4; otherwise 1e-6 (the paper)]"""
+    num_steps: int = 120
+    """optimizer steps [paper 1000; tiny 120]"""
+    learning_rate: float = 1e-4
+    """Adam learning rate [paper 1e-6; tiny 1e-4]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     micro_batch_size: int = 16
     """at most this many sequences per forward/backward, grouped by length (memory and padding only: one step per B)"""
     micro_batch_tokens: int = 8192
     """and at most this many padded tokens (rows x longest row) per forward/backward; a longer sequence goes alone"""
-    autocast_bf16: bool | None = None
+    autocast_bf16: Annotated[bool, tyro.conf.FlagConversionOff] = False
     """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype
-    [default: on for a real model on a GPU, off for tiny or on CPU]"""
-    gradient_checkpointing: bool | None = None
+    [a real model on a GPU: on; tiny or CPU: off]"""
+    gradient_checkpointing: Annotated[bool, tyro.conf.FlagConversionOff] = False
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
-    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    compute) [a real model on a GPU: on; tiny or CPU: off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
     on most weights"""
-    sampler_gpu_memory: float | None = None
-    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
-    is_clip: float = 5.0
+    sampler_gpu_memory: Annotated[float | None, help_default("sized by the memory plan")] = None
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization)"""
+    tis_cap: float = 5.0
     """c: token importance weights pi/mu are truncated at c (Eq. 5; the paper clamps at 5, Section 5). mu is the sampler's
     logprob by design (the logprob contract), so the same weight also corrects the training-inference mismatch"""
-    ess_threshold: float | None = None
-    """skip a step whose batch ESS (Eq. 6) is below this and wait for a batch from the current weights (0: never)
-    [pipeline 0.5; conventional 0]. The guard is Algorithm 2's (lines 20-23; the paper gives no value); Algorithm 1
-    (Conventional RL) has none, so conventional mode runs without one unless this is set (then a skipped batch is
-    dropped: this script's old conventional mode)"""
+    ess_threshold: Annotated[float | None, help_default("0.5; conventional: 0")] = None
+    """skip a step whose batch ESS (Eq. 6) is below this and wait for a batch from the current weights (0: never). The guard
+    is Algorithm 2's (lines 20-23; the paper gives no value); Algorithm 1 (Conventional RL) has none, so conventional mode
+    runs without one unless this is set (then a skipped batch is dropped)"""
     loss_norm: Literal["sequence", "token"] = "sequence"
     """what the loss's sum over the batch's response tokens is divided by. sequence: the number of sequences, the 1/(mK)
-    of Eq. 4-5 (whose grad log pi(y|x) sums over y's tokens). token: the number of response tokens (a token mean, this
-    script's old loss): the same direction, scaled by 1 / the batch's mean response length, so --max-grad-norm and the
-    learning rate act at another scale"""
+    of Eq. 4-5 (whose grad log pi(y|x) sums over y's tokens). token: the number of response tokens (a token mean): the
+    same direction, scaled by 1 / the batch's mean response length, so --max-grad-norm and the learning rate act at
+    another scale"""
     recompute_kv: bool = False
-    """after a push, re-prefill running sequences with the new weights (default: keep the stale KV cache, as the paper)"""
+    """after a push, re-prefill running sequences with the new weights (off: keep the stale KV cache, as the paper)"""
     background_push: bool = True
     """pipeline mode: send each push from a thread (a snapshot of the weights) and train on meanwhile"""
     max_lag: int | None = None
@@ -140,10 +147,10 @@ class Args:
     """sampling temperature (PipelineRL trains at 1.0); the learner's logprobs use the same"""
     top_p: float = 1.0
     """nucleus sampling (PipelineRL trains without one); the learner applies the same nucleus (the logprob contract)"""
-    max_new_tokens: int | None = None
-    """response length cap [tiny 32; otherwise 1024]"""
-    max_prompt_tokens: int | None = None
-    """prompt budget: longer prompts are skipped and counted [tiny 64; otherwise 512]"""
+    max_new_tokens: int = 32
+    """response length cap [paper 1024; tiny 32]"""
+    max_prompt_tokens: int = 64
+    """prompt budget: longer prompts are skipped and counted [paper 512; tiny 64]"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
     system_prompt: str | None = None
@@ -174,42 +181,95 @@ class Args:
     """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
     length may always be extended)"""
 
+    def __post_init__(self):
+        """Each flag's range, refused in one line naming it when the flags are parsed, before anything starts."""
+        B, n = self.train_batch_size, self.group_size
+        for flag, ok, problem in [
+            ("--num-steps", self.num_steps >= 1, f"must be >= 1, got {self.num_steps}"),
+            ("--learning-rate", self.learning_rate > 0, f"must be > 0, got {self.learning_rate}"),
+            ("--group-size", n >= 2, "the per-prompt baseline needs at least 2 samples per prompt"),
+            ("--train-batch-size", n >= 1 and B >= n and B % n == 0, f"must be a positive multiple of --group-size ({B} vs {n})"),
+            ("--steps-per-rl-step", self.steps_per_rl_step >= 1, f"must be >= 1, got {self.steps_per_rl_step}"),
+            ("--gen-batch-size", self.gen_batch_size is None or self.gen_batch_size >= n, "must hold at least one prompt's group"),
+            ("--micro-batch-size", self.micro_batch_size >= 1, f"must be >= 1, got {self.micro_batch_size}"),
+            ("--micro-batch-tokens", self.micro_batch_tokens >= 1, f"must be >= 1, got {self.micro_batch_tokens}"),
+            ("--temperature", self.temperature > 0,
+             "must be > 0: the importance weights need the sampler's logprobs of a sampled distribution (greedy has none)"),
+            ("--top-p", 0 < self.top_p <= 1, f"must be in (0, 1], got {self.top_p}"),
+            ("--max-new-tokens", self.max_new_tokens >= 1, f"must be >= 1, got {self.max_new_tokens}"),
+            ("--max-prompt-tokens", self.max_prompt_tokens >= 1, f"must be >= 1, got {self.max_prompt_tokens}"),
+            ("--keep-checkpoints", self.keep_checkpoints >= 1, f"must be >= 1, got {self.keep_checkpoints}"),
+            ("--sampler-gpu-memory", self.sampler_gpu_memory is None or 0 < self.sampler_gpu_memory < 1, "must be in (0, 1)"),
+            ("--sampler-threads", self.sampler_threads >= 0, f"must be >= 0, got {self.sampler_threads}"),
+            ("--tis-cap", self.tis_cap > 0, f"must be > 0, got {self.tis_cap}"),
+            ("--ess-threshold", self.ess_threshold is None or 0 <= self.ess_threshold <= 1, f"must be in [0, 1], got {self.ess_threshold}"),
+            ("--max-lag", self.max_lag is None or self.max_lag >= 0, f"must be >= 0, got {self.max_lag}"),
+            ("--max-grad-norm", self.max_grad_norm > 0, f"must be > 0, got {self.max_grad_norm}"),
+            ("--kl-coef", self.kl_coef >= 0, f"must be >= 0, got {self.kl_coef}"),
+            ("--long-tail/--long-tail-scale", self.long_tail >= 0 and self.long_tail_scale >= 1, "need shape >= 0, scale >= 1"),
+            ("--data-timeout", self.data_timeout > 0, f"must be > 0, got {self.data_timeout}"),
+            ("--eval-samples/--eval-problems", self.eval_samples >= 1 and self.eval_problems >= 1, "must be >= 1"),
+            ("--save-every", self.save_every >= 0, f"must be >= 0, got {self.save_every}"),
+            ("--snapshot-every", self.snapshot_every >= 0, f"must be >= 0, got {self.snapshot_every}"),
+        ]:
+            common.check_args(ok, flag, problem)
+        common.check_sampler_urls(self.sampler_url)
+        common.check_run_flags(self)
+
+
+GPU = torch.cuda.is_available()
+# the defaults that differ for a real model (common.parse_args applies them unless --model tiny); on a GPU a real
+# model needs bf16 autocast and checkpointing to fit beside a colocated sampler
+PAPER = dict(num_steps=1000, learning_rate=1e-6, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
+             gradient_checkpointing=GPU)
+
+
+def mode_defaults(args: Args) -> Args:
+    """H and the ESS threshold where not given, which depend on --mode: B in flight (Section 5) and the guard in pipeline
+    mode; Conventional RL generates its whole RL step, B*G, at once and has no guard (Algorithm 1)."""
+    conventional = args.mode == "conventional"
+    return dataclasses.replace(
+        args, gen_batch_size=args.gen_batch_size or args.train_batch_size * (args.steps_per_rl_step if conventional else 1),
+        ess_threshold=(0.0 if conventional else 0.5) if args.ess_threshold is None else args.ess_threshold)
+
 
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a token weight beyond it is as good as infinite, and inf / inf in the ESS is NaN
 MAX_CONSECUTIVE_NONFINITE = 10  # then the data or the model is broken: stop instead of skipping forever
 
 
+# ALGO LOGIC: the advantage, the truncated importance weights, the ESS and the loss (Eq. 4-6)
 def per_prompt_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """A = r - mean of the prompt's group. rewards: [prompts, group]."""
     return rewards - rewards.mean(1, keepdim=True)
 
 
-def token_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Untruncated token importance weights pi/mu (zero off the response); the log-ratio is
-    capped at MAX_LOG_WEIGHT so that a far off-policy token gives a tiny ESS, not an overflow."""
-    return torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float = math.inf) -> torch.Tensor:
+    """Token importance weights min(c, pi/mu), zero off the response (Eq. 5); cap = inf: the untruncated pi/mu, which
+    the ESS and the stats read. The log-ratio is capped at MAX_LOG_WEIGHT so that a far off-policy token gives a tiny
+    ESS, not an overflow."""
+    return (torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask).clamp(max=cap)
 
 
-def effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
-    """Normalised ESS (sum w)^2 / (N sum w^2) over the batch's response tokens; 1 on-policy."""
+def ess(weights: torch.Tensor, mask: torch.Tensor) -> float:
+    """Normalised ESS (sum w)^2 / (N sum w^2) over the batch's response tokens (Eq. 6); 1 on-policy."""
     w = weights[mask.bool()]
     return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
 
 
-def importance_weight_stats(weights: torch.Tensor, is_clip: float) -> dict[str, float]:
+def tis_stats(weights: torch.Tensor, tis_cap: float) -> dict[str, float]:
     """How much the truncation at c acts: the largest token weight pi/mu and the fraction of
     tokens whose weight was cut to c. weights: the untruncated weights of the response tokens."""
-    return dict(is_max_ratio=weights.max().item(), is_truncated_fraction=(weights > is_clip).float().mean().item())
+    return dict(tis_max_ratio=weights.max().item(), tis_truncated_fraction=(weights > tis_cap).float().mean().item())
 
 
-def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, is_clip: float, kl_coef: float,
+def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, *, tis_cap: float, kl_coef: float,
                       loss_norm: Literal["sequence", "token"] = "sequence"):
     """Eq. 5 with token weights: -sum over the rows' response tokens of min(c, pi/mu) * A * log pi, divided by the number
     of rows (sequences: Eq. 4-5's 1/(mK)) or, with loss_norm="token", of response tokens (a token mean); plus kl_coef * the
     k3 KL to the reference, summed and divided alike. mu is the sampler's logprob: the weight also corrects the
-    training-inference mismatch (the logprob contract)."""
+    training-inference mismatch (the logprob contract). Returns (loss, pg, kl)."""
     count = mask.shape[0] if loss_norm == "sequence" else mask.sum().clamp(min=1)
-    w = token_weights(logp.detach(), behaviour_logp, mask).clamp(max=is_clip)
+    w = truncated_is_weights(logp.detach(), behaviour_logp, mask, tis_cap)
     pg = -(w * advantages[:, None] * logp * mask).sum() / count
     log_ratio = (ref_logp - logp) * mask
     kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / count
@@ -220,6 +280,65 @@ def token_lags(sample: vllm_sampler.Completion, learner_version: int) -> list[in
     """Lag of every response token: the learner's version minus the version that produced it."""
     return [learner_version - v for v, start, end in sample.versions for _ in range(end - start)]
 
+
+def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Completion], rewards: torch.Tensor, step: int, args: Args,
+               pad_token_id: int, dist: distributed.Dist | None = None) -> dict:
+    """One optimizer step on B sequences (whole groups, group after group), in micro-batches of similar length (with
+    long-tailed responses one padded batch would cost B x the longest response). Returns its stats; stats["outcome"] is
+    "trained", or "low_ess" (ESS below the threshold) or "nonfinite" (a NaN/inf ESS, loss or gradient norm): then the
+    optimizer does not step and the caller pushes nothing."""
+    start = time.time()
+    device = next(policy.parameters()).device
+    lengths = [len(c.prompt_token_ids) + len(c.token_ids) for c in samples]
+    ids, attn, cmask = (t.to(device) for t in common.pad_prompt_completions(
+        [c.prompt_token_ids for c in samples], [c.token_ids for c in samples], pad_token_id))
+    mask = cmask[:, 1:].float()
+    behaviour = common.sampler_logprob_tensor(samples, [len(c.prompt_token_ids) for c in samples], mask.shape[1]).to(device)
+    advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
+    # sampler vs learner on sequences generated wholly by the learner's current weights: the training-inference mismatch alone
+    fresh = torch.tensor([c.version_min == step for c in samples], device=device)
+    tokens = sum(len(c.token_ids) for c in samples)
+    total = len(samples) if args.loss_norm == "sequence" else tokens
+    processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
+
+    # ALGO LOGIC: the truncated-IS loss over the batch (Eq. 5), then the ESS guard (Algorithm 2, lines 20-23)
+    def loss_fn(mb: common.MicroBatch):
+        rows, cut = mb.items, slice(0, mb.width - 1)
+        inputs, m, mu = (ids[rows, :mb.width], attn[rows, :mb.width], cmask[rows, :mb.width]), mask[rows, cut], behaviour[rows, cut]
+        with common.autocast(device, args.autocast_bf16):
+            logp = common.token_logprobs(policy, *inputs, **processing)
+        with torch.no_grad(), common.autocast(device, args.autocast_bf16):
+            ref_logp = common.token_logprobs(ref_policy, *inputs, **processing) if ref_policy else logp.detach()
+        loss, pg, kl = truncated_is_loss(logp, mu, ref_logp, m, advantages[rows], tis_cap=args.tis_cap, kl_coef=args.kl_coef,
+                                         loss_norm=args.loss_norm)
+        size = len(rows) if args.loss_norm == "sequence" else m.sum().item()
+        share = size / total  # of the batch's sequences (or tokens): what accumulate weights this micro-batch's loss by
+        weights = torch.zeros_like(mask)  # the untruncated pi/mu in the batch's layout (its rows only: the micro-batches add up)
+        weights[rows, cut] = truncated_is_weights(logp.detach(), mu, m)
+        diff = ((logp.detach() - mu).abs() * m)[fresh[rows]]
+        return loss, size, dict(pg=pg.item() * share, kl=kl.item() * share, weights=weights,
+                                diff=diff.sum().item(), diff_tokens=m[fresh[rows]].sum().item())
+
+    loss, out = common.accumulate(loss_fn, lengths, args.micro_batch_tokens, total=total, max_rows=args.micro_batch_size, dist=dist)
+    by_length = sorted(range(len(samples)), key=lengths.__getitem__)  # the micro-batches' order: the sums' order, to the last bit
+    batch_ess = ess(out["weights"][by_length], mask[by_length])
+    if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
+        grad_norm, stepped = common.optimizer_step(policy, optimizer, args.max_grad_norm, loss, dist)
+    else:
+        optimizer.zero_grad()
+        grad_norm, stepped = float("nan"), False
+    low_ess = batch_ess < args.ess_threshold and math.isfinite(loss.item())
+    lags = [lag for c in samples for lag in token_lags(c, step)]
+    stats = dict(ess=batch_ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
+                 tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl=out["kl"],
+                 grad_norm=grad_norm, **tis_stats(out["weights"][mask.bool()], args.tis_cap),
+                 outcome="trained" if stepped else "low_ess" if low_ess else "nonfinite", train_seconds=time.time() - start)
+    if out["diff_tokens"]:  # absent when no sequence of the batch was generated wholly by the current weights
+        stats["logprob_diff"] = out["diff"] / out["diff_tokens"]
+    return stats
+
+
+# ---- the actor (rank 0): prompts in, finished groups out ----
 
 def admission(step: int, sampler_version: int, queued_versions: list[int], in_flight: int, args: Args,
               on_policy_only: bool = False) -> tuple[list[int], int]:
@@ -268,284 +387,229 @@ def wait_until(done: Callable[[], bool], pump: Callable[[], int], timeout: float
     return time.monotonic() - start
 
 
-def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Completion], rewards: torch.Tensor, step: int, args: Args,
-               pad_token_id: int, d: distributed.Dist | None = None) -> dict:
-    """One optimizer step on B sequences (whole groups, group after group). Returns its stats;
-    stats["outcome"] is "trained", or "low_ess" (ESS below the threshold) or "nonfinite" (a NaN/inf
-    ESS, loss or gradient norm): then the optimizer does not step and the caller pushes nothing.
-    Under torchrun every rank is given the same B sequences and runs its micro-batches of them
-    (distributed.my_micro_batches): the gradients are summed over ranks, and the stats, hence the
-    outcome, are the whole batch's on every rank."""
-    start = time.time()
-    device = next(policy.parameters()).device
-    advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
-    # micro-batches of similar length: with long-tailed responses one padded batch would cost
-    # B x the longest response; the gradients of the micro-batches add up to the batch's
-    lengths = [len(c.prompt_token_ids) + len(c.token_ids) for c in samples]
-    total_tokens = sum(len(c.token_ids) for c in samples)
-    processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
-    optimizer.zero_grad()
-    loss_sum = pg_sum = kl_sum = 0.0
-    diff_sum, diff_tokens = 0.0, 0
-    # every response token's weight pi/mu, one row per sequence (each filled by the rank that ran it)
-    token_w = torch.zeros(len(samples), max(len(c.token_ids) for c in samples), device=device)
-    plan = common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size)
-    for rows, part in distributed.my_micro_batches(plan, d):  # part 0: a stand-in that must change nothing
-        micro = [samples[i] for i in rows]
-        ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in micro], [c.token_ids for c in micro], pad_token_id)
-        ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
-        mask = cmask[:, 1:].float()
-        behaviour = common.sampler_logprob_tensor(micro, [len(c.prompt_token_ids) for c in micro], mask.shape[1]).to(device)
-        with common.autocast(device, args.autocast_bf16):
-            logp = common.token_logprobs(policy, ids, attn, cmask, **processing)
-        if part:
-            w = token_weights(logp.detach(), behaviour, mask)
-            for i, row in enumerate(rows):  # (rows are right-padded: a slice, not a mask, so no shape depends on data)
-                first = len(micro[i].prompt_token_ids) - 1  # mask = cmask[:, 1:]: the response's first logprob sits here
-                token_w[row, :len(micro[i].token_ids)] = w[i, first:first + len(micro[i].token_ids)]
-            # sampler vs learner on sequences generated wholly by the learner's current weights (their
-            # KV cache too): the training-inference mismatch alone, ~1e-6 in fp32
-            fresh = torch.tensor([c.version_min == step for c in micro], device=device)
-            diff_sum += ((logp.detach() - behaviour).abs() * mask)[fresh].sum().item()
-            diff_tokens += int(mask[fresh].sum().item())
-        with torch.no_grad(), common.autocast(device, args.autocast_bf16):
-            ref_logp = common.token_logprobs(ref_policy, ids, attn, cmask, **processing) if ref_policy else logp.detach()
-        loss, pg, kl = truncated_is_loss(logp, behaviour, ref_logp, mask, advantages[rows], args.is_clip, args.kl_coef, args.loss_norm)
-        # the micro-batch's share of the batch's sequences (or tokens): its mean -> the batch's
-        share = part * (len(rows) / len(samples) if args.loss_norm == "sequence" else mask.sum().item() / total_tokens)
-        (loss * share).backward()
-        loss_sum, pg_sum, kl_sum = loss_sum + loss.item() * share, pg_sum + pg.item() * share, kl_sum + kl.item() * share
-    # under torchrun: every rank's rows and sums (one process: unchanged)
-    token_w, (loss_sum, pg_sum, kl_sum, diff_sum, diff_tokens) = distributed.all_sum((token_w, (loss_sum, pg_sum, kl_sum, diff_sum,
-                                                                                                 diff_tokens)), d)
-    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)).item()
-    # the response tokens in the micro-batches' order, as one process concatenates them: the same ESS to the last bit
-    weights = torch.cat([token_w[row, :len(samples[row].token_ids)] for rows in plan for row in rows])
-    ess = effective_sample_size(weights, torch.ones_like(weights))
-    lags = [lag for c in samples for lag in token_lags(c, step)]
-    stats = dict(ess=ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
-                 tokens=total_tokens, response_length=total_tokens / len(samples), loss=loss_sum, pg=pg_sum, kl=kl_sum,
-                 grad_norm=grad_norm, **importance_weight_stats(weights, args.is_clip))
-    if diff_tokens:
-        stats["logprob_diff"] = diff_sum / diff_tokens
-    # NaN < threshold is False: a NaN ESS would pass the guard, so non-finite values are caught first
-    if not all(math.isfinite(x) for x in (ess, loss_sum, grad_norm)):
-        outcome = "nonfinite"
-    elif ess < args.ess_threshold:
-        outcome = "low_ess"
-    else:
-        outcome = "trained"
-        optimizer.step()
-    optimizer.zero_grad()
-    return stats | dict(outcome=outcome, train_seconds=time.time() - start)
+Group = tuple[int, list[vllm_sampler.Completion]]  # (data position, the prompt's samples)
 
 
-def fill_defaults(args: Args) -> Args:
-    """The [bracketed] defaults, which depend on the model and the mode; a value given on the command line stays."""
-    tiny = args.model == common.TINY
-    if args.num_steps is None:
-        args.num_steps = 120 if tiny else 1000
-    if args.learning_rate is None:
-        args.learning_rate = 1e-4 if tiny else 1e-6
-    if args.max_new_tokens is None:
-        args.max_new_tokens = 32 if tiny else 1024
-    if args.max_prompt_tokens is None:
-        args.max_prompt_tokens = 64 if tiny else 512
-    conventional = args.mode == "conventional"
-    if args.gen_batch_size is None:  # B in flight (Section 5); Conventional RL generates its whole RL step at once
-        args.gen_batch_size = args.train_batch_size * (args.steps_per_rl_step if conventional else 1)
-    if args.ess_threshold is None:  # Algorithm 2 has the guard, Algorithm 1 has none
-        args.ess_threshold = 0.0 if conventional else 0.5
-    common.memory_defaults(args)
-    return args
+class Actor:
+    """Rank 0's side of the pipeline: submits prompts (--group-size samples each) to the sampler, files the finished
+    samples, and queues a prompt's group for the trainer once all of it is done. Counts skipped prompts and dropped
+    sequences in `totals`."""
+
+    def __init__(self, sampler, task, tokenizer, args: Args, data_position: int, totals: dict):
+        self.sampler, self.task, self.tokenizer, self.args, self.totals = sampler, task, tokenizer, args, totals
+        self.data_position = data_position  # the next training prompt
+        self.groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far
+        self.ready: deque[Group] = deque()  # the trainer queue
+        self.on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
+        self.rng = np.random.default_rng(args.seed)  # long-tail lengths
+
+    def queued(self) -> int:
+        return len(self.ready) * self.args.group_size
+
+    def describe(self, step: int) -> str:
+        return (f"{self.queued()} of {self.args.train_batch_size} sequences queued, {len(self.sampler.pending)} in flight, "
+                f"learner step {step}, sampler version {self.sampler.version}, --max-lag {self.args.max_lag}")
+
+    def submit(self, count: int) -> None:
+        """Send the next `count` prompts, group_size samples each, in one request batch."""
+        args, keys, prompts, overrides = self.args, [], [], []
+        while len(keys) < count:
+            key = self.data_position
+            self.data_position += 1
+            _, ids, too_long = common.encode_prompts(self.tokenizer, [self.task.problem("train", key)], args.max_prompt_tokens,
+                                                     args.chat_template)
+            if too_long:  # longer than the context: counted in the log, not sent
+                self.totals["skipped_prompts"] += 1
+                continue
+            keys.append(key)
+            prompts.append(ids[0])
+            self.groups[key] = []
+            override = {}
+            if args.long_tail:
+                length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + self.rng.pareto(args.long_tail))))
+                # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled
+                # distribution, so the sampler's logprobs would no longer be the policy's
+                override = dict(ignore_eos=True, max_tokens=length)
+            # a seed per prompt (the sampler adds the sample's index): its samples depend on --seed and its data position
+            # alone, not on what else the engine runs or on a request counter that restarts: a resumed run samples as before
+            override["seed"] = ((args.seed & 0x7FFFFFFF) << 32) + key * args.group_size
+            overrides.append(override)
+        if keys:
+            self.sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides, temperature=args.temperature,
+                                top_p=args.top_p, max_tokens=args.max_new_tokens)
+
+    def receive(self, timeout: float) -> int:
+        """File finished samples; a prompt's group goes to the trainer queue once all of it is done."""
+        finished = self.sampler.poll(timeout=timeout)
+        for c in finished:
+            key, _ = c.tag
+            self.groups[key].append(c)
+            if len(self.groups[key]) == self.args.group_size:
+                self.ready.append((key, sorted(self.groups.pop(key), key=lambda s: s.tag[1])))
+        return len(finished)
+
+    def pump(self, timeout: float, step: int) -> int:
+        """Pipeline mode: receive, drop stale groups, admit prompts. Returns how many sequences arrived plus prompts were
+        admitted."""
+        args, sampler = self.args, self.sampler
+        received = self.receive(timeout)
+        # in flight: every admitted group not complete yet, its finished samples included
+        drop, admit = admission(step, sampler.version, [min(c.version_min for c in g) for _, g in self.ready],
+                                len(self.groups) * args.group_size, args, self.on_policy_only)
+        for i in reversed(drop):
+            del self.ready[i]
+        self.totals["stale_dropped"] += len(drop) * args.group_size
+        self.submit(admit)
+        if not (received or admit or self.groups) and self.queued() < args.train_batch_size:
+            if sampler.version < step:  # admission waits for the learner's weights to land in the sampler
+                sampler.wait_for_push()
+                return 1
+            raise RuntimeError(f"the pipeline stalled: {self.describe(step)}")  # admission() rules this out; never spin
+        return received + admit
+
+    def next_batch(self, step: int) -> tuple[float, list[Group]]:
+        """Pipeline mode: keep H in flight and wait for B finished sequences; the B oldest. Returns (seconds waited, batch)."""
+        self.pump(0.0, step)
+        waited = wait_until(lambda: self.queued() >= self.args.train_batch_size, lambda: self.pump(0.1, step),
+                            self.args.data_timeout, lambda: self.describe(step))
+        return waited, [self.ready.popleft() for _ in range(self.args.train_batch_size // self.args.group_size)]
+
+    def rl_step_batches(self, steps: int, step: int, rng: np.random.Generator) -> tuple[float, list[list[Group]]]:
+        """Conventional RL: B * steps sequences from one policy, all in flight at once, shuffled into `steps` batches of B.
+        Returns (seconds waited, batches)."""
+        self.submit(self.args.train_batch_size // self.args.group_size * steps)
+        waited = wait_until(lambda: self.queued() >= self.args.train_batch_size * steps, lambda: self.receive(0.5),
+                            self.args.data_timeout, lambda: self.describe(step))
+        batches = shuffled_batches(list(self.ready), self.args.train_batch_size // self.args.group_size, rng)
+        self.ready.clear()
+        return waited, batches
+
+
+# ---- logging ----
+
+def step_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float, wait_seconds: float) -> dict:
+    """A trained step's row of metrics.jsonl."""
+    metrics = {
+        "charts/reward": stats["reward"], "charts/accuracy": stats["accuracy"], "charts/ess": stats["ess"],
+        "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"], "charts/lag_max": stats["lag_max"],
+        "charts/tis_max_ratio": stats["tis_max_ratio"], "charts/tis_truncated_fraction": stats["tis_truncated_fraction"],
+        "charts/response_length": stats["response_length"], "charts/in_flight": in_flight,
+        "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"],
+        "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
+        "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
+        "charts/tokens_per_second": totals["tokens"] / totals["wall"],
+        "losses/loss": stats["loss"], "losses/pg": stats["pg"], "charts/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
+        "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
+    }
+    if "logprob_diff" in stats:
+        metrics["charts/logprob_diff"] = stats["logprob_diff"]
+    return metrics
+
+
+def skip_metrics(stats: dict, totals: dict) -> dict:
+    """A skipped batch's row: its ESS too, so that a guard that skips stale batches does not make the logged ESS look
+    better than the data was (trained steps' rows alone have losses/loss)."""
+    return {"charts/ess": stats["ess"], "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"],
+            "charts/lag_max": stats["lag_max"], "charts/tis_max_ratio": stats["tis_max_ratio"],
+            "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"]}
+
+
+def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
+    """The run's summary: speed, ESS, lag, skips, and the held-out evaluation before and after."""
+    label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
+    rows = common.read_metrics(logger.dir)
+    ess_values = [r["charts/ess"] for r in rows if "charts/ess" in r and math.isfinite(r["charts/ess"])]  # every batch, skipped too
+    lags = [r["charts/lag_mean"] for r in rows if "losses/loss" in r]  # the trained steps'
+    logger.report(step, f"{label}: {args.num_steps} steps of {args.train_batch_size} sequences",
+                  {"method": label, "wall (s)": totals["wall"], "episodes/s": totals["episodes"] / totals["wall"],
+                   "tokens/s": totals["tokens"] / totals["wall"], "mean ESS": float(np.mean(ess_values)),
+                   "mean token lag": float(np.mean(lags)), "learner wait (s)": totals["wait"],
+                   "skipped": str(totals["skipped"] + totals["nonfinite"]), "dropped": str(totals["stale_dropped"])},
+                  eval_start, eval_end, memory)
 
 
 def main():
-    args = fill_defaults(common.parse_args(Args))  # on --resume: the saved run's flags
+    args = mode_defaults(common.parse_args(Args, paper=PAPER))  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
-    tiny = args.model == common.TINY
-    common.check_args(args.num_steps >= 1, "--num-steps", f"must be >= 1, got {args.num_steps}")
-    common.check_args(args.learning_rate > 0, "--learning-rate", f"must be > 0, got {args.learning_rate}")
-    common.check_args(args.group_size >= 2, "--group-size", "the per-prompt baseline needs at least 2 samples per prompt")
-    common.check_args(args.train_batch_size >= args.group_size and args.train_batch_size % args.group_size == 0, "--train-batch-size",
-                      f"must be a positive multiple of --group-size ({args.train_batch_size} vs {args.group_size})")
-    common.check_args(args.steps_per_rl_step >= 1, "--steps-per-rl-step", f"must be >= 1, got {args.steps_per_rl_step}")
-    common.check_args(args.gen_batch_size >= args.group_size, "--gen-batch-size", "must hold at least one prompt's group")
-    common.check_args(args.micro_batch_size >= 1, "--micro-batch-size", f"must be >= 1, got {args.micro_batch_size}")
-    common.check_args(args.micro_batch_tokens >= 1, "--micro-batch-tokens", f"must be >= 1, got {args.micro_batch_tokens}")
-    common.check_args(args.temperature > 0, "--temperature",
-                      "must be > 0: the importance weights need the sampler's logprobs of a sampled distribution (greedy has none)")
-    common.check_args(0 < args.top_p <= 1, "--top-p", f"must be in (0, 1], got {args.top_p}")
-    common.check_args(args.max_new_tokens >= 1, "--max-new-tokens", f"must be >= 1, got {args.max_new_tokens}")
-    common.check_sampler_urls(args.sampler_url)
-    common.check_run_flags(args)
-    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
-    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
-    common.check_args(args.is_clip > 0, "--is-clip", f"must be > 0, got {args.is_clip}")
-    common.check_args(0 <= args.ess_threshold <= 1, "--ess-threshold", f"must be in [0, 1], got {args.ess_threshold}")
-    common.check_args(args.max_lag is None or args.max_lag >= 0, "--max-lag", f"must be >= 0, got {args.max_lag}")
-    common.check_args(args.max_grad_norm > 0, "--max-grad-norm", f"must be > 0, got {args.max_grad_norm}")
-    common.check_args(args.kl_coef >= 0, "--kl-coef", f"must be >= 0, got {args.kl_coef}")
-    common.check_args(args.long_tail >= 0 and args.long_tail_scale >= 1, "--long-tail/--long-tail-scale", "need shape >= 0, scale >= 1")
-    common.check_args(args.data_timeout > 0, "--data-timeout", f"must be > 0, got {args.data_timeout}")
-    common.check_args(args.eval_samples >= 1 and args.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1")
-    common.check_args(args.save_every >= 0, "--save-every", f"must be >= 0, got {args.save_every}")
-    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
-    common.check_args(args.max_prompt_tokens >= 1, "--max-prompt-tokens", f"must be >= 1, got {args.max_prompt_tokens}")
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
-
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = dist.device
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     args.sampler_gpu_memory = common.memory_plan(args, model_path, "pipeline")  # GPU only: the plan line, or a refusal naming flags
     tokenizer = common.load_tokenizer(model_path)
     common.check_chat_template(tokenizer, args.chat_template)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny, reward=args.reward, prompt_field=args.prompt_field,
-                           answer_field=args.answer_field, system_prompt=args.system_prompt)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
+                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype))
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False) if args.kl_coef else None
-    # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
-    push_model = distributed.push_copy(policy, dist)
-    policy = distributed.shard(policy, dist)
-    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
-    print(f"run directory: {logger.dir}")
-    rng = np.random.default_rng(args.seed)  # long-tail lengths
-    shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
 
-    step, data_position = 0, 0
-    totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
-    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-        state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
-        step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
-        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-        print(f"resumed from {args.resume}: step {step}")
-    example = common.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
-    if example:
-        print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
-
-    # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
+    # the sampler builds its engine while the learner loads its models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         gpu_memory_utilization=args.sampler_gpu_memory,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                         max_num_seqs=args.gen_batch_size,
-                                         urls=args.sampler_url, weights=push_model, version=step,
-                                         background_push=args.mode == "pipeline" and args.background_push,
-                                         verbose=args.verbose) if dist.is_main else None
+                                   gpu_memory_utilization=args.sampler_gpu_memory,
+                                   max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.gen_batch_size,
+                                   urls=args.sampler_url, verbose=args.verbose, wait=False,
+                                   threads=common.sampler_threads(args.sampler_threads, overlapped=args.mode == "pipeline"),
+                                   ) if dist.is_main else None
     try:
-        sampling = dict(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
-        groups: dict[int, list[vllm_sampler.Completion]] = {}  # data position -> the samples finished so far
-        ready: deque[tuple[int, list[vllm_sampler.Completion]]] = deque()  # the trainer queue: (data position, group)
-        on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
+        policy = common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype))
+        if args.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+            policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
+        ref_policy = (common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False)
+                      if args.kl_coef else None)
+        push_model = distributed.push_copy(policy, dist)  # what the sampler's weight sync reads: the policy, or rank 0's full copy
+        policy = distributed.shard(policy, dist)
+        ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
+        optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        print(f"run directory: {logger.dir}")
+        shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
+
+        step, data_position = 0, 0
+        totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
+        if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
+            state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
+            step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
+            distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+            print(f"resumed from {args.resume}: step {step}")
+        example = common.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
+        if example:
+            print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
+        if dist.is_main:  # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
+            common.connect_weights(sampler, push_model, version=step, background_push=args.mode == "pipeline" and args.background_push)
+        actor = Actor(sampler, task, tokenizer, args, data_position, totals) if dist.is_main else None
         nonfinite_in_a_row = 0
         gathered_step = step  # the step whose weights push_model holds (under torchrun it is gathered, not the policy itself)
 
-        def submit_prompts(count: int) -> None:
-            """Send the next `count` prompts, group_size samples each, in one request batch."""
-            nonlocal data_position
-            keys, prompts, overrides = [], [], []
-            while len(keys) < count:
-                key = data_position
-                data_position += 1
-                _, ids, too_long = common.encode_prompts(tokenizer, [task.problem("train", key)], args.max_prompt_tokens, args.chat_template)
-                if too_long:  # longer than the context: counted in the log, not sent
-                    totals["skipped_prompts"] += 1
-                    continue
-                keys.append(key)
-                prompts.append(ids[0])
-                groups[key] = []
-                override = {}
-                if args.long_tail:
-                    length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail))))
-                    # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled
-                    # distribution, so the sampler's logprobs would no longer be the policy's
-                    override = dict(ignore_eos=True, max_tokens=length)
-                # a seed per prompt (the sampler adds the sample's index): its samples depend on --seed and its data position
-                # alone, not on what else the engine runs or on a request counter that restarts: a resumed run samples as before
-                override["seed"] = ((args.seed & 0x7FFFFFFF) << 32) + key * args.group_size
-                overrides.append(override)
-            if keys:
-                sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides, **sampling)
-
-        def receive(timeout: float) -> int:
-            """File finished samples; a prompt's group goes to the trainer queue once all of it is done."""
-            finished = sampler.poll(timeout=timeout)
-            for c in finished:
-                key, _ = c.tag
-                groups[key].append(c)
-                if len(groups[key]) == args.group_size:
-                    ready.append((key, sorted(groups.pop(key), key=lambda s: s.tag[1])))
-            return len(finished)
-
-        def queued() -> int:
-            return len(ready) * args.group_size
-
-        def describe() -> str:
-            return (f"{queued()} of {args.train_batch_size} sequences queued, {len(sampler.pending)} in flight, learner step {step}, "
-                    f"sampler version {sampler.version}, --max-lag {args.max_lag}")
-
-        def pump(timeout: float) -> int:
-            """The actor's side (pipeline mode): receive, drop stale groups, admit prompts. Returns how
-            many sequences arrived plus prompts were admitted."""
-            received = receive(timeout)
-            # in flight: every admitted group not complete yet, its finished samples included
-            drop, admit = admission(step, sampler.version, [min(c.version_min for c in g) for _, g in ready],
-                                    len(groups) * args.group_size, args, on_policy_only)
-            for i in reversed(drop):
-                del ready[i]
-            totals["stale_dropped"] += len(drop) * args.group_size
-            submit_prompts(admit)
-            if not (received or admit or groups) and queued() < args.train_batch_size:
-                if sampler.version < step:  # admission waits for the learner's weights to land in the sampler
-                    sampler.wait_for_push()
-                    return 1
-                raise RuntimeError(f"the pipeline stalled: {describe()}")  # admission() rules this out; never spin
-            return received + admit
-
-        def take_groups(count: int) -> list[tuple[int, list[vllm_sampler.Completion]]]:
-            return [ready.popleft() for _ in range(count)]
-
-        def train_on(batch: list[tuple[int, list[vllm_sampler.Completion]]]) -> dict:
-            # in data order, so the micro-batches do not depend on which group finished first
-            batch = sorted(batch, key=lambda kg: kg[0])
-            batch_problems = [task.problem("train", key) for key, _ in batch]
+        def train_on(batch: list[Group]) -> dict:
+            batch = sorted(batch, key=lambda kg: kg[0])  # in data order: the micro-batches do not depend on which group finished first
+            problems = [task.problem("train", key) for key, _ in batch]
             samples = [c for _, g in batch for c in g]
-            rewards = torch.tensor([task.reward(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)])
+            rewards = torch.tensor([task.reward(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
             stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id, dist)
-            stats["accuracy"] = float(np.mean([task.is_correct(c.text, batch_problems[i // args.group_size]) for i, c in enumerate(samples)]))
+            stats["accuracy"] = float(np.mean([task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]))
             return stats
 
         def skipped(stats: dict) -> bool:
-            """Count a step that did not train; True if so (nothing is pushed or checkpointed then). A skipped batch
-            is logged too, its ESS with it: charts/ess covers every batch, so a guard that skips stale batches does
-            not make the logged ESS look better than the data was (trained steps' rows alone have losses/loss)."""
-            nonlocal on_policy_only, nonfinite_in_a_row
+            """Count a step that did not train and log its batch; True if so (nothing is pushed or checkpointed then)."""
+            nonlocal nonfinite_in_a_row
+            if stats["outcome"] != "nonfinite" and actor is not None:  # after an ESS skip: a batch of the current weights
+                actor.on_policy_only = stats["outcome"] == "low_ess"
+            if stats["outcome"] == "trained":
+                nonfinite_in_a_row = 0
+                return False
             if stats["outcome"] == "low_ess":
                 totals["skipped"] += 1
-                on_policy_only = True
-            elif stats["outcome"] == "nonfinite":
+            else:
                 totals["nonfinite"] += 1
                 nonfinite_in_a_row += 1
                 print(f"step {step + 1}: non-finite ESS {stats['ess']:.3g} / loss {stats['loss']:.3g} / grad norm "
                       f"{stats['grad_norm']:.3g}: skipped ({totals['nonfinite']} so far)")
                 if nonfinite_in_a_row >= MAX_CONSECUTIVE_NONFINITE:
                     raise RuntimeError(f"{MAX_CONSECUTIVE_NONFINITE} batches in a row gave a non-finite ESS, loss or gradient")
-            else:
-                nonfinite_in_a_row = 0
-                on_policy_only = False
-                return False
-            logger.log(step, {"charts/ess": stats["ess"], "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"],
-                              "charts/lag_max": stats["lag_max"], "charts/is_max_ratio": stats["is_max_ratio"],
-                              "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"]}, echo=False)
+            logger.log(step, skip_metrics(stats, totals), echo=False)
             return True
 
         def gather():
@@ -560,26 +624,12 @@ def main():
             totals["tokens"] += stats["tokens"]
             totals["wall"] = time.time() - loop_start
             in_flight = len(sampler.pending) if dist.is_main else 0
-            metrics = {
-                "charts/reward": stats["reward"], "charts/accuracy": stats["accuracy"], "charts/ess": stats["ess"],
-                "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"], "charts/lag_max": stats["lag_max"],
-                "charts/is_max_ratio": stats["is_max_ratio"], "charts/is_truncated_fraction": stats["is_truncated_fraction"],
-                "charts/response_length": stats["response_length"], "charts/in_flight": in_flight,
-                "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"],
-                "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
-                "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
-                "charts/tokens_per_second": totals["tokens"] / totals["wall"],
-                "losses/loss": stats["loss"], "losses/pg": stats["pg"], "charts/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
-                "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
-            }
-            if "logprob_diff" in stats:  # absent when no sequence of the batch was generated wholly by the current weights
-                metrics["charts/logprob_diff"] = stats["logprob_diff"]
-            logger.log(step, metrics, echo=False)
+            logger.log(step, step_metrics(stats, totals, in_flight, push_seconds, wait_seconds), echo=False)
             progress.update(1, reward=stats["reward"], acc=stats["accuracy"], ess=stats["ess"], lag=stats["lag_mean"])
             if step % 10 == 0 or step == args.num_steps:
                 progress.write(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
                                f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {in_flight} "
-                               f"episodes/s {metrics['charts/episodes_per_second']:.1f} skipped {totals['skipped']} "
+                               f"episodes/s {totals['episodes'] / totals['wall']:.1f} skipped {totals['skipped']} "
                                f"dropped {totals['stale_dropped']}")
             if args.snapshot_every and step % args.snapshot_every == 0:
                 gather()  # (Conventional RL pushes only after its G steps)
@@ -588,58 +638,47 @@ def main():
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):  # (every rank; rank 0 writes)
                 gather()
                 common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                            data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer, totals=totals,
-                                            keep=args.keep_checkpoints)
+                                       actor.data_position if actor else data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer,
+                                       totals=totals, keep=args.keep_checkpoints)
 
         def evaluate():
             return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   args.chat_template, **sampling)
+                                   args.chat_template, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
         eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
         if dist.is_main and args.snapshot_every and step == 0:
             logger.snapshot(step, push_model)  # time 0 of the learning curve
         loop_start = time.time() - totals["wall"]
-        groups_per_batch = args.train_batch_size // args.group_size
         progress = common.Progress(args.num_steps, "train", unit="step", initial=step, show=dist.is_main)
         while step < args.num_steps:
             if args.mode == "pipeline":
-                wait_seconds, batch = 0.0, None
-                if dist.is_main:
-                    # ---- actor: refill, file what finished; the trainer waits for B usable sequences ----
-                    pump(0.0)
-                    wait_seconds = wait_until(lambda: queued() >= args.train_batch_size, lambda: pump(0.1), args.data_timeout, describe)
-                    totals["wait"] += wait_seconds
-                    batch = take_groups(groups_per_batch)
-                # ---- trainer: one step on the B oldest sequences (under torchrun: rank 0's, on every rank), then an
-                # in-flight weight push ----
+                # ALGO LOGIC: PipelineRL (Algorithm 2): the actor keeps H sequences in flight; the trainer takes the B oldest
+                # finished ones (under torchrun: rank 0's, on every rank), takes one step and pushes the weights in flight
+                wait_seconds, batch = actor.next_batch(step) if dist.is_main else (0.0, None)
+                totals["wait"] += wait_seconds
                 stats = train_on(distributed.broadcast(batch, dist))
                 if skipped(stats):
                     continue
                 step += 1
-                gather()  # under torchrun: every rank takes part, rank 0 pushes
+                gather()
                 push_seconds = (sampler.push_weights(step, recompute_kv=args.recompute_kv, background=args.background_push)
                                 if dist.is_main else 0.0)
                 log_step(stats, push_seconds, wait_seconds)
             else:
-                # ---- Conventional RL: B*G sequences from one policy, shuffled into G batches, G steps, push ----
+                # ALGO LOGIC: Conventional RL (Algorithm 1): B*G sequences from one policy, shuffled into G batches, G steps, push
                 steps_now = min(args.steps_per_rl_step, args.num_steps - step)
-                wait_seconds, batches = 0.0, None
-                if dist.is_main:
-                    submit_prompts(groups_per_batch * steps_now)
-                    wait_seconds = wait_until(lambda: queued() >= args.train_batch_size * steps_now, lambda: receive(0.5),
-                                              args.data_timeout, describe)
-                    totals["wait"] += wait_seconds
-                    batches = shuffled_batches(list(ready), groups_per_batch, shuffle_rng)
-                    ready.clear()
-                for batch in distributed.broadcast(batches, dist):  # (under torchrun: rank 0's batches, on every rank)
+                wait_seconds, batches = actor.rl_step_batches(steps_now, step, shuffle_rng) if dist.is_main else (0.0, None)
+                totals["wait"] += wait_seconds
+                for batch in distributed.broadcast(batches, dist):
                     stats = train_on(batch)
                     if skipped(stats):
                         continue
                     step += 1
                     log_step(stats, 0.0, wait_seconds)
                 gather()
-                push_seconds = sampler.push_weights(step) if dist.is_main else 0.0
+                if dist.is_main:
+                    sampler.push_weights(step)
         if dist.is_main:
             sampler.wait_for_push()
             sampler.abort(list(sampler.pending))
@@ -651,20 +690,9 @@ def main():
         if sampler is not None:
             sampler.close()
         distributed.close(dist)
-    if not dist.is_main:
-        return  # the run directory and its report are rank 0's
-
-    label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
-    rows = common.read_metrics(logger.dir)
-    ess = [r["charts/ess"] for r in rows if "charts/ess" in r and math.isfinite(r["charts/ess"])]  # every batch, skipped ones too
-    lags = [r["charts/lag_mean"] for r in rows if "losses/loss" in r]  # the trained steps'
-    logger.report(step, f"{label}: {args.num_steps} steps of {args.train_batch_size} sequences",
-                  {"method": label, "wall (s)": totals["wall"], "episodes/s": totals["episodes"] / totals["wall"],
-                   "tokens/s": totals["tokens"] / totals["wall"], "mean ESS": float(np.mean(ess)),
-                   "mean token lag": float(np.mean(lags)), "learner wait (s)": totals["wait"],
-                   "skipped": str(totals["skipped"] + totals["nonfinite"]), "dropped": str(totals["stale_dropped"])},
-                  eval_start, eval_end, memory)
-    logger.close()
+    if dist.is_main:  # the run directory and its report are rank 0's
+        report(logger, args, step, totals, eval_start, eval_end, memory)
+        logger.close()
 
 
 if __name__ == "__main__":

@@ -283,12 +283,9 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     --gradient-checkpointing."""
     import pipeline_rl as prl
 
-    args = prl.Args(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
-    args.max_new_tokens = response or args.max_new_tokens or 1024  # main(): 1024 unless tiny
-    args.learning_rate = args.learning_rate or 1e-6
-    args.ess_threshold = 0.5 if args.ess_threshold is None else args.ess_threshold  # main(): 0.5 in pipeline mode
-    if micro_batch_size:
-        args.micro_batch_size = micro_batch_size
+    overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing,
+                     max_new_tokens=response or prl.PAPER["max_new_tokens"], micro_batch_size=micro_batch_size or prl.Args.micro_batch_size)
+    args = prl.mode_defaults(prl.Args(**prl.PAPER | overrides))  # the paper's defaults, in pipeline mode
     policy = causal_lm(config, True, checkpointing)
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
     optimizer = adam(policy.parameters())

@@ -6,12 +6,12 @@ workload (tiny model), in one run.
 Workload: each prompt's responses are forced to a length L = min(64, 2 * (1 + Pareto(0.8)))
 tokens (vLLM ignore_eos with max_tokens = L; pipeline_rl.py --long-tail 0.8 --long-tail-scale 2):
 median 4 tokens, 1 in 10 above 35, about 1 in 16 at the 64-token cap, so a Conventional RL
-round waits for its longest sequences while the engine's batch drains. H = 128 in flight (H = 256,
-Conventional RL's B*G, measured 1.25x/1.46x: a bigger decode batch, more lag, no faster).
+round waits for its longest sequences while the engine's batch drains. PipelineRL keeps H = 128 in
+flight (--h); Conventional RL its default, all B*G.
 
-This machine's speed drifts by 10-30% over minutes, so the two methods run in alternation,
-PipelineRL, Conventional, Conventional, PipelineRL, ... (--repeats pairs; ABBA cancels a steady
-drift), and the ratio is taken between the methods' mean samples/s. Reports samples/s, the
+A machine's speed drifts over minutes, so the two methods run in alternation, PipelineRL,
+Conventional, Conventional, PipelineRL, ... (--repeats pairs; ABBA cancels a steady drift), and
+the ratio is taken between the methods' mean samples/s. Reports samples/s, the
 ratio (and each pair's), mean ESS, mean token lag, and the training reward each run had reached
 at the same wall-clock time."""
 
