@@ -120,7 +120,7 @@ class Args:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
     on most weights"""
-    sampler_gpu_memory: Annotated[float | None, help_default("sized by the memory plan")] = None
+    sampler_gpu_memory: Annotated[float | None, help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
     """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization)"""
     tis_cap: float = 5.0
     """c: token importance weights pi/mu are truncated at c (Eq. 5; the paper clamps at 5, Section 5). mu is the sampler's
