@@ -421,9 +421,9 @@ class MicroBatch:
 
 
 def accumulate(loss_fn, lengths: list[int], max_tokens: int, total: float | None = None, rows_per_item: int = 1,
-               dist=None) -> tuple[torch.Tensor, dict]:
+               dist=None, max_rows: int | None = None) -> tuple[torch.Tensor, dict]:
     """The gradient of one batch's loss, accumulated over micro-batches of at most `max_tokens`
-    padded tokens (micro_batches), so that memory is bounded whatever the batch size.
+    padded tokens (and at most `max_rows` items: micro_batches), so that memory is bounded whatever the batch size.
 
     loss_fn(mb: MicroBatch) -> (loss, size, outputs): the micro-batch's mean loss (a scalar tensor),
     its size in the units the batch's mean is taken over (items or tokens; `total` is the batch's
@@ -438,7 +438,7 @@ def accumulate(loss_fn, lengths: list[int], max_tokens: int, total: float | None
     over ranks (distributed.my_micro_batches, all_sum); in one process both do nothing."""
     total = len(lengths) if total is None else total
     loss, outputs = 0.0, {}
-    for items, weight in distributed.my_micro_batches(micro_batches(lengths, max_tokens, rows_per_item), dist):
+    for items, weight in distributed.my_micro_batches(micro_batches(lengths, max_tokens, rows_per_item, max_rows), dist):
         mb = MicroBatch(items, max(lengths[i] for i in items), weight)
         mb_loss, size, mb_outputs = loss_fn(mb)
         share = weight * size / total
@@ -642,7 +642,7 @@ def run_dir_of(resume: str) -> Path:
     return path.parent.parent if path.parent.name == "checkpoints" else path.parent
 
 
-RUN_LENGTH = ("num_rounds", "num_steps", "num_iterations")  # what a resume may change without --resume-changes: how long it runs
+RUN_LENGTH = ("num_rounds", "num_steps")  # what a resume may change without --resume-changes: how long it runs
 
 
 def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = None):
