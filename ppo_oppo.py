@@ -12,35 +12,33 @@ OPPO adds two overlaps, each with a switch for the paper's ablation (both off = 
   (critic, reference, reward model) on top of that sequence's cached prefix (one KV cache per
   sequence and model). When a sequence ends only its last chunk is left to score. Streaming
   changes no number: chunked prefill equals one full forward (tested). Every --chunk-tune-every
-  iterations the --chunk-candidates are tried on successive iterations and the fastest is kept.
+  rounds the --chunk-candidates are tried on successive rounds and the fastest is kept.
 - inter-step (--no-inter): over-commit B + Delta prompts; the first B sequences to finish form the
   PPO batch; the others keep their partial generation (the sampler holds them, paused, during the
-  update) and continue with the new weights in the next iteration. Delta adapts to the reward
-  trend every W iterations (Algorithm 1 lines 22-27, Eq. 4; see --delta-rule).
+  update) and continue with the new weights in the next round. Delta adapts to the reward
+  trend every W rounds (Algorithm 1 lines 22-27, Eq. 4; see --delta-rule).
 
 Numerics: the sampler returns the logprobs of the distribution it sampled (after temperature and
-top-p); the learner's actor and reference logprobs, chunked or not, apply the same processing
-(common.sampling_logits), so the ratios and the KL compare like with like (charts/logprob_diff).
+top-p); the learner's actor and reference logprobs, chunked or not, come from common.token_logprobs
+(the logprob contract), so the ratios and the KL compare like with like (charts/logprob_diff).
 The trained models are fp32 whatever the checkpoint's dtype (--dtype). When the sampler's precision
 differs from the learner's (a bf16 sampler on a GPU), PPO's old logprobs and the KL-in-reward's policy
-term are the learner's own recomputation and truncated importance weights correct the mismatch (--tis). A NaN/inf loss or gradient skips its optimizer
-step (charts/nonfinite_skipped). The RM score is read where transformers reads it (rm_position).
+term are the learner's own recomputation and truncated importance weights correct the mismatch (--tis).
+A NaN/inf loss or gradient skips its optimizer step (charts/nonfinite_skipped). The RM score is read
+where transformers reads it (rm_position).
 
-Terms: an *iteration* is one PPO iteration (the paper's "training step": generate, score, update);
-an optimizer *step* is one optimizer.step() (epochs x minibatches per iteration); the policy
-*version* counts optimizer steps, so a token's lag is in optimizer steps; a carried-over sequence's
-*age* is the number of iterations since its prompt was admitted.
+Terms: a *round* is one PPO round (the paper's "training step": generate, score, update); an
+optimizer *step* is one optimizer.step() (epochs x minibatches per round); the policy *version*
+counts optimizer steps, so a token's lag is in optimizer steps; a carried-over sequence's *age* is
+the number of rounds since its prompt was admitted.
 
-Several learner processes (`torchrun --nproc-per-node N`, distributed.py): actor, critic, reference
-and reward model are sharded with FSDP2. Rank 0 alone runs the sampler, the OPPO buffer (Stages 1-2,
-inter-step overlap included), evaluation, the log and checkpoints, and broadcasts each iteration's
-batch; every rank scores its share of it and trains on its share of each minibatch's micro-batches,
-gradients summed, so every optimizer step is the single-process step on the same batch (GAE and
-whitening see the whole batch; a non-finite loss on any rank skips the step on all of them).
---intra is refused there: it prefills the streamed chunks while rank 0 polls the sampler, and a
-forward of a sharded model needs every rank, so the other ranks would have to follow rank 0's
-polling loop step by step (or rank 0 keep unsharded copies of critic, reference and RM, which is what
-sharding avoids); without it the scoring is split over the ranks instead of hidden behind generation.
+Several learner processes (`torchrun --nproc-per-node N`, fastrl/distributed.py): actor, critic,
+reference and reward model are sharded with FSDP2. Rank 0 alone runs the sampler, the OPPO buffer
+(Stages 1-2, inter-step overlap included), evaluation, the log and checkpoints, and broadcasts each
+round's batch; every rank scores its share of it and trains on its share of each minibatch's
+micro-batches (common.accumulate), so every optimizer step is the single-process step on the same
+batch. --intra is refused there: it prefills the streamed chunks while rank 0 polls the sampler, and
+a forward of a sharded model needs every rank.
 
     python ppo_oppo.py --model tiny
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
@@ -50,8 +48,10 @@ sharding avoids); without it the scoring is split over the ranks instead of hidd
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Literal
 
 import numpy as np
@@ -59,9 +59,10 @@ import torch
 from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
-from fastrl import distributed
 import tasks
-from fastrl import vllm_sampler
+from fastrl import distributed, vllm_sampler
+
+ON_GPU = torch.cuda.is_available()
 
 
 @dataclass
@@ -88,10 +89,10 @@ class Args:
     answer_field: str = "answer"
     """the reference answer's field in a .jsonl or hf: task (correct: the completion's final answer equals it)"""
     reward_model: str | None = None
-    """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; default: the task's verifier"""
+    """HF sequence-classification reward model (num_labels=1) with the policy's tokenizer; None: the task's verifier"""
     critic_model: str | None = None
-    """the critic's initial weights (a sequence-classification head on top) [default: --reward-model when one is given, as TRL's
-    PPOTrainer (which OPPO builds on) and OpenRLHF start the value model; otherwise --model]"""
+    """the critic's initial weights (a sequence-classification head on top); None: --reward-model when one is given, as TRL's
+    PPOTrainer (which OPPO builds on) and OpenRLHF start the value model, otherwise --model"""
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
     """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
     sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
@@ -99,6 +100,9 @@ class Args:
     stays in --dtype either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis)"""
     sampler_url: list[str] | None = None
     """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
+    sampler_threads: int = 0
+    """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
+    learner take turns, half of them when the schedule overlaps them (--intra)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained models (actor, critic) and the reference, whatever the checkpoint's (often bf16):
     in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
@@ -108,31 +112,32 @@ class Args:
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
     # PPO
-    num_iterations: int | None = None
-    """PPO iterations [tiny 60; otherwise 1000]"""
-    batch_size: int | None = None
-    """B: sequences per PPO iteration, one per prompt [tiny 64; otherwise 112, the paper's]"""
-    num_ppo_epochs: int | None = None
-    """passes over each batch [tiny 2; otherwise 4, TRL's]"""
+    num_rounds: int = 60
+    """PPO rounds (the paper's training steps: generate, score, update) [paper 1000; tiny 60]"""
+    batch_size: int = 64
+    """B: sequences per PPO round, one per prompt [paper 112; tiny 64]"""
+    num_ppo_epochs: int = 2
+    """passes over each batch [paper 4, TRL's; tiny 2]"""
     num_minibatches: int = 1
-    """minibatches per epoch: optimizer steps per iteration = epochs x minibatches"""
+    """minibatches per epoch: optimizer steps per round = epochs x minibatches"""
     micro_batch_size: int = 16
-    """at most this many sequences per forward/backward, grouped by length (memory and padding only); the downstream
-    models' prefill takes this many sequences at a time"""
+    """at most this many sequences per forward/backward of the update, grouped by length (memory and padding only); the
+    downstream models' prefill takes this many sequences at a time"""
     micro_batch_tokens: int = 8192
     """token budget of one forward/backward of the update (actor and critic) and of TIS's forward: sequences sorted by
     length are packed into micro-batches of at most this many padded tokens (rows x longest row; a longer sequence goes
-    alone) and at most --micro-batch-size rows; the gradients accumulate to exactly the minibatch's"""
-    autocast_bf16: bool | None = None
-    """run the learner's forwards (actor, critic, reference, reward model) under bf16 autocast; weights, gradients and Adam stay in --dtype. The logprobs are then
-    bf16-accurate (see charts/logprob_diff, --tis) [default: on for a real model on a GPU, off for tiny or on CPU]"""
-    gradient_checkpointing: bool | None = None
-    """actor and critic recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
-    compute) [default: on for a real model on a GPU, off for tiny or on CPU]"""
+    alone); the gradients accumulate to exactly the minibatch's"""
+    autocast_bf16: bool = False
+    """run the learner's forwards (actor, critic, reference, reward model) under bf16 autocast; weights, gradients and Adam
+    stay in --dtype. The logprobs are then bf16-accurate (see charts/logprob_diff, --tis) [paper: on when a GPU is visible; tiny off]"""
+    gradient_checkpointing: bool = False
+    """actor and critic recompute each decoder layer in the backward pass instead of keeping its activations (less memory,
+    more compute) [paper: on when a GPU is visible; tiny off]"""
     sampler_gpu_memory: float | None = None
-    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization) [default: 0.3 on the learner's GPU, 0.85 on its own]"""
-    learning_rate: float | None = None
-    """Adam learning rate for actor and critic [tiny 1e-4; otherwise 3e-6, TRL's]"""
+    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization); None: sized by the memory plan
+    (about 0.3 on the learner's GPU, 0.85 on its own)"""
+    learning_rate: float = 1e-4
+    """Adam learning rate for actor and critic [paper 3e-6, TRL's; tiny 1e-4]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (actor and critic together)"""
     clip_coef: float = 0.2
@@ -145,21 +150,21 @@ class Args:
     """GAE discount (Eq. 1)"""
     lam: float = 0.95
     """GAE lambda (Eq. 1)"""
-    kl_coef: float | None = None
-    """per-token KL penalty to the reference folded into the reward [tiny 0.01; otherwise 0.05, TRL's]"""
+    kl_coef: float = 0.01
+    """per-token KL penalty to the reference folded into the reward [paper 0.05, TRL's; tiny 0.01]"""
     missing_eos_penalty: float = 1.0
     """subtracted from the score of a response that ends without EOS (off under --long-tail, which forces lengths)"""
-    temperature: float | None = None
-    """sampling temperature [tiny 1.0; otherwise 0.7, TRL's]"""
+    temperature: float = 1.0
+    """sampling temperature [paper 0.7, TRL's; tiny 1.0]"""
     top_p: float = 1.0
     """nucleus sampling; the learner's logprobs use the same truncated distribution (the logprob contract)
     [1.0: TRL's PPOTrainer, which the paper builds on, samples without a nucleus; the paper states none]"""
     tis: Literal["auto", "on", "off"] = "auto"
     """training-inference mismatch correction (truncated importance sampling, verl, open-instruct): auto = on whenever
     the sampler's numbers differ from the learner's (a sampler not in fp32, the GPU default; a bf16 learner). On: PPO's
-    old logprobs and the KL-in-reward's policy term are the learner's own, recomputed at the start of the iteration,
+    old logprobs and the KL-in-reward's policy term are the learner's own, recomputed at the start of the round,
     and each token's policy loss is weighted by min(pi_old_learner / pi_sampler, --tis-cap), which also corrects the
-    staleness of carried-over sequences (one more forward per iteration). Off: the sampler's logprobs are PPO's old
+    staleness of carried-over sequences (one more forward per round). Off: the sampler's logprobs are PPO's old
     logprobs (exact when both sides run fp32: charts/logprob_diff ~1e-6)"""
     tis_cap: float = 2.0
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
@@ -168,8 +173,11 @@ class Args:
     on the other requests in the engine. Off: vLLM's own generator, seeded by --seed, is used; still reproducible
     when the engine sees the same batches (OPPO at Delta 0 = plain PPO, tested), and faster: seeded requests
     are sampled one by one (and on GPU without FlashInfer's sampler)"""
-    max_new_tokens: int | None = None
-    """response length cap [tiny 32; otherwise 1024]"""
+    max_new_tokens: int = 32
+    """response length cap [paper 1024; tiny 32]"""
+    max_prompt_tokens: int = 32
+    """longer prompts are skipped (charts/skipped_long_prompts) [paper 512; tiny 32: its context of 128 leaves room for
+    96-token responses]"""
 
     # OPPO
     intra: bool = True
@@ -178,19 +186,19 @@ class Args:
     inter: bool = True
     """inter-step overlap: over-commit Delta prompts and carry unfinished ones over (--no-inter: wait for all B)"""
     chunk_size: int | None = None
-    """C: tokens per streamed chunk at the start [max-new-tokens / 4]"""
+    """C: tokens per streamed chunk at the start; None: --max-new-tokens / 4"""
     chunk_candidates: tuple[int, ...] | None = None
-    """chunk sizes tried every --chunk-tune-every iterations [max-new-tokens / 8, / 4, / 2: 128 256 512 at 1024, the paper's]"""
-    chunk_tune_every: int | None = None
-    """iterations between chunk-size trials (0: keep --chunk-size) [tiny 20; otherwise 50, the paper's]"""
+    """chunk sizes tried every --chunk-tune-every rounds; None: --max-new-tokens / 8, / 4, / 2 (128 256 512 at 1024, the paper's)"""
+    chunk_tune_every: int = 20
+    """rounds between chunk-size trials (0: keep --chunk-size) [paper 50; tiny 20]"""
     delta: int = 8
     """Delta: over-committed prompts at the start (0: none, and the controller leaves it at 0)"""
     delta_min: int = 0
     """lower bound of Delta"""
     delta_max: int = 16
     """upper bound of Delta"""
-    delta_window: int | None = None
-    """W: Delta moves when 2W iteration rewards are in, comparing the last W with the W before [tiny 5; otherwise 10]"""
+    delta_window: int = 5
+    """W: Delta moves when 2W round rewards are in, comparing the last W with the W before [paper 10; tiny 5]"""
     delta_rule: Literal["eq4", "alg1"] = "eq4"
     """eq4: Delta grows while the reward improves and shrinks otherwise (Eq. 4 and the paper's text);
     alg1: Delta - sign(d) * change, as Algorithm 1 line 25 is printed (the opposite direction)"""
@@ -206,11 +214,11 @@ class Args:
     eval_samples: int = 4
     """samples per held-out problem (accuracy = pass@1 over them)"""
     save_every: int = 0
-    """checkpoint every N iterations (0: only at the end)"""
+    """checkpoint every N rounds (0: only at the end)"""
     keep_checkpoints: int = 1
     """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only the latest"""
     snapshot_every: int = 0
-    """keep the policy's weights every N iterations in <run>/snapshots/, with the wall time, from iteration 0
+    """keep the policy's weights every N rounds in <run>/snapshots/, with the wall time, from round 0
     (benchmarks/learning_speed.py evaluates them after the run; 0: never)"""
     resume: str | None = None
     """run directory (or checkpoint file) to continue from, with the flags it was started with (its args.json)"""
@@ -218,11 +226,42 @@ class Args:
     """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
     length may always be extended)"""
 
+    def __post_init__(self):
+        chunk, candidates = chunk_sizes(self)
+        for ok, flag, message in [
+            (self.batch_size >= 1, "--batch-size", f"must be >= 1, got {self.batch_size}"),
+            (self.num_rounds >= 1 and self.num_ppo_epochs >= 1, "--num-rounds/--num-ppo-epochs", "must be >= 1"),
+            (1 <= self.num_minibatches <= self.batch_size, "--num-minibatches", f"must be between 1 and --batch-size ({self.batch_size})"),
+            (self.micro_batch_size >= 1 and self.micro_batch_tokens >= 1, "--micro-batch-size/--micro-batch-tokens", "must be >= 1"),
+            (self.sampler_gpu_memory is None or 0 < self.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)"),
+            (self.sampler_threads >= 0, "--sampler-threads", f"must be >= 0, got {self.sampler_threads}"),
+            (self.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)"),
+            (0 < self.top_p <= 1, "--top-p", "must be in (0, 1]"),
+            (self.tis_cap > 0, "--tis-cap", f"must be > 0, got {self.tis_cap}"),
+            (self.max_new_tokens >= 1 and self.max_prompt_tokens >= 1, "--max-new-tokens/--max-prompt-tokens", "must be >= 1"),
+            (0 <= self.delta_min <= self.delta <= self.delta_max, "--delta", "needs 0 <= --delta-min <= --delta <= --delta-max"),
+            (chunk >= 1 and all(c >= 1 for c in candidates), "--chunk-size/--chunk-candidates", "must be >= 1"),
+            (self.delta_window >= 1 and self.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0"),
+            (not self.chunk_tune_every or self.chunk_tune_every > len(candidates), "--chunk-tune-every",
+             f"must exceed the number of candidates ({len(candidates)})"),
+            (not (self.sampler_url and self.intra), "--sampler-url",
+             "OPPO's intra-step overlap streams chunks, which the vLLM server path does not offer here: add --no-intra"),
+            (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
+            (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
+        ]:
+            common.check_args(ok, flag, message)
+        common.check_sampler_urls(self.sampler_url)
 
-TINY = dict(num_iterations=60, batch_size=64, num_ppo_epochs=2, learning_rate=1e-4, kl_coef=0.01, temperature=1.0,
-            max_new_tokens=32, chunk_tune_every=20, delta_window=5)
-PAPER = dict(num_iterations=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, kl_coef=0.05, temperature=0.7,
-             max_new_tokens=1024, chunk_tune_every=50, delta_window=10)
+
+# a real model's defaults (the paper's and TRL's), where they differ from the tiny model's above
+PAPER = dict(num_rounds=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, kl_coef=0.05, temperature=0.7, max_new_tokens=1024,
+             max_prompt_tokens=512, chunk_tune_every=50, delta_window=10, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
+
+
+def chunk_sizes(args: Args) -> tuple[int, tuple[int, ...]]:
+    """C at the start and the sizes the tuner tries: --chunk-size and --chunk-candidates, or their defaults from --max-new-tokens."""
+    return (args.chunk_size or max(1, args.max_new_tokens // 4),
+            args.chunk_candidates or tuple(max(1, args.max_new_tokens // d) for d in (8, 4, 2)))
 
 
 # --------------------------------------------------------------------------------------
@@ -250,14 +289,14 @@ def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mask, clip_coef: float, vf_clip: float,
-               tis_weights: torch.Tensor | None = None):
-    """Clipped surrogate (Eq. 2) and clipped value loss, token means over the mask. `tis_weights`
-    (see tis_weights) multiply each token's policy loss, as in verl and open-instruct; the value
+               is_weights: torch.Tensor | None = None):
+    """Clipped surrogate (Eq. 2) and clipped value loss, token means over the mask. `is_weights`
+    (truncated_is_weights) multiply each token's policy loss, as in verl and open-instruct; the value
     loss is a regression onto the returns and stays unweighted."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef))
-    if tis_weights is not None:
-        pg = pg * tis_weights
+    if is_weights is not None:
+        pg = pg * is_weights
     clipped_values = old_values + (values_pred - old_values).clamp(-vf_clip, vf_clip)
     vf = 0.5 * torch.max((values_pred - returns) ** 2, (clipped_values - returns) ** 2)
     n = mask.sum()
@@ -267,9 +306,9 @@ def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mas
     return (pg * mask).sum() / n, (vf * mask).sum() / n, stats
 
 
-def tis_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float):
+def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float):
     """Truncated importance weights min(pi_old / pi_behaviour, C) per token: pi_old is the learner
-    at the start of the iteration, pi_behaviour the sampler that drew the token (a bf16 engine, or
+    at the start of the round, pi_behaviour the sampler that drew the token (a bf16 engine, or
     an older policy version for a carried-over sequence). Truncation bounds the variance. Returns
     the weights (zero off the mask) and their stats over the mask: the largest raw ratio and the
     fraction of tokens truncated."""
@@ -280,23 +319,38 @@ def tis_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torc
     return ratio.clamp(max=cap) * mask, stats
 
 
-def guarded_step(optimizer: torch.optim.Optimizer, parameters: list[torch.Tensor], max_grad_norm: float,
-                 loss_is_finite: bool) -> tuple[bool, torch.Tensor]:
-    """Clip and step, unless the loss or the gradient norm is NaN/inf: then drop the gradients and
-    take no step. One non-finite gradient in Adam's moments would make every later step (and every
-    checkpoint) NaN. Under torchrun the norm is the global one (the same on every rank) and
-    `loss_is_finite` must already be every rank's verdict, so that all ranks step or none does.
-    Returns whether it stepped, and the gradient norm before clipping."""
-    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm))
-    if not loss_is_finite or not torch.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
-        return False, grad_norm
-    optimizer.step()
-    return True, grad_norm
+def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: dict[str, torch.Tensor], clip_coef: float,
+                    vf_clip: float, vf_coef: float, temperature: float, top_p: float, bf16: bool, logprob_diff: bool = False):
+    """common.accumulate's loss for one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
+    loss (Eq. 2 + vf_coef x the clipped value loss, token means), its size in response tokens, and token-weighted sums of
+    the stats (divide by `tokens` for means): policy and value (the two losses), clipfrac, approx_kl, ratio_deviation
+    (|ratio - 1|), entropy; with `logprob_diff`, the sum of |learner - sampler| logprobs over the tokens the current
+    weights sampled and their count. data: learner_batch's rows and token_aligned [B, L - 1] tensors."""
+    rows, width = [minibatch[i] for i in mb.items], mb.width
+    ids, attn, cmask = (data[k][rows, :width] for k in ("ids", "attn", "cmask"))
+    old_logp, advantages, values, returns = (data[k][rows, :width - 1] for k in ("old_logp", "advantages", "values", "returns"))
+    with common.autocast(ids.device, bf16):
+        logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, temperature=temperature, top_p=top_p)
+        # the entropy is only logged: detached at once, or the backward's recomputation of every logit chunk would keep
+        # the entropy's own saved tensors alive until the micro-batch ends
+        entropy = entropy.detach()
+        values_pred = critic_values(critic, ids, attn, cmask)
+    mask = cmask[:, 1:].float()
+    is_weights = data["weights"][rows, :width - 1] if "weights" in data else None
+    pg, vf, stats = ppo_losses(logp, old_logp, advantages, values_pred, values, returns, mask, clip_coef=clip_coef, vf_clip=vf_clip,
+                               is_weights=is_weights)
+    tokens = mask.sum()
+    n = tokens.item()
+    out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / tokens).items()} | dict(tokens=n)
+    if logprob_diff:
+        fresh = data["fresh"][rows, :width - 1] * mask
+        out |= dict(diff_sum=((logp.detach() - data["sampler_logp"][rows, :width - 1]).abs() * fresh).sum().item(),
+                    diff_count=fresh.sum().item())
+    return pg + vf_coef * vf, n, out
 
 
 def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, delta_max: int, rule: str) -> tuple[int, list[float]]:
-    """Algorithm 1 lines 22-27: once 2W iteration rewards are in, d = mean(last W) - mean(W before),
+    """Algorithm 1 lines 22-27: once 2W round rewards are in, d = mean(last W) - mean(W before),
     change = max(1, floor(Delta / 4)), clip to [Delta_min, Delta_max] and keep the last W rewards.
     Direction: `eq4` grows Delta while the reward improves (d > 0) and shrinks it otherwise, as Eq. 4
     and the text say ("as training converges Delta decays toward Delta_min"); `alg1` is line 25 as
@@ -309,14 +363,14 @@ def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, de
     return int(np.clip(delta + direction * change, delta_min, delta_max)), rewards[-window:]
 
 
-def chunk_for_iteration(iteration: int, current: int, candidates: tuple[int, ...], tune_every: int,
-                        trial_seconds: dict[int, float]) -> int:
-    """Dynamic chunk size: the first len(candidates) iterations of every tune_every-long window try
-    one candidate each; the next iteration switches to the one whose rollout (generate + score) was
+def chunk_for_round(round_index: int, current: int, candidates: tuple[int, ...], tune_every: int,
+                    trial_seconds: dict[int, float]) -> int:
+    """Dynamic chunk size: the first len(candidates) rounds of every tune_every-long window try
+    one candidate each; the next round switches to the one whose rollout (generate + score) was
     fastest, kept until the next window."""
     if not tune_every or not candidates:
         return current
-    phase = iteration % tune_every
+    phase = round_index % tune_every
     if phase < len(candidates):
         return candidates[phase]
     if phase == len(candidates) and trial_seconds:
@@ -348,7 +402,7 @@ class Rollout:
     key: int  # index of its problem in the train split
     problem: tasks.Problem
     prompt: list[int]
-    admitted: int  # the iteration its prompt was submitted in
+    admitted: int  # the round its prompt was submitted in
     response: list[int] = field(default_factory=list)  # tokens streamed so far; all of them once finished
     final: vllm_sampler.Completion | None = None
     prefix: dict[str, Prefix] = field(default_factory=dict)
@@ -398,11 +452,30 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
     return hidden, kv
 
 
+class Prefilled:
+    """A causal LM as common.token_logprobs reads it (decoder, then lm_head), with the decoder's output
+    already computed: the hidden states of a cached prefill. So the reference's streamed logprobs come
+    from the one logprob function, under the sampler's temperature and top-p."""
+
+    def __init__(self, model, hidden: torch.Tensor):
+        self.config, self.hidden, self.head = model.config, hidden, model.get_output_embeddings()
+
+    def get_decoder(self):
+        return lambda **inputs: SimpleNamespace(last_hidden_state=self.hidden)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def __call__(self, **inputs):  # token_logprobs' path for logits that are more than lm_head(hidden)
+        raise NotImplementedError("the reference's logits are not lm_head(last hidden state) (softcapping, logit scale): "
+                                  "its streamed prefill cannot compute them")
+
+
 @torch.no_grad()
 def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro_batch_size: int, top_p: float = 1.0) -> None:
     """Prefill every rollout's tokens that `model` has not seen yet, on top of their cached prefix,
     and keep what the method needs per position: the critic's value, the reference's logprob of
-    the token (under the sampler's temperature and top-p, as common.token_logprobs), the reward
+    the token (common.token_logprobs, under the sampler's temperature and top-p), the reward
     model's score (read off at one position once the sequence is complete: see rm_position)."""
     todo = sorted((r for r in rollouts if r.num_tokens > r.prefix[name].length),
                   key=lambda r: (r.num_tokens - r.prefix[name].length, r.prefix[name].length))
@@ -411,19 +484,16 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
         prefixes = [r.prefix[name] for r in group]
         new_tokens = [r.tokens[p.length:] for r, p in zip(group, prefixes)]
         hidden, kv = extend_prefix(model.base_model, prefixes, new_tokens)
-        for p, h, t, cache in zip(prefixes, hidden, new_tokens, kv):
+        for r, p, h, t, cache in zip(group, prefixes, hidden, new_tokens, kv):
             if name in ("critic", "rm"):
                 p.per_token.append(model.score(h).float())  # [new tokens, labels]
-            elif name == "ref":
-                # token j's logprob comes from the hidden state at j - 1: the previous chunk's last one
-                before = h if p.last_hidden is None else torch.cat([p.last_hidden[None], h])
-                targets = torch.tensor(t[1:] if p.last_hidden is None else t, device=h.device)
-                per_chunk = max(1, common.LOGIT_CHUNK_BYTES // (4 * model.lm_head.weight.shape[0]))  # no [tokens, V] fp32 copy
-                chosen = torch.cat([
-                    torch.log_softmax(common.sampling_logits(model.lm_head(before[j: j + per_chunk]).float(), targets[j: j + per_chunk],
-                                                             temperature, top_p), dim=-1).gather(-1, targets[j: j + per_chunk, None]).squeeze(-1)
-                    for j in range(0, len(targets), per_chunk)])
-                p.per_token.append(torch.cat([chosen.new_zeros(1), chosen]) if p.last_hidden is None else chosen)
+            elif name == "ref":  # token j's logprob comes from the hidden state at j - 1: the previous chunk's last one
+                first = p.last_hidden is None
+                states = h if first else torch.cat([p.last_hidden[None], h])
+                ids = torch.tensor([r.tokens[0 if first else p.length - 1: p.length + len(t)]], device=h.device)  # (first: p.length 0)
+                ones = torch.ones_like(ids)
+                logp = common.token_logprobs(Prefilled(model, states[None]), ids, ones, ones, temperature, top_p=top_p)[0]
+                p.per_token.append(torch.cat([logp.new_zeros(1), logp]) if first else logp)
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
 
@@ -449,6 +519,117 @@ def scored(r: Rollout, name: str, model) -> torch.Tensor:
     return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
 
+class OPPOBuffer:
+    """Algorithm 1's buffer: the sequences in flight (`inflight`, by request id, in admission order; rank 0, which
+    alone talks to the sampler) and the finished ones not yet trained on (`finished`, in finishing order), with the
+    downstream models' scoring of them (every rank)."""
+
+    def __init__(self, sampler, task, tokenizer, downstream: dict, args: Args, chunk: int):
+        self.sampler, self.task, self.tokenizer, self.downstream, self.args, self.chunk = sampler, task, tokenizer, downstream, args, chunk
+        self.rng = np.random.default_rng(args.seed)  # the long-tail workload's forced lengths
+        self.inflight: dict[str, Rollout] = {}
+        self.finished: list[Rollout] = []
+
+    def admit(self, keys, round_index: int) -> int:
+        """Stage 1: submit these problems' prompts, one sample each, streamed in chunks of C tokens under intra.
+        Prompts longer than --max-prompt-tokens are not sent: returns how many were skipped."""
+        args, keys = self.args, list(keys)
+        candidates = [self.task.problem("train", k) for k in keys]
+        problems, prompts, skipped = common.encode_prompts(self.tokenizer, candidates, args.max_prompt_tokens, chat_template=args.chat_template)
+        kept = {id(p) for p in problems}
+        keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
+        per_prompt = [{} for _ in prompts]
+        if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
+            lengths = np.minimum(args.max_new_tokens, args.long_tail_scale * (1 + self.rng.pareto(args.long_tail, len(prompts)))).astype(int)
+            for extra, n in zip(per_prompt, lengths):
+                extra.update(ignore_eos=True, max_tokens=int(n))
+        if args.request_seeds:  # Sampler.submit adds the request id
+            for extra, k in zip(per_prompt, keys):
+                extra["seed"] = (args.seed * 1_000_003 + k) % 2**31
+        if prompts:
+            ids = self.sampler.submit(prompts, tags=keys, stream_every=self.chunk if args.intra else 0, per_prompt=per_prompt,
+                                      max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+            for rid, key, problem, prompt in zip(ids, keys, problems, prompts):
+                self.inflight[rid] = Rollout(rid, key, problem, prompt, round_index, prefix={name: Prefix() for name in self.downstream})
+        return skipped
+
+    def stream_every(self, chunk: int) -> None:
+        """C for the sequences in flight and the ones admitted next."""
+        if chunk != self.chunk:
+            self.sampler.set_stream_every(chunk)
+        self.chunk = chunk
+
+    def receive(self, timeout: float) -> None:
+        """Stage 2: the streamed chunks and the finished sequences the sampler has for us."""
+        for c in self.sampler.poll(timeout=timeout):
+            r = self.inflight[c.request_id]
+            if c.finished:
+                assert c.token_ids[:len(r.response)] == r.response, "streamed chunks disagree with the final response"
+                r.response, r.final = c.token_ids, c
+                self.finished.append(r)
+            else:
+                r.response = r.response + c.token_ids
+
+    def take(self, n: int) -> list[Rollout]:
+        """The first n finished sequences, in admission order (the same sequences train the same way however they
+        finished), out of the buffer."""
+        batch, self.finished = sorted(self.finished[:n], key=lambda r: int(r.request_id)), self.finished[n:]
+        for r in batch:
+            del self.inflight[r.request_id]
+        return batch
+
+    def score(self, rollouts: list[Rollout]) -> None:
+        """Prefill what the downstream models have not seen yet of these sequences."""
+        for name, model in self.downstream.items():
+            with common.autocast(next(model.parameters()).device, self.args.autocast_bf16):
+                prefill(name, model, rollouts, self.args.temperature, self.args.micro_batch_size, top_p=self.args.top_p)
+
+    def score_batch(self, batch: list[Rollout], dist) -> set[int]:
+        """Stage 3's scoring of what is left of the batch; returns the rows this rank scored. Under torchrun (no intra:
+        nothing is prefilled yet) every rank scores its share: groups of --micro-batch-size sequences of similar length,
+        the same number of groups on every rank (each forward of a sharded model is collective); a stand-in group is
+        scored on a copy and dropped."""
+        if not dist.enabled:
+            self.score(batch)
+            return set(range(len(batch)))
+        plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=self.args.micro_batch_size)
+        mine = set()
+        for rows, weight in distributed.my_micro_batches(plan, dist):
+            self.score([batch[i] for i in rows] if weight else [replace(batch[rows[0]], prefix={k: Prefix() for k in self.downstream})])
+            mine.update(rows if weight else [])
+        return mine
+
+
+def read_scores(batch: list[Rollout], downstream: dict, task, mine: set[int], dist):
+    """The batch's scores [B] (the reward model's, or the task's reward without one) and what the downstream models gave,
+    read off each sequence's prefixes, which are then freed: the reference's logprobs and the critic's values [B, T]
+    (zeros after each response). Under torchrun each rank reads the rows it scored (`mine`); summed, every rank has all."""
+    B, T = len(batch), max(len(r.response) for r in batch)
+    if "rm" in downstream:
+        scores = distributed.all_sum(torch.tensor([scored(r, "rm", downstream["rm"]).item() if i in mine else 0.0
+                                                   for i, r in enumerate(batch)]), dist)
+    else:
+        scores = torch.tensor([task.reward(r.final.text, r.problem) for r in batch])
+    ref_logp, values = torch.zeros((B, T)), torch.zeros((B, T))
+    for i, r in enumerate(batch):
+        if i in mine:
+            ref_logp[i, :len(r.response)] = scored(r, "ref", downstream["ref"]).cpu()
+            values[i, :len(r.response)] = scored(r, "critic", downstream["critic"]).cpu()
+        r.prefix.clear()  # read: free the batch's KV caches before the update
+    return (scores, *distributed.all_sum((ref_logp, values), dist))
+
+
+def sampler_rows(batch: list[Rollout], version: int):
+    """[B, T] response-aligned: the response mask, the sampler's logprobs (of the policy version that sampled each
+    token) and `fresh`, 1 on the tokens the current weights (`version`) sampled."""
+    B, T = len(batch), max(len(r.response) for r in batch)
+    mask, sampler_logp, fresh = (torch.zeros((B, T)) for _ in range(3))
+    for i, r in enumerate(batch):
+        n = len(r.response)
+        mask[i, :n] = 1
+        sampler_logp[i, :n] = torch.tensor(r.final.logprobs)
+        fresh[i, :n] = torch.tensor([float(v == version) for v, s, e in r.final.versions for _ in range(e - s)])
+    return mask, sampler_logp, fresh
 
 
 def critic_values(critic, input_ids, attention_mask, completion_mask):
@@ -457,79 +638,32 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
     return critic.score(hidden[:, :-1]).squeeze(-1).float() * completion_mask[:, 1:]
 
 
-@torch.no_grad()
-def learner_logprobs(policy, batch: list[Rollout], pad_token_id: int, micro_batch_size: int, max_tokens: int | None = None,
-                     bf16: bool = False, d: distributed.Dist | None = None, **processing) -> list[torch.Tensor]:
-    """The learner's logprob of every response token under `processing` (the sampler's temperature
-    and top-p), one no-grad forward in micro-batches of similar length (at most micro_batch_size rows
-    and max_tokens padded tokens; bf16: under bf16 autocast): TIS's pi_old. Under torchrun only this
-    rank's micro-batches (distributed.my_micro_batches); the other rows stay empty (length 0)."""
-    out: list[torch.Tensor] = [torch.zeros(0)] * len(batch)
-    device = next(policy.parameters()).device
-    plan = common.micro_batches([r.num_tokens for r in batch], max_tokens or 2**62, max_rows=micro_batch_size)
-    for rows, weight in distributed.my_micro_batches(plan, d):
-        ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
-        with common.autocast(device, bf16):
-            logp = common.token_logprobs(policy, ids.to(device), attn.to(device), cmask.to(device), **processing).cpu()
-        if not weight:  # a stand-in: its forward only keeps the ranks' collectives in step
-            continue
-        for row, i in enumerate(rows):
-            plen = len(batch[i].prompt)
-            out[i] = logp[row, plen - 1: plen - 1 + len(batch[i].response)]
+def learner_batch(batch: list[Rollout], pad_token_id: int, device) -> dict[str, torch.Tensor]:
+    """The batch as the learner reads it, on `device`: right-padded prompt + response rows (ids, attn, cmask: [B, L])."""
+    ids, attn, cmask = common.pad_prompt_completions([r.prompt for r in batch], [r.response for r in batch], pad_token_id)
+    return dict(ids=ids.to(device), attn=attn.to(device), cmask=cmask.to(device))
+
+
+def token_aligned(x: torch.Tensor, batch: list[Rollout]) -> torch.Tensor:
+    """A [B, T] response-aligned tensor laid out like common.token_logprobs' output over learner_batch's rows
+    ([B, L - 1], each response at its prompt's offset, zeros elsewhere)."""
+    width = max(r.num_tokens for r in batch) - 1
+    return layout([x[i, :len(r.response)] for i, r in enumerate(batch)], [len(r.prompt) - 1 for r in batch], width)
+
+
+def response_aligned(x: torch.Tensor, batch: list[Rollout]) -> torch.Tensor:
+    """token_aligned's inverse: [B, L - 1] -> [B, T], each response's values from its first token on, zeros after it."""
+    out = torch.zeros((len(batch), max(len(r.response) for r in batch)))
+    for i, r in enumerate(batch):
+        out[i, :len(r.response)] = x[i, len(r.prompt) - 1: len(r.prompt) - 1 + len(r.response)]
     return out
 
 
-def ppo_backward(policy, critic, batch: list[Rollout], minibatch, data: dict[str, torch.Tensor], args: Args, pad_token_id: int,
-                 diff: bool = False, d: distributed.Dist | None = None) -> dict[str, float]:
-    """The PPO loss (Eq. 2 + vf_coef x the clipped value loss, token means over the minibatch) and its
-    gradient for the minibatch `minibatch` (indices into batch), accumulated over micro-batches of
-    similar length (--micro-batch-tokens, --micro-batch-size): each micro-batch's token-mean losses are
-    weighted by its share of the minibatch's response tokens, so the accumulated gradient is exactly the
-    minibatch's. data: [B, T] response-aligned tensors old_logp, advantages, values, returns, and
-    weights (TIS), sampler_logp and fresh (1 on tokens the current weights sampled) when used.
-    Returns token-weighted sums over the micro-batches (divide by `tokens` for means) of pg, vf,
-    clipfrac, approx_kl, ratio_deviation (|ratio - 1|) and entropy, whether every loss was finite, and with `diff` the sum of
-    |learner - sampler| logprobs over the fresh tokens and their count.
-    Under torchrun: this rank's micro-batches of the minibatch (distributed.my_micro_batches; the
-    shares stay those of the whole minibatch, so the summed gradient is the single-process one) and
-    its sums; all_sum them, and combine loss_is_finite over ranks (a stand-in's NaN counts too)."""
-    device = next(policy.parameters()).device
-    lengths = [len(r.response) for r in batch]
-    minibatch_tokens = sum(lengths[i] for i in minibatch)
-    out = dict(pg=0.0, vf=0.0, clipfrac=0.0, approx_kl=0.0, ratio_deviation=0.0, entropy=0.0, tokens=0.0, loss_is_finite=True,
-               diff_sum=0.0, diff_count=0.0)
-    # micro-batches of similar length: long-tailed responses would pad everything to the longest
-    plan = common.micro_batches([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens, max_rows=args.micro_batch_size)
-    for micro, weight in distributed.my_micro_batches(plan, d):  # weight 0: a stand-in that must change nothing
-        rows = [minibatch[j] for j in micro]
-        ids, attn, cmask = common.pad_prompt_completions([batch[i].prompt for i in rows], [batch[i].response for i in rows], pad_token_id)
-        ids, attn, cmask = ids.to(device), attn.to(device), cmask.to(device)
-        starts, width = [len(batch[i].prompt) - 1 for i in rows], ids.shape[1] - 1
-        put = lambda x: layout([x[i, :lengths[i]] for i in rows], starts, width).to(device)  # noqa: E731
-        mask = cmask[:, 1:].float()
-        with common.autocast(device, args.autocast_bf16):
-            logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, temperature=args.temperature,
-                                                  top_p=args.top_p)
-            # the entropy is only logged: detached at once, or the backward's recomputation of every logit chunk would keep
-            # the entropy's own saved tensors alive (~2 x a chunk of fp32 logits per chunk) until the micro-batch ends
-            entropy = entropy.detach()
-            values_pred = critic_values(critic, ids, attn, cmask)
-        pg, vf, extra = ppo_losses(logp, put(data["old_logp"]), put(data["advantages"]), values_pred, put(data["values"]),
-                                   put(data["returns"]), mask, args.clip_coef, args.vf_clip,
-                                   tis_weights=put(data["weights"]) if data.get("weights") is not None else None)
-        tokens = mask.sum()
-        loss = (pg + args.vf_coef * vf) * tokens / minibatch_tokens * weight
-        out["loss_is_finite"] = out["loss_is_finite"] and bool(torch.isfinite(loss))
-        loss.backward()
-        n = tokens.item() * weight
-        for k, v in (("pg", pg), ("vf", vf), ("clipfrac", extra["clipfrac"]), ("approx_kl", extra["approx_kl"]),
-                     ("ratio_deviation", extra["ratio_deviation"]), ("entropy", entropy.sum() / tokens)):
-            out[k] += v.item() * n
-        out["tokens"] += n
-        if diff and weight:
-            on = put(data["fresh"]) * mask
-            out["diff_sum"] += ((logp.detach() - put(data["sampler_logp"])).abs() * on).sum().item()
-            out["diff_count"] += on.sum().item()
+def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
+    """Place per-response rows at their prompt offsets in a [batch, width] tensor (zeros elsewhere)."""
+    out = torch.zeros((len(rows), width))
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        out[i, start: start + len(row)] = row
     return out
 
 
@@ -550,307 +684,206 @@ def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str |
     return policy, critic, ref_policy, rm
 
 
-def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Tensor:
-    """Place per-response rows at their prompt offsets in a [batch, width] tensor (zeros elsewhere)."""
-    out = torch.zeros((len(rows), width))
-    for i, (row, start) in enumerate(zip(rows, starts)):
-        out[i, start: start + len(row)] = row
-    return out
+def load_learner(args: Args, model_path: str, dist):
+    """The models (load_models; sharded under torchrun), the copy of the policy the sampler's weight sync reads (the policy
+    itself, or under torchrun rank 0's full copy), what is trained and checkpointed (actor + critic) and its Adam."""
+    policy, critic, ref_policy, reward_model = load_models(model_path, dist.device, getattr(torch, args.dtype), args.reward_model,
+                                                           args.critic_model)
+    if args.gradient_checkpointing:  # active in train mode only: the update's; the critic's prefill keeps its KV cache in eval
+        policy.gradient_checkpointing_enable()
+        critic.gradient_checkpointing_enable()
+    push_model = distributed.push_copy(policy, dist)
+    downstream = dict(critic=critic, ref=ref_policy) | (dict(rm=reward_model) if reward_model is not None else {})
+    downstream = {name: distributed.shard(model, dist) for name, model in downstream.items()}
+    policy = distributed.shard(policy, dist)
+    learner = torch.nn.ModuleDict(dict(policy=policy, critic=downstream["critic"]))
+    optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    return policy, downstream, push_model, learner, optimizer
+
+
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the checks that read the model's files, before anything starts: prompt + response
+    within its context, the reward and critic models on the policy's tokenizer (the downstream models read the actor's
+    token ids as they stream), a chat template when --chat-template asks for one, prompts that fit --max-prompt-tokens."""
+    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    tokenizer = common.load_tokenizer(model_path)
+    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
+        common.check_args(path is None or common.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
+                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
+    common.check_chat_template(tokenizer, args.chat_template)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward, prompt_field=args.prompt_field,
+                           answer_field=args.answer_field, system_prompt=args.system_prompt)
+    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+def report(logger, args: Args, step: int, wall: float, eval_start: dict, eval_end: dict, memory: dict) -> None:
+    """The end of the run: its line of the paper's Figure 6 (seconds per round, by stage), pass@k and peak memory."""
+    label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
+    rows = [r for r in common.read_metrics(logger.dir) if "time/round_seconds" in r]
+    mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
+    logger.report(step, f"{label}: {args.num_rounds} rounds of {args.batch_size} sequences, {args.num_ppo_epochs} epochs x "
+                  f"{args.num_minibatches} minibatches (seconds per round)",
+                  {"method": label, "wall (s)": wall, "round": mean("time/round_seconds"), "generate": mean("time/generate_seconds"),
+                   "score exposed": mean("time/score_exposed_seconds"), "score hidden": mean("time/score_hidden_seconds"),
+                   "train": mean("time/train_seconds"), "push": mean("time/push_seconds"),
+                   "reward (last 10)": float(np.mean([r["charts/reward"] for r in rows[-10:]]))}, eval_start, eval_end, memory)
+    logger.close()
 
 
 def main():
-    args = common.parse_args(Args)  # on --resume: the saved run's flags
+    args = common.parse_args(Args, paper=PAPER)  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
-    tiny = args.model == common.TINY
-    for name, value in (TINY if tiny else PAPER).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    common.memory_defaults(args)
-    common.check_args(args.sampler_gpu_memory is None or 0 < args.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)")
-    args.chunk_size = args.chunk_size or max(1, args.max_new_tokens // 4)
-    args.chunk_candidates = args.chunk_candidates or tuple(max(1, args.max_new_tokens // d) for d in (8, 4, 2))
-    B = args.batch_size
-    common.check_args(B >= 1 and args.num_iterations >= 1 and args.num_ppo_epochs >= 1, "--batch-size/--num-iterations/--num-ppo-epochs",
-                      "must be >= 1")
-    common.check_args(1 <= args.num_minibatches <= B, "--num-minibatches", f"must be between 1 and --batch-size ({B})")
-    common.check_args(0 <= args.delta_min <= args.delta <= args.delta_max, "--delta", "needs 0 <= --delta-min <= --delta <= --delta-max")
-    common.check_args(args.chunk_size >= 1 and all(c >= 1 for c in args.chunk_candidates), "--chunk-size/--chunk-candidates", "must be >= 1")
-    common.check_sampler_urls(args.sampler_url)
     common.check_run_flags(args)
-    common.check_args(args.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {args.keep_checkpoints}")
-    common.check_args(not (args.sampler_url and args.intra), "--sampler-url",
-                      "OPPO's intra-step overlap streams chunks, which the vLLM server path does not offer here: add --no-intra")
-    common.check_args(args.delta_window >= 1 and args.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", "need W >= 1, tune-every >= 0")
-    common.check_args(args.temperature > 0, "--temperature", "must be > 0 (the logprobs are of the tempered distribution)")
-    common.check_args(0 < args.top_p <= 1, "--top-p", "must be in (0, 1]")
-    common.check_args(args.tis_cap > 0, "--tis-cap", f"must be > 0, got {args.tis_cap}")
+    B = args.batch_size
+    delta, max_delta = (args.delta, args.delta_max) if args.inter else (0, 0)
+    eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
     # old logprobs at the learner's precision whenever the sampler's differs; the sampler's enter only the correction
     tis_on = common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
-    common.check_args(args.micro_batch_size >= 1 and args.micro_batch_tokens >= 1, "--micro-batch-size/--micro-batch-tokens", "must be >= 1")
-    common.check_args(args.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {args.snapshot_every}")
-    if args.chunk_tune_every:
-        common.check_args(args.chunk_tune_every > len(args.chunk_candidates), "--chunk-tune-every",
-                          f"must exceed the number of candidates ({len(args.chunk_candidates)})")
-    delta = args.delta if args.inter else 0
-    max_delta = args.delta_max if args.inter else 0
-    eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
-    args.max_prompt_tokens = 32 if tiny else 512  # the tiny model's context is 128: room for 96-token responses
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, OPPO buffer, logger, checkpoints)
-    # intra streams chunks into the critic, reference and RM on rank 0 while it generates; under torchrun those
-    # models are sharded and every forward needs every rank: refused (one line from rank 0, every rank stops)
+    # intra prefills the streamed chunks on rank 0 while it generates; a sharded model's forward needs every rank
     distributed.from_main(lambda: common.check_args(not (args.intra and dist.enabled), "--intra",
                                                     "the intra-step overlap runs on one process only; under torchrun add --no-intra"), dist)
     distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", dist)
     common.set_seed(args.seed)
     common.limit_cpu_threads()
-    device = dist.device
     model_path = common.resolve_model(args.model, args.task)
-    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
-    args.sampler_gpu_memory = common.memory_plan(args, model_path, "ppo")  # GPU only: the plan line, or a refusal naming flags
-    tokenizer = common.load_tokenizer(model_path)
-    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):  # before any model loads
-        common.check_args(path is None or common.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
-                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    common.check_chat_template(tokenizer, args.chat_template)
-    policy, critic, ref_policy, reward_model = load_models(model_path, device, getattr(torch, args.dtype), args.reward_model,
-                                                           args.critic_model)
-    if args.gradient_checkpointing:  # active in train mode only: the update's; the critic's prefill keeps its KV cache in eval
-        policy.gradient_checkpointing_enable()
-        critic.gradient_checkpointing_enable()
-    # what the sampler's weight sync reads: the policy itself, or under torchrun rank 0's full copy
-    push_model = distributed.push_copy(policy, dist)
-    policy, critic, ref_policy = (distributed.shard(m, dist) for m in (policy, critic, ref_policy))
-    if reward_model is not None:
-        reward_model = distributed.shard(reward_model, dist)
-    downstream = dict(critic=critic, ref=ref_policy)
-    if reward_model is not None:
-        downstream["rm"] = reward_model
-    processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution, everywhere
-    learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))  # what is trained and checkpointed
-    optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    # taken now: under torchrun a no-grad forward leaves a model's root gathered, and parameters() would then name the
-    # gathered copies instead of the shards the optimizer holds
-    parameters = list(learner.parameters())
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=tiny, reward=args.reward, prompt_field=args.prompt_field,
-                           answer_field=args.answer_field,
-                           system_prompt=args.system_prompt)
-    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
-    print(f"run directory: {logger.dir}")
-    rng = np.random.default_rng(args.seed)
-
-    iteration, version, data_position, carried_keys = 0, 0, 0, []
-    chunk, trial_seconds, reward_history = args.chunk_size, {}, []
-    totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
-    warned: list[float] = []  # the logprob_diff warning, once
-    sampler_rng = None  # without the inter-step overlap: the sampler's generators between iterations, for an exact resume
-    if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-        state = distributed.load_checkpoint(args.resume, learner, optimizer, dist,
-                                            required=("iteration", "totals", "delta", "chunk", "reward_history", "carried_keys"))
-        distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-        iteration, version, data_position = state["iteration"], state["step"], state["data_position"]
-        totals.update(state["totals"])
-        delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
-        sampler_rng = state.get("sampler_rng")
-        print(f"resumed from {args.resume}: iteration {iteration}, {len(carried_keys)} unfinished prompts resubmitted")
-
+    tokenizer, task = load_task(args, model_path)
+    sampler_gpu_memory = common.memory_plan(args, model_path, "ppo")  # GPU only: the plan line, or a refusal naming flags
+    # the sampler process builds its engine while the learner loads its models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                         gpu_memory_utilization=args.sampler_gpu_memory,
-                                         max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=B + max_delta,
-                                         urls=args.sampler_url, weights=push_model, version=version,
-                                         verbose=args.verbose) if dist.is_main else None
-    pushed_version = version  # what the sampler holds
+                                   gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+                                   max_num_seqs=B + max_delta, urls=args.sampler_url, verbose=args.verbose, wait=False,
+                                   threads=common.sampler_threads(args.sampler_threads, overlapped=args.intra)) if dist.is_main else None
     try:
-        buffer: dict[str, Rollout] = {}  # the over-committed batch, in admission order
-        finished: list[Rollout] = []  # finished and not yet trained on, in finishing order
+        policy, downstream, push_model, learner, optimizer = load_learner(args, model_path, dist)
+        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        print(f"run directory: {logger.dir}")
+        rounds, version, data_position, carried_keys, reward_history = 0, 0, 0, [], []
+        (chunk, candidates), trial_seconds = chunk_sizes(args), {}  # trial_seconds: the chunk tuner's timings
+        totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
+        # without inter, the sampler's generators between rounds (for an exact resume); the logprob_diff warning, once
+        sampler_rng, warned = None, []
+        if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
+            state = common.load_checkpoint(args.resume, learner, optimizer, dist=dist,
+                                           required=("round", "totals", "delta", "chunk", "reward_history", "carried_keys"))
+            distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+            rounds, version, data_position, sampler_rng = state["round"], state["step"], state["data_position"], state.get("sampler_rng")
+            totals.update(state["totals"])
+            delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
+            print(f"resumed from {args.resume}: round {rounds}, {len(carried_keys)} unfinished prompts resubmitted")
+        if dist.is_main:
+            common.connect_weights(sampler, push_model, version=version)
+        pushed_version = version  # what the sampler holds
+        oppo = OPPOBuffer(sampler, task, tokenizer, downstream, args, chunk)
+        processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
+        hyperparameters = dict(clip_coef=args.clip_coef, vf_clip=args.vf_clip, vf_coef=args.vf_coef, bf16=args.autocast_bf16, **processing)
+        evaluate = functools.partial(common.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                     chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
 
-        def admit(keys: list[int]) -> int:
-            """Submit these problems' prompts, one sample each, streamed in chunks when intra is on;
-            prompts longer than the context are counted in the log, not sent. Returns how many went."""
-            candidates = [task.problem("train", k) for k in keys]
-            problems, prompts, skipped = common.encode_prompts(tokenizer, candidates, args.max_prompt_tokens, chat_template=args.chat_template)
-            totals["skipped_prompts"] += skipped
-            kept = {id(p) for p in problems}
-            keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
-            per_prompt = [{} for _ in prompts]
-            if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
-                lengths = np.minimum(args.max_new_tokens, args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(prompts)))).astype(int)
-                for extra, n in zip(per_prompt, lengths):
-                    extra.update(ignore_eos=True, max_tokens=int(n))
-            if args.request_seeds:  # Sampler.submit adds the request id
-                for extra, k in zip(per_prompt, keys):
-                    extra["seed"] = (args.seed * 1_000_003 + k) % 2**31
-            if not prompts:
-                return 0
-            ids = sampler.submit(prompts, tags=keys, stream_every=chunk if args.intra else 0, per_prompt=per_prompt,
-                                 max_tokens=args.max_new_tokens, **processing)
-            for rid, key, problem, prompt in zip(ids, keys, problems, prompts):
-                buffer[rid] = Rollout(rid, key, problem, prompt, iteration, prefix={name: Prefix() for name in downstream})
-            return len(ids)
-
-        def receive(timeout: float) -> None:
-            for c in sampler.poll(timeout=timeout):
-                r = buffer[c.request_id]
-                if c.finished:
-                    assert c.token_ids[:len(r.response)] == r.response, "streamed chunks disagree with the final response"
-                    r.response, r.final = c.token_ids, c
-                    finished.append(r)
-                else:
-                    r.response = r.response + c.token_ids
-
-        def score(rollouts: list[Rollout]) -> None:
-            for name, model in downstream.items():
-                with common.autocast(device, args.autocast_bf16):
-                    prefill(name, model, rollouts, args.temperature, args.micro_batch_size, top_p=args.top_p)
-
-        def score_my_share(batch: list[Rollout]) -> set[int]:
-            """Under torchrun (no intra: nothing is prefilled yet) every rank scores its share of the batch: groups of
-            --micro-batch-size sequences of similar length, the same number of groups on every rank (each forward of a
-            sharded model is collective); a stand-in group is scored on a copy and dropped. Returns the rows scored."""
-            plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=args.micro_batch_size)
-            mine = set()
-            for rows, weight in distributed.my_micro_batches(plan, dist):
-                score([batch[i] for i in rows] if weight else [replace(batch[rows[0]], prefix={name: Prefix() for name in downstream})])
-                if weight:
-                    mine.update(rows)
-            return mine
-
-        eval_start = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                     chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing) if dist.is_main else {}
+        eval_start = evaluate() if dist.is_main else {}
         logger.log(version, eval_start)
-        if dist.is_main and args.snapshot_every and iteration == 0:
+        if dist.is_main and args.snapshot_every and rounds == 0:
             logger.snapshot(version, push_model)  # time 0 of the learning curve
         if dist.is_main and sampler_rng is not None and hasattr(sampler, "set_rng_state"):
             sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
         if dist.is_main:
-            admit(carried_keys)  # a resumed run continues the prompts that were in flight
+            totals["skipped_prompts"] += oppo.admit(carried_keys, rounds)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
-        progress = common.Progress(args.num_iterations, "train", unit="iteration", initial=iteration, show=dist.is_main)
-        while iteration < args.num_iterations:
-            iteration_start = time.time()
+        progress = common.Progress(args.num_rounds, "train", unit="round", initial=rounds, show=dist.is_main)
+        while rounds < args.num_rounds:
+            round_start = time.time()
             batch, unfinished, generate_seconds, hidden_score = None, 0, 0.0, 0.0
             if dist.is_main:  # under torchrun rank 0 alone samples (Stages 1-2); the other ranks wait for its batch
                 if args.intra:
-                    chunk_before, chunk = chunk, chunk_for_iteration(iteration, chunk, args.chunk_candidates, args.chunk_tune_every, trial_seconds)
-                    if chunk != chunk_before:
-                        sampler.set_stream_every(chunk)
-                    if args.chunk_tune_every and iteration % args.chunk_tune_every == 0:
+                    chunk = chunk_for_round(rounds, chunk, candidates, args.chunk_tune_every, trial_seconds)
+                    oppo.stream_every(chunk)
+                    if args.chunk_tune_every and rounds % args.chunk_tune_every == 0:
                         trial_seconds = {}
-                # ---- Stage 1: fill the buffer to B + Delta prompts ----
-                while len(buffer) < B + delta:
+                # ALGO LOGIC: Stage 1, fill the buffer to B + Delta prompts
+                while len(oppo.inflight) < B + delta:
                     if totals["skipped_prompts"] > 1000 and not totals["samples"]:
                         raise SystemExit(f"error: every prompt so far is longer than {args.max_prompt_tokens} tokens")
-                    wanted = B + delta - len(buffer)
-                    admit(list(range(data_position, data_position + wanted)))
+                    wanted = B + delta - len(oppo.inflight)
+                    totals["skipped_prompts"] += oppo.admit(range(data_position, data_position + wanted), rounds)
                     data_position += wanted
-                # the critic changed in the last update: carried sequences re-prefill it (reference and
-                # reward model are frozen, their caches stay valid)
-                for r in buffer.values():
-                    r.prefix["critic"] = Prefix()
-                # ---- Stage 2: generate until B sequences have finished; intra: score chunks meanwhile ----
+                for r in oppo.inflight.values():  # the critic changed in the last update: carried sequences re-prefill it
+                    r.prefix["critic"] = Prefix()  # (reference and reward model are frozen, their caches stay valid)
+                # ALGO LOGIC: Stage 2, generate until B sequences have finished; intra: score the chunks meanwhile
                 common.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
-                while len(finished) < B:
-                    receive(timeout=0.0 if args.intra else 0.05)
+                while len(oppo.finished) < B:
+                    oppo.receive(timeout=0.0 if args.intra else 0.05)
                     if args.intra:
                         score_start = time.time()
-                        score(list(buffer.values()))
+                        oppo.score(list(oppo.inflight.values()))
                         hidden_score += time.time() - score_start
-                        if len(finished) < B:
-                            receive(timeout=0.01)
-                generate_seconds = time.time() - iteration_start
-                unfinished = len(buffer) - len(finished)
+                        if len(oppo.finished) < B:
+                            oppo.receive(timeout=0.01)
+                generate_seconds = time.time() - round_start
+                unfinished = len(oppo.inflight) - len(oppo.finished)
                 if unfinished:
                     sampler.pause()  # the carried sequences wait, KV cache kept, until the new weights are in
-                batch, finished = finished[:B], finished[B:]
-                # admission order, not finishing order: the same sequences train the same way however they finished
-                batch.sort(key=lambda r: int(r.request_id))
-                for r in batch:
-                    del buffer[r.request_id]
+                batch = oppo.take(B)
             batch = distributed.broadcast(batch, dist)  # every rank trains on the batch
-            # ---- Stage 3: score what is left (intra: the last chunks; otherwise all), then PPO ----
+            # ALGO LOGIC: Stage 3, score what is left (intra: the last chunks; otherwise all), then PPO
             common.learner_threads(sampler)  # every core: the sampler is paused (carried sequences) or done
             score_start = time.time()
-            if dist.enabled:
-                mine = score_my_share(batch)
-            else:
-                score(batch)
-                mine = set(range(B))
+            mine = oppo.score_batch(batch, dist)
             exposed_score = time.time() - score_start
             train_start = time.time()
-            if "rm" in downstream:  # (under torchrun each rank has its rows' scores: summed, every rank has all)
-                scores = distributed.all_sum(torch.tensor([scored(r, "rm", downstream["rm"]).item() if i in mine else 0.0
-                                                           for i, r in enumerate(batch)]), dist)
-            else:
-                scores = torch.tensor([task.reward(r.final.text, r.problem) for r in batch])
+            scores, ref_logp, values = read_scores(batch, downstream, task, mine, dist)
             no_eos = torch.tensor([r.final.finish_reason != "stop" for r in batch], dtype=torch.float32)
             scores = scores - eos_penalty * no_eos
             lengths = [len(r.response) for r in batch]
-            T = max(lengths)
-            resp_mask = torch.zeros((B, T))
-            sampler_logp, ref_logp, values, fresh = (torch.zeros((B, T)) for _ in range(4))
-            token_versions = [[v for v, s, e in r.final.versions for _ in range(e - s)] for r in batch]
-            for i, r in enumerate(batch):
-                n = lengths[i]
-                resp_mask[i, :n] = 1
-                sampler_logp[i, :n] = torch.tensor(r.final.logprobs)  # the policy that sampled each token
-                if i in mine:
-                    ref_logp[i, :n] = scored(r, "ref", ref_policy).cpu()
-                    values[i, :n] = scored(r, "critic", critic).cpu()
-                fresh[i, :n] = torch.tensor([float(v == version) for v in token_versions[i]])  # sampled by the current weights
-                r.prefix.clear()  # what the downstream models gave is read: free the batch's KV caches before the update
-            ref_logp, values = distributed.all_sum((ref_logp, values), dist)  # every rank's rows: GAE and whitening see the batch
+            mask, sampler_logp, fresh = sampler_rows(batch, version)
             if not args.inter:  # plain PPO and intra alone: every token by the weights the learner holds
                 common.check_sampler_version([r.final for r in batch], version)
-            lags = [version - v for versions in token_versions for v in versions]  # before this iteration's updates
-            tis = {}
-            if not tis_on:
-                old_logp, weights = sampler_logp, None  # same precision on both sides: the sampler's logprobs are the learner's
-            else:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
+            lags = [version - v for r in batch for v, s, e in r.final.versions for _ in range(e - s)]  # before this round's updates
+            data = learner_batch(batch, tokenizer.pad_token_id, dist.device)
+            old_logp, weights, tis = sampler_logp, None, {}  # same precision on both sides: the sampler's logprobs are the learner's
+            if tis_on:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
                 policy.eval()
-                old_logp = torch.zeros((B, T))
-                for i, row in enumerate(learner_logprobs(policy, batch, tokenizer.pad_token_id, args.micro_batch_size, args.micro_batch_tokens,
-                                                         args.autocast_bf16, dist, **processing)):
-                    old_logp[i, :len(row)] = row  # (under torchrun another rank's rows are empty here)
-                old_logp = distributed.all_sum(old_logp, dist)
-                weights, tis = tis_weights(old_logp, sampler_logp, resp_mask, args.tis_cap)
+                old_logp = response_aligned(common.batch_logprobs(policy, data["ids"], data["attn"], data["cmask"], [r.num_tokens for r in batch],
+                                                                  args.micro_batch_tokens, dist, args.autocast_bf16, **processing).cpu(), batch)
+                weights, tis = truncated_is_weights(old_logp, sampler_logp, mask, args.tis_cap)
                 diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
-            kl = (old_logp - ref_logp) * resp_mask
+            # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened advantages
+            kl = (old_logp - ref_logp) * mask
             rewards = -args.kl_coef * kl
             rewards[torch.arange(B), torch.tensor(lengths) - 1] += scores
             advantages = gae(rewards, values, args.gamma, args.lam)
             returns = advantages + values
-            advantages = whiten(advantages, resp_mask)
+            advantages = whiten(advantages, mask)
 
+            # ALGO LOGIC: PPO epochs x minibatches, one optimizer step on actor + critic per minibatch
+            per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=weights,
+                             sampler_logp=sampler_logp, fresh=fresh)
+            data |= {k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None}
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
-            stats: dict[str, list[float]] = {k: [] for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy")}
+            sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl", "entropy"), 0.0)  # token means, summed over minibatches
             total_tokens = sum(lengths)
-            data = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=weights,
-                        sampler_logp=sampler_logp, fresh=fresh)
             for epoch in range(args.num_ppo_epochs):
                 # rank 0's draw (its RNG is the one a checkpoint restores), the same minibatches on every rank
                 order = distributed.broadcast(np.random.permutation(B) if dist.is_main else None, dist)
                 for m, minibatch in enumerate(np.array_split(order, args.num_minibatches)):
-                    optimizer.zero_grad()
-                    # no step yet: the learner's logprobs at the sampler's weights (without TIS: with it, measured above)
-                    first = not tis_on and epoch == 0 and m == 0
-                    out = ppo_backward(policy, critic, batch, minibatch.tolist(), data, args, tokenizer.pad_token_id, diff=first, d=dist)
-                    # every rank's verdict: one rank's NaN skips the step on all of them (a rank stepping alone would diverge)
-                    loss_is_finite = distributed.all_max(0.0 if out.pop("loss_is_finite") else 1.0, dist) == 0.0
-                    out = distributed.all_sum(out, dist)  # this rank's micro-batches' sums -> the minibatch's
-                    for k in stats:
-                        stats[k].append(out[k] / total_tokens)
-                    if first:
-                        diff_sum, diff_count = out["diff_sum"], out["diff_count"]
-                    if epoch == 0 and m == 0:  # no step yet: how far pi_old is from the learner (0 when pi_old is the learner's)
+                    first = epoch == 0 and m == 0  # no step yet: the learner holds the weights that sampled the fresh tokens
+                    minibatch = minibatch.tolist()
+                    loss_fn = functools.partial(ppo_micro_batch, minibatch=minibatch, policy=policy, critic=downstream["critic"], data=data,
+                                                logprob_diff=first and not tis_on, **hyperparameters)
+                    loss, out = common.accumulate(loss_fn, [batch[i].num_tokens for i in minibatch], args.micro_batch_tokens,
+                                                  total=sum(lengths[i] for i in minibatch), dist=dist, max_rows=args.micro_batch_size)
+                    grad_norm, stepped = common.optimizer_step(learner, optimizer, args.max_grad_norm, loss, dist)
+                    version += stepped
+                    totals["nonfinite_skipped"] += not stepped  # NaN/inf: the weights and Adam's moments stay finite
+                    for k in sums:
+                        sums[k] += out[k] / total_tokens
+                    if first:  # how far pi_old is from the learner before any step (0 when pi_old is the learner's)
                         first_ratio_deviation = out["ratio_deviation"] / max(out["tokens"], 1e-9)
-                    stepped, grad_norm = guarded_step(optimizer, parameters, args.max_grad_norm, loss_is_finite)
-                    if stepped:
-                        version += 1
-                    else:  # NaN/inf loss or gradient: this step is dropped, the weights and Adam's moments stay finite
-                        totals["nonfinite_skipped"] += 1
-            critic.eval()
+                    if first and not tis_on:  # the learner's logprobs at the sampler's weights (with TIS: measured above)
+                        diff_sum, diff_count = out["diff_sum"], out["diff_count"]
+            downstream["critic"].eval()
             train_seconds = time.time() - train_start
             # carried sequences continue exactly under the new policy; no push if every step was skipped
             push_seconds = 0.0
@@ -860,32 +893,27 @@ def main():
                 pushed_version = version
             if unfinished:  # (rank 0's count: 0 on the other ranks)
                 sampler.resume()
-            iteration += 1
+            rounds += 1
 
-            # ---- controllers: Delta (Algorithm 1 lines 22-27) and the chunk size ----
+            # ALGO LOGIC: the controllers, Delta (Algorithm 1 lines 22-27) and the chunk size
             reward_history.append(scores.mean().item())
             if args.inter and args.delta > 0:  # --delta 0 pins it: no over-commitment at all
                 delta, reward_history = next_delta(delta, reward_history, args.delta_window, args.delta_min, args.delta_max, args.delta_rule)
-            if args.intra and args.chunk_tune_every and (iteration - 1) % args.chunk_tune_every < len(args.chunk_candidates):
+            if args.intra and args.chunk_tune_every and (rounds - 1) % args.chunk_tune_every < len(candidates):
                 trial_seconds[chunk] = generate_seconds + exposed_score
 
-            iteration_seconds = time.time() - iteration_start
-            totals["samples"] += B
-            totals["tokens"] += total_tokens
-            totals["wall"] = time.time() - loop_start
-            ages = [iteration - 1 - r.admitted for r in batch]
-            valid = resp_mask.bool()
-            explained_variance = 1 - torch.var(returns[valid] - values[valid]) / torch.var(returns[valid])
-            accuracy = float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch]))
+            totals.update(samples=totals["samples"] + B, tokens=totals["tokens"] + total_tokens, wall=time.time() - loop_start)
+            ages = [rounds - 1 - r.admitted for r in batch]
+            valid = mask.bool()
             metrics = {
-                "charts/reward": scores.mean().item(), "charts/accuracy": accuracy, "charts/kl": (kl.sum(1)).mean().item(),
-                "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
-                "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0,
-                "charts/carried_over": len(buffer), "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)),
-                "charts/carried_in_batch": sum(a > 0 for a in ages),
+                "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch])),
+                "charts/kl": kl.sum(1).mean().item(), "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
+                "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0, "charts/carried_over": len(oppo.inflight),
+                "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)), "charts/carried_in_batch": sum(a > 0 for a in ages),
                 # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
                 "charts/resumed_in_batch": sum(len({v for v, _, _ in r.final.versions}) > 1 for r in batch),
-                "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags), "charts/explained_variance": explained_variance.item(),
+                "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags),
+                "charts/explained_variance": (1 - torch.var(returns[valid] - values[valid]) / torch.var(returns[valid])).item(),
                 # mean |sampler - learner| logprob over the tokens the current weights sampled: the numerical mismatch
                 "charts/logprob_diff": diff_sum / diff_count if diff_count else float("nan"),
                 "charts/nonfinite_skipped": totals["nonfinite_skipped"],
@@ -893,64 +921,44 @@ def main():
                 # PPO's ratio when pi_old is the sampler's; 0 when it is the learner's (--tis) and nothing is carried over
                 "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
-                "charts/tokens_per_second": totals["tokens"] / totals["wall"],
-                "charts/skipped_long_prompts": totals["skipped_prompts"],
-                "losses/policy": sum(stats["pg"]) / args.num_ppo_epochs, "losses/value": sum(stats["vf"]) / args.num_ppo_epochs,
-                "losses/clipfrac": sum(stats["clipfrac"]) / args.num_ppo_epochs, "losses/approx_kl": sum(stats["approx_kl"]) / args.num_ppo_epochs,
-                "losses/entropy": sum(stats["entropy"]) / args.num_ppo_epochs, "losses/grad_norm": grad_norm.item(),
-                "time/iteration_seconds": iteration_seconds, "time/generate_seconds": generate_seconds,
+                "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
+                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm,
+                "time/round_seconds": time.time() - round_start, "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
+                **({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]} if tis_on else {}),
             }
-            if tis_on:
-                metrics.update({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]})
             common.warn_logprob_diff(metrics["charts/logprob_diff"], tis_on, warned)
             logger.log(version, metrics, echo=False)
-            progress.update(1, reward=metrics["charts/reward"], acc=float(accuracy), kl=metrics["charts/kl"], delta=delta)
-            if iteration == 1:  # what the model really sees (chat template, special tokens) and writes
+            progress.update(1, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], kl=metrics["charts/kl"], delta=delta)
+            if rounds == 1:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
-            if iteration % 10 == 0 or iteration == args.num_iterations or iteration == 1:
-                progress.write(f"iteration {iteration}/{args.num_iterations}: reward {metrics['charts/reward']:.3f} acc {accuracy:.3f} "
+            if rounds % 10 == 0 or rounds == args.num_rounds or rounds == 1:
+                progress.write(f"round {rounds}/{args.num_rounds}: reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f} "
                                f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
-                               f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(buffer)} "
-                               f"time gen/score/train {generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
-            if dist.is_main and args.snapshot_every and iteration % args.snapshot_every == 0:
+                               f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(oppo.inflight)} time gen/score/train "
+                               f"{generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
+            if dist.is_main and args.snapshot_every and rounds % args.snapshot_every == 0:
                 logger.snapshot(version, push_model)
-            if iteration == args.num_iterations or (args.save_every and iteration % args.save_every == 0):  # (every rank; rank 0 writes)
-                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version,
-                                            data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer, iteration=iteration,
-                                            totals=totals, delta=delta, chunk=chunk, reward_history=reward_history,
-                                            carried_keys=[r.key for r in buffer.values()], keep=args.keep_checkpoints,
-                                            # nothing in flight without inter: what the next iteration draws from
-                                            sampler_rng=sampler.rng_state() if not args.inter and dist.is_main
-                                            and hasattr(sampler, "rng_state") else None)
+            if rounds == args.num_rounds or (args.save_every and rounds % args.save_every == 0):  # (every rank; rank 0 writes)
+                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version, data_position,
+                                       dist=dist, hf_model=push_model, tokenizer=tokenizer, round=rounds, totals=totals, delta=delta, chunk=chunk,
+                                       reward_history=reward_history, carried_keys=[r.key for r in oppo.inflight.values()],
+                                       keep=args.keep_checkpoints,  # without inter nothing is in flight: what the next round draws from
+                                       sampler_rng=sampler.rng_state() if not args.inter and dist.is_main and hasattr(sampler, "rng_state") else None)
         progress.close()
         eval_end = {}
         if dist.is_main:
             sampler.abort(list(sampler.pending))
-            eval_end = common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                       chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
+            eval_end = evaluate()
         logger.log(version, eval_end)
         memory = common.peak_memory_mib(sampler)
     finally:
         if sampler is not None:
             sampler.close()
         distributed.close(dist)
-
-    if not dist.is_main:  # rank 0 writes the report
-        return
-
-    label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
-    rows = [r for r in common.read_metrics(logger.dir) if "time/iteration_seconds" in r]
-    mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
-    logger.report(version, f"{label}: {args.num_iterations} iterations of {B} sequences, {args.num_ppo_epochs} epochs x "
-                  f"{args.num_minibatches} minibatches (seconds per iteration)",
-                  {"method": label, "wall (s)": totals["wall"], "iteration": mean("time/iteration_seconds"),
-                   "generate": mean("time/generate_seconds"), "score exposed": mean("time/score_exposed_seconds"),
-                   "score hidden": mean("time/score_hidden_seconds"), "train": mean("time/train_seconds"),
-                   "push": mean("time/push_seconds"), "reward (last 10)": float(np.mean([r["charts/reward"] for r in rows[-10:]]))},
-                  eval_start, eval_end, memory)
-    logger.close()
+    if dist.is_main:  # rank 0 writes the report
+        report(logger, args, version, totals["wall"], eval_start, eval_end, memory)
 
 
 if __name__ == "__main__":

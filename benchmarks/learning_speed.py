@@ -77,7 +77,7 @@ PAPERS = {
         "Conventional G=4": (["--mode", "conventional", "--steps-per-rl-step", "4"], 16),
         "PipelineRL": (["--mode", "pipeline"], 16),
     }),
-    "ppo": ("ppo_oppo.py", ["--num-iterations", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
+    "ppo": ("ppo_oppo.py", ["--num-rounds", "100000", "--eval-problems", "8", "--eval-samples", "1"], {
         "plain PPO": (["--no-intra", "--no-inter"], 3),
         "intra": (["--no-inter"], 3),
         "inter": (["--no-intra"], 3),

@@ -308,17 +308,14 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     buffer chunk by chunk, keeping one KV cache per sequence and model (OPPO's intra-step overlap); the
     batch's caches are freed once read; the carried-over Delta sequences keep theirs through the update;
     then `steps` optimizer steps of PPO (one minibatch, all epochs alike) on actor + critic."""
+    import functools
+
     import ppo_oppo as po
 
-    args = po.Args(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
-    for name, value in po.PAPER.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if response:
-        args.max_new_tokens = response
-    if micro_batch_tokens:
-        args.micro_batch_tokens = micro_batch_tokens
-    chunk = args.chunk_size or max(1, args.max_new_tokens // 4)
+    overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
+    args = po.Args(**po.PAPER | overrides | (dict(max_new_tokens=response) if response else {})
+                   | (dict(micro_batch_tokens=micro_batch_tokens) if micro_batch_tokens else {}))
+    chunk = po.chunk_sizes(args)[0]
     policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)
     critic = critic_model(config, checkpointing)
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))
@@ -345,15 +342,20 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     advantages = po.gae(rewards, values, args.gamma, args.lam)
     returns = advantages + values
     advantages = po.whiten(advantages, resp_mask)
-    data = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=None, sampler_logp=old_logp,
-                fresh=resp_mask)
+    per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, sampler_logp=old_logp, fresh=resp_mask)
+    device = next(policy.parameters()).device
+    data = po.learner_batch(batch, 0, device) | {k: po.token_aligned(x, batch).to(device) for k, x in per_token.items()}
+    hyperparameters = dict(clip_coef=args.clip_coef, vf_clip=args.vf_clip, vf_coef=args.vf_coef, temperature=args.temperature,
+                           top_p=args.top_p, bf16=args.autocast_bf16)
+    lengths = [r.num_tokens for r in batch]
     learner.train()
     for step in range(steps):
-        optimizer.zero_grad()
-        out = po.ppo_backward(policy, critic, batch, list(range(B)), data, args, pad_token_id=0, diff=step == 0)
-        po.guarded_step(optimizer, list(learner.parameters()), args.max_grad_norm, out["loss_is_finite"])
+        loss_fn = functools.partial(po.ppo_micro_batch, minibatch=list(range(B)), policy=policy, critic=critic, data=data,
+                                    logprob_diff=step == 0, **hyperparameters)
+        loss, _ = common.accumulate(loss_fn, lengths, args.micro_batch_tokens, total=B * T, max_rows=args.micro_batch_size)
+        common.optimizer_step(learner, optimizer, args.max_grad_norm, loss)
     critic.eval()
-    return dict(micro_batches=len(common.micro_batches([r.num_tokens for r in batch], args.micro_batch_tokens, max_rows=args.micro_batch_size)), rows=B,
+    return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size)), rows=B,
                 tokens=B * (prompt + T), carried=args.delta)
 
 

@@ -1,5 +1,5 @@
 """The OPPO ablation (the paper's Figure 6): plain PPO vs intra only vs inter only vs OPPO on the
-same config and the same number of iterations, with a long-tailed response-length workload
+same config and the same number of rounds, with a long-tailed response-length workload
 (tiny model), in one run.
 
     .venv/bin/python benchmarks/ppo_oppo_ablation.py
@@ -7,10 +7,10 @@ same config and the same number of iterations, with a long-tailed response-lengt
 Workload (--workload, passed to all four runs): every response is forced (vLLM ignore_eos with
 max_tokens = L) to a length L = min(96, 4 * (1 + Pareto(0.8))) tokens (ppo_oppo.py --long-tail 0.8
 --long-tail-scale 4 --max-new-tokens 96): median 9 tokens, 1 in 5 above 30, 1 in 13 at the 96-token
-cap, so plain PPO waits ~96 decode steps every iteration for a handful of stragglers. Reports the
-mean iteration time split into generate / score / train, its ratio to plain PPO, and the training
-reward per iteration (mean over all iterations and over the last 10), and writes reward-vs-iteration
-and reward-vs-wall-clock plots next to the README (docs/)."""
+cap, so plain PPO waits ~96 decode steps every round for a handful of stragglers. Reports the
+mean round time split into generate / score / train, its ratio to plain PPO, and the training
+reward per round (mean over all rounds and over the last 10), and writes reward-vs-step
+and reward-vs-wall-clock plots (docs/)."""
 
 import subprocess
 import sys
@@ -29,8 +29,8 @@ VARIANTS = {"plain PPO": ["--no-intra", "--no-inter"], "intra only": ["--no-inte
 
 @dataclass
 class Args:
-    num_iterations: int = 40
-    """PPO iterations per variant"""
+    num_rounds: int = 40
+    """PPO rounds per variant"""
     seed: int = 1
     workload: str = "--long-tail 0.8 --long-tail-scale 4 --max-new-tokens 96"
     """flags that define the workload, passed to every variant"""
@@ -41,16 +41,16 @@ class Args:
 
 
 def run(label: str, args: Args) -> dict:
-    flags = ["--num-iterations", str(args.num_iterations), "--seed", str(args.seed), "--eval-problems", "50",
+    flags = ["--num-rounds", str(args.num_rounds), "--seed", str(args.seed), "--eval-problems", "50",
              "--exp-name", "oppo_bench_" + label.replace(" ", "_"), *args.config.split(), *args.workload.split(), *VARIANTS[label]]
     print(f"running {label}: ppo_oppo.py {' '.join(flags)}", flush=True)
     out = subprocess.run([sys.executable, str(ROOT / "ppo_oppo.py"), *flags], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rows = [r for r in common.read_metrics(run_dir) if "time/iteration_seconds" in r]
+    rows = [r for r in common.read_metrics(run_dir) if "time/round_seconds" in r]
     mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
-    return dict(label=label, dir=run_dir, iteration=mean("time/iteration_seconds"), generate=mean("time/generate_seconds"),
+    return dict(label=label, dir=run_dir, round=mean("time/round_seconds"), generate=mean("time/generate_seconds"),
                 exposed=mean("time/score_exposed_seconds"), hidden=mean("time/score_hidden_seconds"), train=mean("time/train_seconds"),
                 push=mean("time/push_seconds"), reward=mean("charts/reward"), reward_last=float(np.mean([r["charts/reward"] for r in rows[-10:]])),
                 delta=mean("charts/delta"), carried=mean("charts/carried_in_batch"), lag=mean("charts/lag_mean"))
@@ -60,16 +60,16 @@ def main():
     args = tyro.cli(Args)
     results = [run(label, args) for label in VARIANTS]
     plain = results[0]
-    print(f"\nOPPO ablation, tiny model, {args.num_iterations} iterations, config: {args.config}, workload: {args.workload}\n")
-    print("| variant | iteration (s) | speed-up vs plain | generate | score exposed | score hidden | train | push | "
+    print(f"\nOPPO ablation, tiny model, {args.num_rounds} rounds, config: {args.config}, workload: {args.workload}\n")
+    print("| variant | round (s) | speed-up vs plain | generate | score exposed | score hidden | train | push | "
           "mean Delta | carried in batch | token lag | reward (all) | reward (last 10) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['label']} | {r['iteration']:.3f} | {plain['iteration'] / r['iteration']:.2f}x | {r['generate']:.3f} | "
+        print(f"| {r['label']} | {r['round']:.3f} | {plain['round'] / r['round']:.2f}x | {r['generate']:.3f} | "
               f"{r['exposed']:.3f} | {r['hidden']:.3f} | {r['train']:.3f} | {r['push']:.3f} | {r['delta']:.1f} | "
               f"{r['carried']:.1f} | {r['lag']:.2f} | {r['reward']:.3f} | {r['reward_last']:.3f} |")
     oppo = results[-1]
-    print(f"\nOPPO iteration time = 1/{plain['iteration'] / oppo['iteration']:.2f} of plain PPO's (target: at most 1/1.5)")
+    print(f"\nOPPO round time = 1/{plain['round'] / oppo['round']:.2f} of plain PPO's (target: at most 1/1.5)")
     if args.plot:
         import plot_runs
 

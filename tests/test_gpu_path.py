@@ -585,8 +585,8 @@ SCRIPT_RUNS = [
                              "--eval-problems", "4", "--eval-samples", "1"], "charts/reward"),
     ("pipeline_rl.py", ["--num-steps", "2", "--train-batch-size", "8", "--group-size", "4", "--gen-batch-size", "8",
                         "--micro-batch-size", "8", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2"], "losses/loss"),
-    ("ppo_oppo.py", ["--num-iterations", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2",
-                     "--eval-samples", "1"], "time/iteration_seconds"),
+    ("ppo_oppo.py", ["--num-rounds", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2",
+                     "--eval-samples", "1"], "time/round_seconds"),
 ]
 
 

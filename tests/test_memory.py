@@ -143,6 +143,11 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
 
 
 def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
+    """ppo_oppo's update of one minibatch (common.accumulate over ppo_micro_batch, token-weighted) in one micro-batch,
+    and in three or four by the token budget or the row cap: the same loss, token sums of the stats and gradient of
+    actor and critic."""
+    import functools
+
     torch.manual_seed(0)
     policy = common.load_policy(tiny_path, "cpu")
     critic = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
@@ -153,20 +158,25 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     for i, r in enumerate(responses):
         resp_mask[i, :len(r)] = 1
     g = torch.Generator().manual_seed(3)
-    data = {k: torch.randn((B, T), generator=g) * resp_mask for k in ("advantages", "values", "returns")}
-    data["old_logp"] = -torch.rand((B, T), generator=g) * resp_mask - 1.0
-    data["weights"] = torch.rand((B, T), generator=g) * resp_mask
+    per_token = {k: torch.randn((B, T), generator=g) * resp_mask for k in ("advantages", "values", "returns")}
+    per_token["old_logp"] = -torch.rand((B, T), generator=g) * resp_mask - 1.0
+    per_token["weights"] = torch.rand((B, T), generator=g) * resp_mask
+    data = po.learner_batch(batch, 0, "cpu") | {k: po.token_aligned(x, batch) for k, x in per_token.items()}
     minibatch = [0, 2, 3, 5, 4]
+    lengths = [batch[i].num_tokens for i in minibatch]
     results = []
-    for tokens, rows in ((BIG, 16), (30, 16), (BIG, 2)):
-        args = SimpleNamespace(micro_batch_tokens=tokens, micro_batch_size=rows, autocast_bf16=False, temperature=0.7, top_p=0.9,
-                               clip_coef=0.2, vf_clip=0.2, vf_coef=0.1)
+    for tokens, rows in ((BIG, 16), (40, 16), (30, 16), (BIG, 2)):
         policy.zero_grad(), critic.zero_grad()
-        out = po.ppo_backward(policy, critic, batch, minibatch, data, args, pad_token_id=0)
-        results.append((out, _grads(policy) | {f"critic.{k}": v for k, v in _grads(critic).items()}))
-    (out_a, grads_a), *others = results
-    for out_b, grads_b in others:
-        for k in ("pg", "vf", "clipfrac", "approx_kl", "entropy", "tokens"):
+        loss_fn = functools.partial(po.ppo_micro_batch, minibatch=minibatch, policy=policy, critic=critic, data=data, clip_coef=0.2,
+                                    vf_clip=0.2, vf_coef=0.1, temperature=0.7, top_p=0.9, bf16=False)
+        loss, out = common.accumulate(loss_fn, lengths, tokens, total=sum(len(responses[i]) for i in minibatch), max_rows=rows)
+        results.append((len(common.micro_batches(lengths, tokens, max_rows=rows)), loss, out,
+                        _grads(policy) | {f"critic.{k}": v for k, v in _grads(critic).items()}))
+    assert [n for n, *_ in results] == [1, 3, 4, 3]
+    (_, loss_a, out_a, grads_a), *others = results
+    for _, loss_b, out_b, grads_b in others:
+        torch.testing.assert_close(loss_b, loss_a, atol=1e-6, rtol=1e-5)
+        for k in ("policy", "value", "clipfrac", "approx_kl", "entropy", "tokens"):
             assert out_b[k] == pytest.approx(out_a[k], rel=1e-5, abs=1e-6), k
         _assert_same(grads_a, grads_b)
 

@@ -1,6 +1,6 @@
 """PPO with OPPO: chunked prefill = full forward for critic, reference (top-p) and a reward model,
 and the RM score = transformers' with pad == eos; GAE, the PPO losses and TIS by hand; NaN steps
-skipped; the Delta controller and chunk tuner on scripted inputs; carried-over sequences resuming on
+skipped; the flags' defaults and checks; the Delta controller and chunk tuner on scripted inputs; carried-over sequences resuming on
 the real sampler; OPPO at Delta 0 = plain PPO; every ablation and the realistic model from the
 command line."""
 
@@ -120,7 +120,7 @@ def test_delta_controller_follows_algorithm1():
     assert po.next_delta(15, rising, 2, 0, 16, "eq4")[0] == 16
     assert po.next_delta(1, falling, 2, 1, 16, "eq4")[0] == 1
 
-    # a scripted training run: the reward climbs for 12 iterations, then plateaus and falls
+    # a scripted training run: the reward climbs for 12 rounds, then plateaus and falls
     series = [0.1 + 0.05 * i for i in range(12)] + [0.7] * 4 + [0.7 - 0.05 * i for i in range(8)]
     delta, history, trace = 8, [], []
     for r in series:
@@ -133,15 +133,15 @@ def test_delta_controller_follows_algorithm1():
 def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
     candidates, every, chunk, trials, used = (4, 8, 16), 6, 8, {}, []
     fake_seconds = {4: 0.9, 8: 0.5, 16: 0.7}
-    for iteration in range(14):
-        chunk = po.chunk_for_iteration(iteration, chunk, candidates, every, trials)
-        if iteration % every == 0:
+    for round_index in range(14):
+        chunk = po.chunk_for_round(round_index, chunk, candidates, every, trials)
+        if round_index % every == 0:
             trials = {}
         used.append(chunk)
-        if iteration % every < len(candidates):
+        if round_index % every < len(candidates):
             trials[chunk] = fake_seconds[chunk]
     assert used == [4, 8, 16, 8, 8, 8, 4, 8, 16, 8, 8, 8, 4, 8]
-    assert po.chunk_for_iteration(5, 32, candidates, 0, {}) == 32  # tuning off
+    assert po.chunk_for_round(5, 32, candidates, 0, {}) == 32  # tuning off
 
 
 def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_path):
@@ -205,11 +205,11 @@ def test_trained_models_are_fp32_on_a_bf16_checkpoint(realistic_path):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
-def test_tis_weights_and_weighted_policy_loss_by_hand():
-    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])  # the learner at the start of the iteration
+def test_truncated_is_weights_and_weighted_policy_loss_by_hand():
+    old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])  # the learner at the start of the round
     behaviour = torch.tensor([[-1.5, -1.0, -0.5, -9.0]])  # the sampler's logprobs; the last token is padding
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    weights, stats = po.tis_weights(old, behaviour, mask, cap=1.5)
+    weights, stats = po.truncated_is_weights(old, behaviour, mask, cap=1.5)
     # exp(old - behaviour) = e^0.5 = 1.649 (truncated to 1.5), e^-1, e^0 = 1; padding 0
     torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0]]))
     assert stats["max_ratio"] == pytest.approx(math.exp(0.5))
@@ -218,35 +218,56 @@ def test_tis_weights_and_weighted_policy_loss_by_hand():
     logp = old.clone().requires_grad_()  # first epoch: pi_theta = pi_old, ratio 1, nothing clipped
     adv = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
     zeros = torch.zeros(1, 4)
-    pg, _, _ = po.ppo_losses(logp, old, adv, zeros, zeros, zeros, mask, 0.2, 0.2, tis_weights=weights)
+    pg, _, _ = po.ppo_losses(logp, old, adv, zeros, zeros, zeros, mask, clip_coef=0.2, vf_clip=0.2, is_weights=weights)
     assert pg.item() == pytest.approx(-(1.5 * 1.0 + math.exp(-1.0) * -2.0 + 1.0 * 0.5) / 3)
     pg.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.5 / 3, 2 * math.exp(-1.0) / 3, -0.5 / 3, 0.0]]))
 
 
-def test_guarded_step_skips_nonfinite_losses_and_gradients():
+def test_a_nonfinite_loss_or_gradient_never_reaches_the_weights_nor_adam():
+    """The update's step (common.optimizer_step) with Adam: a NaN loss, or a finite loss with an inf gradient, is
+    skipped, its gradient dropped, the weights and Adam's moments untouched; a finite one steps."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    params = list(model.parameters())
     before = copy.deepcopy(model.state_dict())
 
-    model(torch.ones(1, 3)).sum().backward()
-    stepped, _ = po.guarded_step(optimizer, params, 1.0, loss_is_finite=False)  # a NaN loss: no step
-    assert not stepped and all(p.grad is None for p in params)
-    model(torch.ones(1, 3)).sum().backward()
-    params[0].grad[0, 0] = float("inf")  # a finite loss with an inf gradient: no step either
-    stepped, grad_norm = po.guarded_step(optimizer, params, 1.0, loss_is_finite=True)
-    assert not stepped and not torch.isfinite(grad_norm)
+    loss = model(torch.ones(1, 3)).sum() * float("nan")
+    loss.backward()
+    _, stepped = common.optimizer_step(model, optimizer, 1.0, loss)  # a NaN loss: no step
+    assert not stepped and all(p.grad is None for p in model.parameters())
+    loss = model(torch.ones(1, 3)).sum()
+    loss.backward()
+    model.weight.grad[0, 0] = float("inf")  # a finite loss with an inf gradient: no step either
+    grad_norm, stepped = common.optimizer_step(model, optimizer, 1.0, loss)
+    assert not stepped and not math.isfinite(grad_norm)
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, before[name])
     assert not optimizer.state  # Adam's moments never saw them
 
-    model(torch.ones(1, 3)).sum().backward()
-    stepped, _ = po.guarded_step(optimizer, params, 1.0, loss_is_finite=True)
+    loss = model(torch.ones(1, 3)).sum()
+    loss.backward()
+    _, stepped = common.optimizer_step(model, optimizer, 1.0, loss)
     assert stepped and not torch.equal(model.weight, before["weight"])
 
 
+def test_flags_take_the_paper_defaults_for_a_real_model_and_are_checked_where_declared():
+    """--help and a run show the defaults of the model given: the tiny model's, or the paper's for a real one (the
+    prompt budget included); each bad value stops in one line naming its flag, before anything starts."""
+    tiny = common.parse_args(po.Args, [], paper=po.PAPER)
+    real = common.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
+    assert (tiny.num_rounds, tiny.batch_size, tiny.max_prompt_tokens, tiny.max_new_tokens) == (60, 64, 32, 32)
+    assert (real.num_rounds, real.batch_size, real.max_prompt_tokens, real.max_new_tokens) == (1000, 112, 512, 1024)
+    assert po.chunk_sizes(tiny) == (8, (4, 8, 16)) and po.chunk_sizes(real) == (256, (128, 256, 512))
+    for flags, flag in ((["--num-minibatches", "65"], "--num-minibatches"), (["--delta", "20", "--delta-max", "16"], "--delta"),
+                        (["--chunk-candidates", "1", "2", "3", "--chunk-tune-every", "3"], "--chunk-tune-every"),
+                        (["--top-p", "0"], "--top-p"), (["--sampler-url", "http://host:8000"], "--sampler-url")):
+        with pytest.raises(SystemExit) as stop:
+            common.parse_args(po.Args, flags, paper=po.PAPER)
+        assert str(stop.value.code).startswith(f"error: {flag}:") and "\n" not in str(stop.value.code), flags
+
+
+@pytest.mark.slow
 def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, tiny_path):
     """The real main() with a NaN policy loss: every optimizer step is skipped and counted in
     charts/nonfinite_skipped, the checkpoint holds the initial weights (finite), no version moves."""
@@ -265,7 +286,7 @@ def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, ti
     monkeypatch.setattr(po, "load_models", load_models)
     monkeypatch.setattr(po, "ppo_losses", nan_losses)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-iterations", "2", "--batch-size", "4",
+    monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-rounds", "2", "--batch-size", "4",
                                       "--num-ppo-epochs", "2", "--max-new-tokens", "8", "--eval-problems", "2", "--eval-samples", "1",
                                       "--chunk-tune-every", "0"])
     po.main()
@@ -280,7 +301,7 @@ def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, ti
 
 
 def _run(tmp_path, *flags, expect_ok=True):
-    cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", "tiny", "--num-iterations", "4", "--batch-size", "8",
+    cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", "tiny", "--num-rounds", "4", "--batch-size", "8",
            "--eval-problems", "8", "--eval-samples", "2", "--micro-batch-size", "8", *flags]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     if expect_ok:
@@ -290,15 +311,16 @@ def _run(tmp_path, *flags, expect_ok=True):
 
 def _metrics(tmp_path, exp_name):
     [run] = (tmp_path / "runs").glob(f"{exp_name}__*")
-    return run, [r for r in common.read_metrics(run) if "time/iteration_seconds" in r]
+    return run, [r for r in common.read_metrics(run) if "time/round_seconds" in r]
 
 
+@pytest.mark.slow
 def test_oppo_carries_sequences_over_and_resumes_them(tmp_path):
     """Long-tailed forced lengths and Delta = 8 on B = 8: the longest sequences are not done when
     B have finished, wait paused through the update, continue with the new weights and land in a
     later batch with tokens of two policy versions (their partial generation was kept)."""
     _run(tmp_path, "--exp-name", "oppo", "--long-tail", "0.5", "--long-tail-scale", "2", "--max-new-tokens", "64",
-         "--delta", "8", "--delta-min", "8", "--num-iterations", "6", "--chunk-tune-every", "0")
+         "--delta", "8", "--delta-min", "8", "--num-rounds", "6", "--chunk-tune-every", "0")
     _, rows = _metrics(tmp_path, "oppo")
     assert len(rows) == 6
     assert sum(r["charts/carried_in_batch"] for r in rows) > 0
@@ -310,6 +332,7 @@ def test_oppo_carries_sequences_over_and_resumes_them(tmp_path):
     assert max(r["charts/logprob_diff"] for r in rows) < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--no-intra", "--no-inter"])
 def test_each_ablation_runs(tmp_path, flag):
     out = _run(tmp_path, "--exp-name", "ablation", flag)
@@ -321,41 +344,45 @@ def test_each_ablation_runs(tmp_path, flag):
     assert (min(hidden) > 0) if flag == "--no-inter" else (max(hidden) == 0)
 
 
+@pytest.mark.slow
 def test_reward_model_run_and_resume(tmp_path, tiny_reward_model):
-    _run(tmp_path, "--exp-name", "rm", "--reward-model", tiny_reward_model, "--num-iterations", "2", "--save-every", "1")
+    _run(tmp_path, "--exp-name", "rm", "--reward-model", tiny_reward_model, "--num-rounds", "2", "--save-every", "1")
     run, rows = _metrics(tmp_path, "rm")
     assert len(rows) == 2
-    _run(tmp_path, "--reward-model", tiny_reward_model, "--num-iterations", "3", "--resume", str(run))
-    rows = [r for r in common.read_metrics(run) if "time/iteration_seconds" in r]
-    assert len(rows) == 3 and rows[-1]["step"] == 3 * 2  # iteration 3 of 2 epochs x 1 minibatch
+    _run(tmp_path, "--reward-model", tiny_reward_model, "--num-rounds", "3", "--resume", str(run))
+    rows = [r for r in common.read_metrics(run) if "time/round_seconds" in r]
+    assert len(rows) == 3 and rows[-1]["step"] == 3 * 2  # round 3 of 2 epochs x 1 minibatch
     state = torch.load(run / "checkpoint.pt", weights_only=False)
-    assert state["iteration"] == 3 and "critic.score.weight" in state["model"]
+    assert state["round"] == 3 and "critic.score.weight" in state["model"]
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
     """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo) against one process with the
     same flags and seed: the same steps, losses and trained actor and critic (checkpoints in the same
     format); rank 0 alone writes the run. Synchronous PPO (--no-intra --no-inter): --intra is refused
     under torchrun, and with the inter-step overlap how far the carried sequences get before the
     pause depends on timing, so two runs would legitimately differ. The reward model and --tis on
-    send the scoring and pi_old's forward through the ranks' shares too; --micro-batch-size 3 makes
-    3 micro-batches of the 8 sequences, so rank 1 also runs a stand-in. (No torchrun resume here: a
-    third run, ~25 s of start-up; test_distributed.py covers the checkpoints both ways.)"""
+    send the scoring and pi_old's forward through the ranks' shares too; --micro-batch-size 3 and
+    --micro-batch-tokens 64 split the scoring, pi_old's forward and each minibatch's gradient into
+    several micro-batches (the scoring: 3 groups of the 8 sequences, so rank 1 also runs a stand-in).
+    (No torchrun resume here: test_distributed.py covers the checkpoints both ways.)"""
     from safetensors.torch import load_file
 
     flags = ["--model", "tiny", "--no-intra", "--no-inter", "--batch-size", "8", "--max-new-tokens", "16", "--micro-batch-size", "3",
+             "--micro-batch-tokens", "64",
              "--reward-model", tiny_reward_model, "--tis", "on", "--eval-problems", "4", "--eval-samples", "1", "--seed", "3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     runs = {}
     for name, launcher in (("two", torchrun), ("one", [sys.executable])):
         cwd = tmp_path / name
         cwd.mkdir()
-        out = subprocess.run([*launcher, str(ROOT / "ppo_oppo.py"), *flags, "--num-iterations", "2"], cwd=cwd, capture_output=True,
+        out = subprocess.run([*launcher, str(ROOT / "ppo_oppo.py"), *flags, "--num-rounds", "2"], cwd=cwd, capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
-    rows = {k: [r for r in common.read_metrics(d) if "time/iteration_seconds" in r] for k, d in runs.items()}
+    rows = {k: [r for r in common.read_metrics(d) if "time/round_seconds" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]  # 2 epochs x 1 minibatch
     for key in ("charts/reward", "charts/kl", "charts/explained_variance", "charts/tis_max_ratio", "losses/policy", "losses/value",
                 "losses/approx_kl", "losses/entropy", "losses/grad_norm"):
@@ -367,6 +394,7 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
     assert sorted(two) == sorted(one) and max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"]) < 1e-5
 
 
+@pytest.mark.slow
 def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path, error_before_start):
     assert "--delta" in error_before_start(po, "--model", "tiny", "--delta", "20", "--delta-max", "16")
     assert "context" in error_before_start(po, "--model", "tiny", "--max-new-tokens", "500")
@@ -374,14 +402,15 @@ def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path, error_befo
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --reward-model")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seeds", [(), ("--request-seeds",)], ids=["engine-seed", "request-seeds"])
 def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
     """OPPO with Delta = 0 (nothing over-committed, nothing carried over) and intra-step streaming
     on is plain PPO computed in another order: the same sampled tokens (per-request seeds), the same
     rewards, and losses equal to float tolerance (chunked prefill vs one forward)."""
-    common_flags = ("--num-iterations", "3", "--max-new-tokens", "24", "--micro-batch-size", "2", "--num-minibatches", "2",
+    common_flags = ("--num-rounds", "3", "--max-new-tokens", "24", "--micro-batch-size", "2", "--num-minibatches", "2",
                     "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *seeds)
-    # --delta 0 pins Delta (the controller, here asked to move it every iteration, leaves it at 0)
+    # --delta 0 pins Delta (the controller, here asked to move it every round, leaves it at 0)
     _run(tmp_path, "--exp-name", "oppo0", "--delta", "0", "--delta-window", "1", "--chunk-size", "4", *common_flags)
     out = _run(tmp_path, "--exp-name", "plain", "--no-intra", "--no-inter", *common_flags)
     oppo_run, oppo = _metrics(tmp_path, "oppo0")
@@ -403,19 +432,21 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
         torch.testing.assert_close(tensor, final[1][name], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_plain_ppo_resume_is_exact(tmp_path):
-    """Plain PPO stopped after 2 iterations and resumed to 3 gives the uninterrupted run's iterations,
+    """Plain PPO stopped after 2 rounds and resumed to 3 gives the uninterrupted run's rounds,
     row for row (the checkpoint keeps the sampler's generators and the learner's RNG)."""
     flags = ("--no-intra", "--no-inter", "--max-new-tokens", "24", "--num-minibatches", "2", "--eval-problems", "4", "--eval-samples", "1")
-    _run(tmp_path, "--exp-name", "straight", "--num-iterations", "3", *flags)
-    _run(tmp_path, "--exp-name", "stopped", "--num-iterations", "2", *flags)
+    _run(tmp_path, "--exp-name", "straight", "--num-rounds", "3", *flags)
+    _run(tmp_path, "--exp-name", "stopped", "--num-rounds", "2", *flags)
     [stopped] = (tmp_path / "runs").glob("stopped__*")
-    _run(tmp_path, "--resume", str(stopped), "--num-iterations", "3", *flags)
+    _run(tmp_path, "--resume", str(stopped), "--num-rounds", "3", *flags)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k  # noqa: E731
     rows = [[{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, name)[1]] for name in ("straight", "stopped")]
     assert len(rows[0]) == len(rows[1]) == 3 and rows[0] == rows[1]
 
 
+@pytest.mark.slow
 def test_chat_template_flag_needs_a_template(tmp_path):
     out = _run(tmp_path, "--chat-template", expect_ok=False)  # the tiny tokenizer has none
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --chat-template")
@@ -427,7 +458,7 @@ def _run_realistic(tmp_path, realistic_path, exp_name, *flags, bf16_sampler: boo
     default precision split)."""
     flags = (*flags, "--sampler-dtype", "bfloat16") if bf16_sampler else flags
     cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", realistic_path, "--exp-name", exp_name, "--top-p", "0.95",
-           "--num-iterations", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1", *flags]
+           "--num-rounds", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1", *flags]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     run, rows = _metrics(tmp_path, exp_name)
@@ -443,6 +474,7 @@ def _run_realistic(tmp_path, realistic_path, exp_name, *flags, bf16_sampler: boo
     return out, rows
 
 
+@pytest.mark.slow
 def test_realistic_model_end_to_end(tmp_path, realistic_path):
     _, rows = _run_realistic(tmp_path, realistic_path, "realistic")
     # fp32 on both sides: no mismatch correction by default, and the sampler's logprobs serve as pi_old
@@ -450,15 +482,16 @@ def test_realistic_model_end_to_end(tmp_path, realistic_path):
     assert rows[0]["charts/first_ratio_deviation"] < 1e-4
 
 
+@pytest.mark.slow
 def test_realistic_model_chat_template_and_bf16_sampler_by_default(tmp_path, realistic_path):
     """The GPU's precision split, every other flag at its default: pi_old (the ratio's denominator and the
     KL-in-reward's policy term) is the learner's own recomputation, the sampler's bf16 logprobs enter only
     the truncated weights."""
     out, rows = _run_realistic(tmp_path, realistic_path, "realistic_tis", "--chat-template", bf16_sampler=True)
     assert "<|im_start|>user" in out.stdout and "<|im_start|>assistant" in out.stdout  # the printed sample prompt
-    for r in rows:  # before the first step of every iteration, the ratio is 1: pi_old is the learner's
+    for r in rows:  # before the first step of every round, the ratio is 1: pi_old is the learner's
         assert r["charts/first_ratio_deviation"] < 1e-3
         assert 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0  # (a carried-over token's ratio also carries its staleness)
-    assert rows[0]["charts/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at iteration 0
+    assert rows[0]["charts/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at round 0
     # nothing stale yet: the weight corrects the bf16 sampler's own numbers only, ratios near 1 but not 1
     assert rows[0]["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6) and rows[0]["charts/tis_max_ratio"] < 2.0
