@@ -2,12 +2,13 @@
 (test_common, test_tasks, test_vllm_sampler, test_tiny_model, test_<script>), plus test_faults
 (reliability), test_gpu_path and test_memory.
 
-Markers: `gpu` needs CUDA. `slow` is added here to every test that starts a sampler or a script
-(it uses one of SLOW_FIXTURES, or its code calls one of SLOW_CALLS): `pytest -m "not slow"` runs
-the unit tests in under a minute."""
+Markers: `gpu` needs CUDA. `slow` is written on every test that starts a sampler, a server, a
+subprocess or a script's run (`pytest -m "not slow"` runs the unit tests in under 30 seconds).
+The rule cannot be missed: a test without the marker that starts a sampler process or a subprocess,
+or uses a fixture that does (SLOW_FIXTURES), fails and says to mark it."""
 
-import inspect
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,16 +18,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# a sampler, a server, a script's main(), or a script's run shared by several tests
-SLOW_FIXTURES = {"sampler", "server_url", "error_before_start", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}
-SLOW_CALLS = ("_run(", "_run_realistic(", "subprocess.", "start_sampler(", "Sampler(", ".main(", "_check_push_matches_learner(")
+# fixtures that start a sampler, a server or a script's run, shared by several tests
+SLOW_FIXTURES = {"sampler", "server_url", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}
 
 
-def pytest_collection_modifyitems(items):
-    for item in items:
-        source = inspect.getsource(item.function) if hasattr(item, "function") else ""
-        if SLOW_FIXTURES & set(item.fixturenames) or any(call in source for call in SLOW_CALLS):
-            item.add_marker(pytest.mark.slow)
+@pytest.fixture(autouse=True)
+def _slow_tests_are_marked(request, monkeypatch):
+    """Fail a test that starts a sampler process or a Python subprocess (a script, a server, torchrun)
+    without the `slow` marker."""
+    if request.node.get_closest_marker("slow") is not None:
+        yield
+        return
+    fixtures = sorted(SLOW_FIXTURES & set(request.fixturenames))
+    if fixtures:
+        pytest.fail(f"uses {', '.join(fixtures)} (a sampler or a run): mark it @pytest.mark.slow", pytrace=False)
+    started = []
+
+    def refuse_sampler(*args, **kwargs):
+        started.append("a sampler process")
+        raise RuntimeError("a sampler process in a test not marked slow: mark it @pytest.mark.slow")
+
+    class GuardedPopen(subprocess.Popen):
+        def __init__(self, args, *rest, **kwargs):
+            command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+            program = os.path.basename(command.split()[0]) if command.split() else ""
+            if program.startswith(("python", "torchrun", "bash")) or command.startswith(sys.executable):  # a script, a server, torchrun
+                started.append(f"a subprocess ({command[:60]})")
+                raise RuntimeError("a Python subprocess in a test not marked slow: mark it @pytest.mark.slow")
+            super().__init__(args, *rest, **kwargs)  # (libraries probe the system with small commands)
+
+    from fastrl import vllm_sampler
+
+    monkeypatch.setattr(vllm_sampler.Sampler, "start", refuse_sampler)
+    monkeypatch.setattr(subprocess, "Popen", GuardedPopen)
+    yield
+    if started:
+        pytest.fail(f"started {started[0]} without the slow marker: mark it @pytest.mark.slow", pytrace=False)
 
 
 @pytest.fixture(scope="session")
