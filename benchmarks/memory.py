@@ -264,14 +264,13 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
     sampler_logp = torch.zeros(cmask[:, 1:].shape)
     chosen_rows = real_tensor([i * group for i in range(pairs)])  # the first two samples of each prompt's group
     rejected_rows = real_tensor([i * group + 1 for i in range(pairs)])
+    processing = dict(temperature=args.temperature, top_p=args.top_p)
     for round_index in range(steps):
-        ref_seq = dpo.sequence_logprobs(ref, ids, attn, cmask, lengths, args)
-        optimizer.zero_grad()
-        loss, margins, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows, rejected_rows, ref_seq, args,
-                                            sampler_logp if round_index == 0 else None)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        if torch.isfinite(loss) and torch.isfinite(grad_norm):
-            optimizer.step()
+        ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, args.micro_batch_tokens, bf16=args.autocast_bf16, **processing).sum(1)
+        loss, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows, rejected_rows, ref_seq, beta=args.beta,
+                                   loss_type=args.loss_type, max_tokens=args.micro_batch_tokens, bf16=args.autocast_bf16,
+                                   sampler_logp=sampler_logp if round_index == 0 else None, **processing)
+        common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
     return dict(micro_batches=len(common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n, tokens=sum(lengths))
 

@@ -65,8 +65,7 @@ def test_micro_batches_pack_by_length_within_the_token_budget():
         assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget for b in packed)
 
 
-def _dpo_args(**kw):
-    return SimpleNamespace(**dict(temperature=0.7, top_p=0.9, beta=0.1, loss_type="dpo", autocast_bf16=False) | kw)
+DPO = dict(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9)  # dpo_backward's hyperparameters
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
@@ -84,14 +83,13 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
     chosen, rejected = torch.tensor([0, 3, 4, 7]), torch.tensor([1, 2, 5, 6])  # pairs: rows of one prompt's group
     results = []
     for budget in (BIG, 60):
-        args = _dpo_args(micro_batch_tokens=budget)
         if budget != BIG:  # really several micro-batches of whole pairs
             pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen.tolist(), rejected.tolist())]
             assert len(common.micro_batches(pair_lengths, budget, rows_per_item=2)) == 3
-        ref_seq = dpo.sequence_logprobs(ref, ids, attn, cmask, lengths, args)
+        ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, budget, temperature=0.7, top_p=0.9).sum(1)
         policy.zero_grad()
-        loss, margins, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen, rejected, ref_seq, args)
-        results.append((ref_seq, loss, margins, _grads(policy)))
+        loss, outputs = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen, rejected, ref_seq, max_tokens=budget, **DPO)
+        results.append((ref_seq, loss, outputs["margins"], _grads(policy)))
     (ref_a, loss_a, margins_a, grads_a), (ref_b, loss_b, margins_b, grads_b) = results
     torch.testing.assert_close(ref_a, ref_b, atol=1e-5, rtol=0)
     torch.testing.assert_close(margins_a, margins_b, atol=1e-6, rtol=1e-5)
@@ -100,9 +98,8 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
     _assert_same(grads_a, grads_b)
     # and that is the gradient of the plain minibatch mean, all rows in one padded forward
     policy.zero_grad()
-    args = _dpo_args()
     logp = common.token_logprobs(policy, ids, attn, cmask, temperature=0.7, top_p=0.9).sum(1)
-    full, _ = dpo.dpo_loss(logp[chosen], logp[rejected], ref_a[chosen], ref_a[rejected], args.beta, args.loss_type)
+    full, _ = dpo.dpo_loss(logp[chosen], logp[rejected], ref_a[chosen], ref_a[rejected], beta=0.1, loss_type="dpo")
     full.mean().backward()
     torch.testing.assert_close(full.mean(), loss_a, atol=1e-6, rtol=1e-5)
     _assert_same(_grads(policy), grads_a)

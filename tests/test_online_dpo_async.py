@@ -96,6 +96,23 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
     assert (dpo.parse_args(["--sync"]).staleness, dpo.parse_args(["--staleness", "0"]).sync) == (0, True)
 
 
+@pytest.mark.parametrize("flags, shown", [
+    ([], ["(default: 60)", "(default: 0.0001)", "(default: 32)"]),
+    (["--model", "Qwen/Qwen2.5-0.5B"], ["(default: 2000)", "(default: 3e-06)", "(default: 0.7)", "(default: 512)"]),
+    (["--task", "gsm8k", "--model", "Qwen/Qwen2.5-0.5B"], ["(default: 512)", "(default: 252)", "(default: 0.05)", "(default: greedy)"]),
+])
+def test_help_shows_the_defaults_of_the_model_and_task_given(flags, shown, capsys, monkeypatch):
+    """--help shows the values the run would use; "(default: None)" only on the flags that are really optional (a
+    module, a model, URLs, a system prompt, a run to resume), and a value that follows other flags says which."""
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit) as exit_info:
+        dpo.parse_args([*flags, "--help"])
+    text = " ".join(capsys.readouterr().out.replace("\u2502", " ").split())
+    assert exit_info.value.code == 0 and all(value in text for value in shown), text
+    assert text.count("(default: None)") == 5, text
+    assert "(default: 1; 0 under --sync)" in text and "(default: 1 under greedy decoding, 4 when sampling)" in text
+
+
 def test_minibatch_pairs_kept_or_all_by_hand():
     keep = torch.tensor([True, False, True, True, False, False])  # 6 prompts, 3 kept pairs (prompts 0, 2, 3)
     # kept: the 3 pairs split in 2, each minibatch the mean over its own pairs
@@ -109,7 +126,7 @@ def test_minibatch_pairs_kept_or_all_by_hand():
 
 
 def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
-    """The real dpo_backward on the tiny model: 3 prompts x 2 samples, one tied; --loss-average all
+    """dpo_backward on the tiny model: 3 prompts x 2 samples, one tied; --loss-average all
     divides the 2 kept pairs' summed loss by 3 prompts, so its loss and gradient are the kept mean's
     times 2/3 (the kept mean's effective learning rate is 1/(kept fraction) = 3/2 times all's)."""
     policy = common.load_policy(tiny_path, "cpu")
@@ -121,17 +138,17 @@ def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
     completions = [[20, 21, 1], [22, 1], [23, 24, 25], [26, 1], [27, 1], [28, 29, 30, 1]]
     ids, attn, cmask = common.pad_prompt_completions(prompts, completions, 0)
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    args = SimpleNamespace(temperature=0.7, top_p=1.0, beta=0.1, loss_type="dpo", autocast_bf16=False, micro_batch_tokens=8192)
     chosen, rejected, keep = dpo.select_pairs(torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]))
     pair_rows = torch.arange(3)[keep]
     chosen_rows, rejected_rows = pair_rows * 2 + chosen[keep], pair_rows * 2 + rejected[keep]
     assert chosen_rows.tolist() == [0, 5] and rejected_rows.tolist() == [1, 4]
-    ref_seq = dpo.sequence_logprobs(ref, ids, attn, cmask, lengths, args)
+    ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, 8192, temperature=0.7).sum(1)
     results = {}
     for average in ("kept", "all"):
-        [(mb, divisor)] = dpo.minibatch_pairs(keep, 1, average)
+        [(mb, total)] = dpo.minibatch_pairs(keep, 1, average)
         policy.zero_grad()
-        loss, _, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb], ref_seq, args, divisor=divisor)
+        loss, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb], ref_seq, beta=0.1,
+                                   loss_type="dpo", max_tokens=8192, total=total, temperature=0.7)
         results[average] = loss.item(), [p.grad.clone() for p in policy.parameters()]
     assert results["all"][0] == pytest.approx(results["kept"][0] * 2 / 3, rel=1e-6)
     for a, k in zip(results["all"][1], results["kept"][1]):
@@ -162,17 +179,20 @@ def _run_dir(out, cwd=WORK) -> Path:
     return Path(cwd) / out.stdout.split("run directory: ")[1].split()[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, flag", [
     (["--temperature", "0"], "--temperature"), (["--temperature", "-0.5"], "--temperature"),
     (["--max-new-tokens", "0"], "--max-new-tokens"), (["--eval-samples", "0"], "--eval-samples"),
     (["--group-size", "1"], "--group-size"), (["--top-p", "0"], "--top-p"), (["--sync", "--staleness", "1"], "--sync"),
     (["--eval-problems", "0"], "--eval-problems"),  # the countdown generator has no whole test split
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens"), (["--num-minibatches", "0"], "--num-minibatches"),
     (["--eval-decoding", "greedy", "--eval-samples", "4"], "--eval-samples"),
 ])
 def test_bad_flags_are_rejected_before_anything_starts(error_before_start, flags, flag):
     assert error_before_start(dpo, *flags).startswith(f"error: {flag}:")
 
 
+@pytest.mark.slow
 def test_a_bad_flag_is_one_line_on_the_command_line():
     out = _run("--temperature", "0", timeout=120)
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1  # one line that names the flag
@@ -187,6 +207,7 @@ def test_choice_flags_and_the_old_name_are_refused_by_the_parser(flags, flag, ca
     assert exit_info.value.code != 0 and flag in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_bad_choice_is_refused_on_the_command_line():
     out = _run("--loss-type", "kto", timeout=120)
     assert out.returncode != 0 and "--loss-type" in out.stderr and "Traceback" not in out.stderr
@@ -210,6 +231,7 @@ def _check_rounds(run_dir, mode, minibatches, num_prompts):
     assert all("charts/kl" in r and "charts/kl_to_init" not in r and r["charts/nonfinite_skipped"] == 0 for r in rounds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_async_short_run_and_lag_from_sampler_versions(minibatches, tmp_path):
     """(--sync's: test_sync_run_has_lag_0, on the shared sync run below)"""
@@ -230,10 +252,12 @@ def sync_run(tmp_path_factory):
     return _run_dir(_run(*SYNC, "--exp-name", "pytest_dpo_parity_sync", cwd=cwd), cwd)
 
 
+@pytest.mark.slow
 def test_sync_run_has_lag_0(sync_run):
     _check_rounds(sync_run, "sync", minibatches=1, num_prompts=8)
 
 
+@pytest.mark.slow
 def test_sync_resume_is_exact(tmp_path, sync_run):
     """--sync stopped after 2 rounds and resumed to 3 gives the uninterrupted run's rounds, row for row
     (the checkpoint keeps the sampler's generators as they were before the next round)."""
@@ -246,6 +270,7 @@ def test_sync_resume_is_exact(tmp_path, sync_run):
     assert len(rounds[0]) == len(rounds[1]) == 3 and rounds[0] == rounds[1]
 
 
+@pytest.mark.slow
 def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     """The asynchronous loop with the next round submitted only after the push is the synchronous
     schedule: on a fixed seed, the same sampled tokens (the same rewards, lengths, pairs), the same
@@ -330,6 +355,7 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     assert f"Question: {question(third[0])}" in resumed.stdout.split("example: ")[1].splitlines()[0]
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     """A NaN loss skips the optimizer step, is counted and logged, and neither the pushed nor the
     saved weights change."""
@@ -361,11 +387,13 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     assert saved["optimizer"]["state"] == {} and saved["totals"]["nonfinite_skipped"] == rounds[-1]["charts/nonfinite_skipped"]
 
 
+@pytest.mark.slow
 def test_chat_template_needs_a_tokenizer_that_has_one():
     out = _run("--chat-template", "--num-rounds", "1", timeout=300)  # the tiny model's tokenizer has none
     assert out.returncode != 0 and "error: --chat-template" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--chat-template"], ["--sync", "--top-p", "0.9"]], ids=["paper-sampling-chat", "sync-top-p"])
 def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, extra):
     """The path users run: byte-level BPE with pad == eos, a bf16 checkpoint, the non-tiny defaults
@@ -386,6 +414,7 @@ def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, ex
     assert diffs and all(d <= 1e-4 for d in diffs)
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same rounds, pairs, losses
     and trained weights as one process on the same global batches (sync_run); rank 0 alone writes
@@ -409,6 +438,8 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
 
+
+@pytest.mark.slow
 def test_tldr_format_jsonl_with_a_reward_model(tmp_path, tiny_reward_model):
     """The paper's main task's shape on a small local file: TL;DR's fields (prompt, completion) as a
     JSONL task, scored by a sequence-classification reward model; chosen is the higher score."""
