@@ -306,6 +306,7 @@ def test_gpu_background_transfer_runs_off_the_default_stream():
     assert seen == [pusher._push_stream] and seen[0] != torch.cuda.default_stream()
 
 
+@pytest.mark.slow
 def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
     """A NCCL broadcast to a dead peer never returns; the watchdog must not wait for it. Here the
     transfer is a stand-in that never returns, and the sampler is killed meanwhile."""
@@ -480,6 +481,7 @@ def test_gpu_separate_bf16_push_of_a_qwen05_shaped_model_matches_the_fp32_learne
     _push_cast_then_compare("separate", qwen05_path)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_in_flight_update_labels_versions(realistic_path):
@@ -521,6 +523,7 @@ def test_gpu_in_flight_update_labels_versions(realistic_path):
         assert all(0 < s.versions[0][2] < len(s.token_ids) for s in split)
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_path):
@@ -590,6 +593,7 @@ SCRIPT_RUNS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("script, flags, trained_key", SCRIPT_RUNS, ids=[s[0].removesuffix(".py") for s in SCRIPT_RUNS])

@@ -250,7 +250,7 @@ PLAN_CASES = [("rloo", 256, 512, dict()), ("dpo", 256, 512, dict(pairs=16)), ("p
 def test_plan_estimates_the_measured_learner_step_within_15_percent(script, prompt, response, kw, variant):
     """memory_plan.learner_bytes for each script's step, from the config alone, against benchmarks/memory.py's
     measurement of the script's own step on fake tensors (its peak of live tensor bytes). PPO's step (120 KV
-    caches) is too slow here: its 24-layer comparison is the README's table."""
+    caches) is too slow here: its 24-layer comparison is the table in docs/memory.md."""
     autocast, checkpointing = memory.VARIANTS[variant]
     config = memory.qwen25_05b_config(num_layers=4)
     measured = memory.measure(lambda tracker: memory.STEPS[script](config, tracker=tracker, prompt=prompt, response=response,
