@@ -47,6 +47,14 @@ if TYPE_CHECKING:  # annotations only
 # --------------------------------------------------------------------------------------
 
 
+def help_default(text: str):
+    """An Args field's annotation whose --help shows `text` as its default: for a default that other
+    flags decide (the mode, the memory plan). Use: `x: Annotated[int | None, common.help_default("B")] = None`."""
+    import tyro
+
+    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
+
+
 def check_args(condition: bool, flag: str, message: str) -> None:
     """Reject a nonsensical flag value at start-up with a message that names the flag."""
     if not condition:

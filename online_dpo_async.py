@@ -36,11 +36,6 @@ from fastrl import distributed, vllm_sampler
 FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fixed list (--eval-problems 0 = all of it)
 
 
-def help_default(text: str):
-    """--help's text for a default that other flags decide (parse_args, the memory plan)."""
-    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
-
-
 @dataclass
 class Args:
     exp_name: str = "online_dpo_async"
@@ -56,7 +51,7 @@ class Args:
     task: str = "countdown"
     """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
     data), gsm8k (Table 10's defaults: --task gsm8k --help), tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a
-    {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG] (README "Your own data and reward"); scored by the
+    {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG] (docs/tasks.md); scored by the
     task's reward unless --reward-model or --reward"""
     reward: str | None = None
     """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
@@ -73,7 +68,7 @@ class Args:
     """the sampler's weights: auto = bfloat16 on a GPU, float32 on CPU; the learner stays in --dtype either way (the
     difference is charts/logprob_diff; DPO's loss uses only the learner's own logprobs, so it has nothing to correct)"""
     sampler_url: list[str] | None = None
-    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
+    """sample from these running vLLM servers instead of a sampler process of our own (docs/scaling.md)"""
     sampler_threads: int = 0
     """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
     learner take turns, half of them when the schedule overlaps them"""
@@ -81,7 +76,7 @@ class Args:
     # the method
     sync: bool = False
     """synchronous on-policy baseline: generate, then train (shorthand for --staleness 0)"""
-    staleness: Annotated[Literal[0, 1] | None, help_default("1; 0 under --sync")] = None
+    staleness: Annotated[Literal[0, 1] | None, common.help_default("1; 0 under --sync")] = None
     """rounds the sampler generates ahead of the learner: 1 asynchronous (Algorithm 1), 0 synchronous"""
     group_size: int = 4
     """samples per prompt; chosen = best reward, rejected = worst [paper 2, gsm8k 4; tiny 4]"""
@@ -145,7 +140,7 @@ class Args:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 3e-6 rounds away
     on most weights"""
-    sampler_gpu_memory: Annotated[float | None, help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
+    sampler_gpu_memory: Annotated[float | None, common.help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
     """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization)"""
 
     # evaluation, logging, checkpoints
@@ -153,7 +148,7 @@ class Args:
     """greedy: one greedy completion per problem (the paper's GSM8K pass@1); sample: as in training [gsm8k greedy; sample]"""
     eval_problems: int = 200
     """held-out problems; 0 = the whole test split of a fixed dataset (gsm8k, countdown-hub) [gsm8k 0; paper 50; tiny 200]"""
-    eval_samples: Annotated[int | None, help_default("1 under greedy decoding, 4 when sampling")] = None
+    eval_samples: Annotated[int | None, common.help_default("1 under greedy decoding, 4 when sampling")] = None
     """completions per held-out problem, accuracy = pass@1 over them"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""

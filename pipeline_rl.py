@@ -45,11 +45,6 @@ import tasks
 from fastrl import distributed, vllm_sampler
 
 
-def help_default(text: str):
-    """--help's text for a default that other flags decide (mode_defaults, the memory plan)."""
-    return tyro.conf.arg(help_behavior_hint=f"(default: {text})")
-
-
 @dataclass
 class Args:
     exp_name: str = "pipeline_rl"
@@ -65,7 +60,7 @@ class Args:
     task: str = "countdown"
     """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
     data), gsm8k, a .jsonl file of your own (a {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG]
-    (README "Your own data and reward")"""
+    (docs/tasks.md)"""
     reward: str | None = None
     """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
@@ -80,7 +75,7 @@ class Args:
     stays fp32 either way (the difference is the training-inference mismatch, charts/logprob_diff: the truncated IS
     against the sampler's logprobs corrects it, --tis-cap)"""
     sampler_url: list[str] | None = None
-    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
+    """sample from these running vLLM servers instead of a sampler process of our own (docs/scaling.md)"""
     sampler_threads: int = 0
     """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
     learner take turns, half of them when the schedule overlaps them"""
@@ -92,7 +87,7 @@ class Args:
     """the paper's G (conventional mode only; not the group size): optimizer steps per RL step, on B*G sequences generated at once"""
     train_batch_size: int = 64
     """B: sequences per optimizer step (a multiple of --group-size)"""
-    gen_batch_size: Annotated[int | None, help_default("B; conventional: B*G")] = None
+    gen_batch_size: Annotated[int | None, common.help_default("B; conventional: B*G")] = None
     """H: sequences the sampler decodes at once (vLLM's max_num_seqs). Pipeline mode keeps H in flight (Algorithm 2, lines
     6-7). Section 4 ("Configuring PipelineRL") says to use the smallest H that produces enough training data: a larger H
     raises the generation latency t_gen and with it the lag, g_max = ceil(t_gen / t_train), and buys throughput only while
@@ -120,12 +115,12 @@ class Args:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
     on most weights"""
-    sampler_gpu_memory: Annotated[float | None, help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
+    sampler_gpu_memory: Annotated[float | None, common.help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
     """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization)"""
     tis_cap: float = 5.0
     """c: token importance weights pi/mu are truncated at c (Eq. 5; the paper clamps at 5, Section 5). mu is the sampler's
     logprob by design (the logprob contract), so the same weight also corrects the training-inference mismatch"""
-    ess_threshold: Annotated[float | None, help_default("0.5; conventional: 0")] = None
+    ess_threshold: Annotated[float | None, common.help_default("0.5; conventional: 0")] = None
     """skip a step whose batch ESS (Eq. 6) is below this and wait for a batch from the current weights (0: never). The guard
     is Algorithm 2's (lines 20-23; the paper gives no value); Algorithm 1 (Conventional RL) has none, so conventional mode
     runs without one unless this is set (then a skipped batch is dropped)"""

@@ -43,7 +43,7 @@ class Args:
     task: str = "countdown"
     """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
-    a line) or hf:DATASET[:CONFIG] (README "Your own data and reward") [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
+    a line) or hf:DATASET[:CONFIG] (docs/tasks.md) [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
     reward: str | None = None
     """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
@@ -57,7 +57,7 @@ class Args:
     """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
     stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis)"""
     sampler_url: list[str] | None = None
-    """sample from these running vLLM servers instead of a sampler process of our own (README "Scaling out")"""
+    """sample from these running vLLM servers instead of a sampler process of our own (docs/scaling.md)"""
     sampler_threads: int = 0
     """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
     learner take turns, half of them when the schedule overlaps them (--overlap)"""
