@@ -69,8 +69,8 @@ class Args:
     """group size G: responses per prompt for the leave-one-out baseline [paper 2; tiny 8]"""
     num_prompts: int = 32
     """prompts per sampling round [paper 4; tiny 32]"""
-    num_rounds: int = 80
-    """sampling rounds (the paper's 'training steps') [paper 250; tiny 80]"""
+    num_rounds: int = 160
+    """sampling rounds (the paper's 'training steps') [paper 250; tiny 160]"""
     learning_rate: float = 1e-4
     """Adam learning rate, constant [paper 1e-6; tiny 1e-4]"""
     kl_coef: float = 0.01
