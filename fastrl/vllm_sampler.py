@@ -242,6 +242,18 @@ def pin_pytorch_top_k_top_p() -> None:
     topk_topp.apply_top_k_top_p = apply_top_k_top_p
 
 
+def eager_logprob_ranks() -> None:
+    """(In the sampler process, CPU only.) vLLM ranks each sampled token's logprob with a function it
+    compiles with torch.compile (vllm/v1/sample/ops/logprobs.py:10 batched_count_greater_than, to spare
+    GPU memory a [tokens, vocabulary] temporary); on CPU that compile costs ~5 s on the first request of
+    every sampler process, more than the whole tiny-model round. The sampler looks the name up in its
+    module at each call (vllm/v1/sample/sampler.py:15, :221, :351), so this replaces it there with the
+    same expression run eagerly: the same counts, the temporary in host memory."""
+    import vllm.v1.sample.sampler as vllm_sample
+
+    vllm_sample.batched_count_greater_than = lambda x, values: (x >= values).sum(-1)
+
+
 def sampler_paths(worker) -> dict[str, str]:
     """(Run in the sampler's worker.) Which model runner and top-k/top-p the engine uses, for the tests."""
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
@@ -387,6 +399,7 @@ class SamplerServer:
         weight_sync.register_engines()
         pin_pytorch_top_k_top_p()  # one sampler path on CPU and GPU (engine_settings)
         if config.placement == "cpu":
+            eager_logprob_ranks()
             torch.set_num_threads(config.threads)
             if config.in_place_updates:
                 gloo_transfer.keep_cpu_linear_weights()
