@@ -79,17 +79,6 @@ def mismatch_correction(tis: str, sampler_dtype: str, placement: str, learner_bf
     return vllm_sampler.resolve_dtype(sampler_dtype, placement) != "float32" or learner_bf16
 
 
-def memory_defaults(args) -> None:
-    """Fill --autocast-bf16 and --gradient-checkpointing where they were left unset (None): on for a real
-    model on a GPU, where benchmarks/memory.py shows the paper batch sizes need both to fit a 24 GB card
-    beside a colocated sampler; off for the tiny model or a learner on CPU (exact fp32 numbers, and
-    memory is not what binds there)."""
-    on = args.model != TINY and torch.cuda.is_available()
-    for name in ("autocast_bf16", "gradient_checkpointing"):
-        if getattr(args, name) is None:
-            setattr(args, name, on)
-
-
 def memory_plan(args, model_path: str, script: str) -> float | None:
     """On a GPU, before any weight loads: the run's memory plan from the model's config alone (memory_plan.py
     has its contract), printed in one line, `memory plan: learner ~X GB + sampler Y GB + transfer Z GB of N GB`.

@@ -76,22 +76,6 @@ def test_mismatch_correction_is_on_by_default_exactly_when_the_precisions_differ
     assert on("on", "float32", "cpu", False) and not on("off", "bfloat16", "colocate", True)
 
 
-def test_memory_defaults_are_on_for_a_real_model_on_a_gpu_only(monkeypatch):
-    from types import SimpleNamespace
-
-    def filled(model, cuda, **given):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-        args = SimpleNamespace(model=model, autocast_bf16=None, gradient_checkpointing=None)
-        vars(args).update(given)
-        common.memory_defaults(args)
-        return args.autocast_bf16, args.gradient_checkpointing
-
-    assert filled("Qwen/Qwen2.5-0.5B", cuda=True) == (True, True)
-    assert filled("Qwen/Qwen2.5-0.5B", cuda=False) == (False, False)  # a CPU learner: exact fp32
-    assert filled(common.TINY, cuda=True) == (False, False)
-    assert filled("Qwen/Qwen2.5-0.5B", cuda=True, autocast_bf16=False) == (False, True)  # a flag given stays
-
-
 def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_path):
     import dataclasses
 

@@ -579,7 +579,7 @@ def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_pat
 
 # Each script's canonical command on a small local model (the realistic fixture: Qwen2, byte-level BPE, pad ==
 # eos, bf16 checkpoint), two rounds / steps / iterations, every precision at its GPU default (a bf16 sampler;
-# bf16 autocast and checkpointing on the learner: common.memory_defaults); (script, its flags, the key of a
+# bf16 autocast and checkpointing on the learner: each script's PAPER defaults on a GPU); (script, its flags, the key of a
 # trained row in metrics.jsonl)
 SCRIPT_RUNS = [
     ("rloo_kreuse.py", ["--k", "2", "--num-rounds", "2", "--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "48",
