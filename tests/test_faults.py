@@ -252,7 +252,7 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from fastrl import vllm_sampler
+        import common
         if __name__ == "__main__":
             common.start_sampler({tiny_path!r}, placement="cpu").close()
     """)
