@@ -168,7 +168,7 @@ def test_a_killed_learner_leaves_no_shared_memory(tiny_path, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
-        import common, vllm_sampler
+        import common
         if __name__ == "__main__":  # the sampler is spawned: it imports this file
             model = common.load_policy({tiny_path!r}, "cpu")
             sampler = common.start_sampler({tiny_path!r}, placement="cpu", seed=0)
