@@ -106,6 +106,7 @@ def test_pushes_match_the_learner_logprobs(tiny_path, tokenizer, session_sampler
     sampler.init_weight_sync(model)
     assert isinstance(sampler._weight_engine, shm_transfer.ShmTrainerWeightTransferEngine)
     assert sampler.weight_load_path() == "in place"
+    sampler.push_weights(sampler.version + 1)  # from this model's weights, whatever an earlier test pushed into the shared sampler
     prompts = _prompts(tokenizer, 16)
     for round_ in range(3):  # several pushes in a row, each of changed weights
         before = sampler.generate(prompts[:4], n=2, temperature=0.7, max_tokens=16, seed=round_)
