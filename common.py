@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fastrl import distributed, vllm_sampler
+from fastrl import distributed, vllm_sampler, weight_sync
 from fastrl.util import (CACHE_DIR, Progress, _Tee, load_hf, load_tokenizer, on_terminal,  # noqa: F401  (re-exported)
                          replace_atomically, set_seed)
 from fastrl.vllm_sampler import peak_rss_mib
@@ -534,6 +534,7 @@ def connect_weights(sampler, weights: torch.nn.Module, version: int = 0, backgro
     when resuming (`version` > 0) or to servers (always: what they loaded is not ours to know), so the
     sampler starts from the learner's weights. Closes the sampler if any of that fails."""
     try:
+        weight_sync.register_engines()  # imports vLLM's trainer side while the sampler still builds (~2 s less on the critical path)
         sampler.wait_ready()
         sampler.init_weight_sync(weights, background=background_push)
         if version or getattr(sampler, "urls", None):  # (a RemoteSampler)
@@ -591,10 +592,20 @@ def check_prompts_fit(tokenizer, task, max_prompt_tokens: int, chat_template: bo
                          f"(the shortest of the first {sample} has {shortest}); use a model with a longer context or shorter prompts")
 
 
-def check_chat_template(tokenizer, enabled: bool) -> None:
-    """--chat-template needs a tokenizer that has one."""
-    check_args(not enabled or bool(getattr(tokenizer, "chat_template", None)), "--chat-template",
-               "this model's tokenizer has no chat template (a base model?); drop the flag")
+def check_chat_template(model_path: str, enabled: bool) -> None:
+    """--chat-template needs a tokenizer that has one. A local directory's files say (tokenizer_config.json's
+    "chat_template", or chat_template.jinja / .json beside it), so the check runs before the sampler starts without
+    importing transformers; a Hub id loads its tokenizer."""
+    if not enabled:
+        return
+    path = Path(model_path)
+    if path.is_dir():
+        config = path / "tokenizer_config.json"
+        found = any((path / name).is_file() for name in ("chat_template.jinja", "chat_template.json")) or (
+            config.is_file() and bool(json.loads(config.read_text()).get("chat_template")))
+    else:
+        found = bool(getattr(load_tokenizer(model_path), "chat_template", None))
+    check_args(found, "--chat-template", "this model's tokenizer has no chat template (a base model?); drop the flag")
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:

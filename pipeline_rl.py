@@ -528,18 +528,11 @@ def main():
     vllm_sampler.quiet_libraries(args.verbose)
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
-    common.set_seed(args.seed)
-    common.limit_cpu_threads()
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    common.check_chat_template(model_path, args.chat_template)
     args.sampler_gpu_memory = common.memory_plan(args, model_path, "pipeline")  # GPU only: the plan line, or a refusal naming flags
-    tokenizer = common.load_tokenizer(model_path)
-    common.check_chat_template(tokenizer, args.chat_template)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
-                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
-    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-
-    # the sampler builds its engine while the learner loads its models
+    # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=args.sampler_gpu_memory,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.gen_batch_size,
@@ -547,6 +540,12 @@ def main():
                                    threads=common.sampler_threads(args.sampler_threads, overlapped=args.mode == "pipeline"),
                                    ) if dist.is_main else None
     try:
+        common.set_seed(args.seed)
+        common.limit_cpu_threads()
+        tokenizer = common.load_tokenizer(model_path)
+        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
+                               prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
+        common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
         policy = common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype))
         if args.gradient_checkpointing:
             policy.gradient_checkpointing_enable()

@@ -702,15 +702,13 @@ def load_learner(args: Args, model_path: str, dist):
 
 
 def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with the checks that read the model's files, before anything starts: prompt + response
-    within its context, the reward and critic models on the policy's tokenizer (the downstream models read the actor's
-    token ids as they stream), a chat template when --chat-template asks for one, prompts that fit --max-prompt-tokens."""
-    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    """The tokenizer and the task, with the checks that read the tokenizer (while the sampler starts; a failure closes it):
+    the reward and critic models on the policy's tokenizer (the downstream models read the actor's token ids as they
+    stream), prompts that fit --max-prompt-tokens."""
     tokenizer = common.load_tokenizer(model_path)
     for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
         common.check_args(path is None or common.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
                           "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    common.check_chat_template(tokenizer, args.chat_template)
     task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward, prompt_field=args.prompt_field,
                            answer_field=args.answer_field, system_prompt=args.system_prompt)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
@@ -747,17 +745,19 @@ def main():
     distributed.from_main(lambda: common.check_args(not (args.intra and dist.enabled), "--intra",
                                                     "the intra-step overlap runs on one process only; under torchrun add --no-intra"), dist)
     distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", dist)
-    common.set_seed(args.seed)
-    common.limit_cpu_threads()
     model_path = common.resolve_model(args.model, args.task)
-    tokenizer, task = load_task(args, model_path)
+    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    common.check_chat_template(model_path, args.chat_template)
     sampler_gpu_memory = common.memory_plan(args, model_path, "ppo")  # GPU only: the plan line, or a refusal naming flags
-    # the sampler process builds its engine while the learner loads its models
+    # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                    max_num_seqs=B + max_delta, urls=args.sampler_url, verbose=args.verbose, wait=False,
                                    threads=common.sampler_threads(args.sampler_threads, overlapped=args.intra)) if dist.is_main else None
     try:
+        common.set_seed(args.seed)
+        common.limit_cpu_threads()
+        tokenizer, task = load_task(args, model_path)
         policy, downstream, push_model, learner, optimizer = load_learner(args, model_path, dist)
         logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")

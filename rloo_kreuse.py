@@ -355,9 +355,9 @@ def mismatch_correction_on(args: Args) -> bool:
 
 
 def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with their checks (a chat template exists, some prompt fits the budget)."""
+    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
+    while the sampler starts, and a failure closes it)."""
     tokenizer = common.load_tokenizer(model_path)
-    common.check_chat_template(tokenizer, args.chat_template)
     task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
                            prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
     common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
@@ -420,18 +420,19 @@ def main():
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
-    common.set_seed(args.seed)
-    common.limit_cpu_threads()
     model_path = common.resolve_model(args.model, args.task)
     common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    common.check_chat_template(model_path, args.chat_template)
     sampler_gpu_memory = common.memory_plan(args, model_path, "rloo")  # GPU only: the plan line, or a refusal naming flags
-    tokenizer, task = load_task(args, model_path)
-    # the sampler process builds its engine while the learner loads its models
+    # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                    urls=args.sampler_url, threads=common.sampler_threads(args.sampler_threads, overlapped=args.overlap),
                                    verbose=args.verbose, wait=False) if dist.is_main else None
     try:
+        common.set_seed(args.seed)
+        common.limit_cpu_threads()
+        tokenizer, task = load_task(args, model_path)
         policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
         logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")

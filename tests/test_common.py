@@ -432,3 +432,16 @@ def test_sampler_threads_take_every_core_when_the_schedule_takes_turns_and_half_
     assert common.sampler_threads(0, overlapped=True) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a fixed budget
     assert common.sampler_threads(0, overlapped=False) == 2
+
+
+def test_chat_template_check_reads_the_model_files(tiny_path, realistic_path, tmp_path):
+    """--chat-template is checked before the sampler starts, from a local model's files (no transformers import):
+    the tiny model has no template, the realistic fixture saves chat_template.jinja, an older save keeps it in
+    tokenizer_config.json; the same tokenizers loaded agree."""
+    common.check_chat_template(tiny_path, False)
+    with pytest.raises(SystemExit, match="^error: --chat-template: "):
+        common.check_chat_template(tiny_path, True)
+    common.check_chat_template(realistic_path, True)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    common.check_chat_template(str(tmp_path), True)
+    assert not common.load_tokenizer(tiny_path).chat_template and common.load_tokenizer(realistic_path).chat_template
