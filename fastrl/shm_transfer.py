@@ -7,10 +7,11 @@ memory with the sampler instead of sending bytes through a socket.
   every parameter at a 64-byte aligned offset, and maps it. The sampler's worker opens the same
   file through /proc/<learner pid>/fd/<fd> and maps it too; then the learner closes its descriptor.
   The memory lives exactly as long as one of the two mappings (freed when both processes are gone,
-  however they end).
-- A push: the learner copies its parameters into the shared buffer (one memory copy, done before
-  `start_weight_update`, so the sampler keeps decoding meanwhile), then drives start -> update ->
-  finish through the client. The worker's update loads views of the buffer into the weights it
+  however they end; in the learner the mapping is held by the engine and by the parameters in it).
+- The learner's parameters move into the buffer (share_parameters: the learner trains in it), so a
+  push copies nothing on the learner's side; where they cannot (a cast to the sampler's dtype), a
+  push first copies them in (done before `start_weight_update`, so the sampler keeps decoding
+  meanwhile). Then it drives start -> update -> finish through the client. The worker's update loads views of the buffer into the weights it
   kept (`model.load_weights`: one more copy, no allocation); finish repacks the linear layers for
   the CPU GEMM (gloo_transfer.GlooWeightTransferEngine, whose start/finish this engine shares).
 - Nothing waits on a lock, semaphore or socket of its own: every wait is an RPC through the client
@@ -38,6 +39,7 @@ from typing import ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
+    ModuleSource,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightTransferInitInfo,
@@ -153,12 +155,30 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
             engine.buffer = map_shared(f"/proc/self/fd/{fd}", nbytes)
             engine.views = views(engine.buffer, engine.dtypes, engine.shapes, engine.offsets)
             engine.copy_weights()  # not loaded yet; this faults the buffer's pages in now, not at the first push
+            engine.share_parameters()
             client.init_weight_transfer_engine(dict(pid=os.getpid(), fd=fd, nbytes=nbytes))
         finally:
             os.close(fd)  # from here on only the two mappings hold the memory
         engine.update_info = dict(names=engine.names, dtype_names=[str(d).split(".")[-1] for d in engine.dtypes],
                                   shapes=engine.shapes, offsets=engine.offsets)
         return engine
+
+    def share_parameters(self) -> None:
+        """Where the source sends a module's parameters as they are (vLLM's ModuleSource: no cast, no
+        gather), move each parameter's data into its place in the shared buffer (`param.data` = the view;
+        the Parameter objects, and so the optimizer's hold on them, stay the same): the learner then trains
+        in the buffer, a push copies nothing on the learner's side and costs the sampler's load alone (the
+        floor, benchmarks/foundation.py push_vs_floor), and the learner's own copy of the weights is freed.
+        The sampler reads the buffer only during an update, which the learner waits for (send_weights)."""
+        if type(self.source) is not ModuleSource:
+            return  # a cast (weight_sync.sampler_source's CastSource) or other source: pushes copy
+        params = dict(self.source._module.named_parameters())
+        with torch.no_grad():
+            for name, view in zip(self.names, self.views):
+                param = params.get(name)
+                if type(param) is torch.nn.Parameter and param.device.type == "cpu" and param.is_contiguous() \
+                        and param.dtype == view.dtype and param.shape == view.shape:
+                    param.data = view  # (copy_weights put its values there)
 
     def copy_weights(self) -> None:
         i = -1
@@ -168,7 +188,8 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
                         or tensor.dtype != self.dtypes[i]:
                     raise TransferError(f"the model's parameters changed since init_weight_sync (at {name!r}): "
                                         "call init_weight_sync again")
-                self.views[i].copy_(tensor.detach())
+                if tensor.data_ptr() != self.views[i].data_ptr():  # (a shared parameter is already there)
+                    self.views[i].copy_(tensor.detach())
         if i + 1 != len(self.names):
             raise TransferError(f"the model has {i + 1} parameters, {len(self.names)} at init_weight_sync: call it again")
 

@@ -106,6 +106,8 @@ def test_pushes_match_the_learner_logprobs(tiny_path, tokenizer, session_sampler
     sampler.init_weight_sync(model)
     assert isinstance(sampler._weight_engine, shm_transfer.ShmTrainerWeightTransferEngine)
     assert sampler.weight_load_path() == "in place"
+    # the learner's parameters now live in the shared buffer (same Parameter objects): a push copies nothing on its side
+    assert {p.data_ptr() for p in model.parameters()} == {v.data_ptr() for v in sampler._weight_engine.views}
     sampler.push_weights(sampler.version + 1)  # from this model's weights, whatever an earlier test pushed into the shared sampler
     prompts = _prompts(tokenizer, 16)
     for round_ in range(3):  # several pushes in a row, each of changed weights
@@ -125,6 +127,7 @@ def test_background_push_sends_the_snapshot(tiny_path, tokenizer, session_sample
     sampler = session_sampler
     model = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(model, background=True)
+    assert not {p.data_ptr() for p in model.parameters()} & {v.data_ptr() for v in sampler._weight_engine.views}  # the snapshot's are
     _perturb(model, 10)
     pushed = copy.deepcopy(model)
     version = sampler.version + 1
@@ -157,7 +160,7 @@ def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
         assert time.monotonic() - start < 10
     finally:
         sampler.close()
-    del sampler  # the learner's mapping goes with the Sampler (its weight engine)
+    del sampler, model  # the learner's mapping goes with the Sampler (its weight engine) and the model (its parameters live there)
     gc.collect()
     assert _mapped() == mapped_before and not _dev_shm_ours()
 
