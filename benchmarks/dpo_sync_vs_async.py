@@ -57,8 +57,11 @@ def main():
               f"{r['acc'][0]:.3f} -> {r['acc'][1]:.3f} |")
     ideal = sync["step"] - max(sync["G"], sync["T"])
     saved = sync["step"] - asyn["step"]
-    print(f"\nasync saves {saved:.3f} s per round of an ideal {ideal:.3f} s ({100 * saved / ideal:.0f}%; target >= 80%); "
-          f"speed-up {sync['step'] / asyn['step']:.2f}x")
+    print(f"\nasync saves {saved:.3f} s per round of an ideal {ideal:.3f} s ({100 * saved / ideal:.0f}%; target >= 80%)")
+    print(f"generation is {100 * sync['G'] / sync['step']:.0f}% of a synchronous round")
+    # last: against the best baseline, --sync, whose sampler and learner each use every core in turn (common.sampler_threads)
+    print(f"speed-up against the best baseline at equal hardware (--sync, every core in turn): async {sync['step'] / asyn['step']:.2f}x "
+          f"per round (ideal {sync['step'] / max(sync['G'], sync['T']):.2f}x: perfect overlap, from the sync run's phase times)")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ How it measures:
   target: where the curve first reaches it, linear between the two snapshots around it.
 
 Prints the time-to-target table (mean and sd over seeds per arm, ratio to the first arm), the
-pass@1 reached at the end, the command's own duration, and writes docs/learning_speed_<paper>.png
-(mean pass@1 against seconds of training, a band of one sd over seeds).
+pass@1 reached at the end, the command's own duration, writes docs/learning_speed_<paper>.png
+(mean pass@1 against seconds of training, a band of one sd over seeds), and last each arm's speed-up
+over the best baseline arm (BASELINES: the shortest mean time to target) with a 95% bootstrap interval
+over seeds: "faster" only where the interval excludes 1, else "inconclusive".
 """
 
 from __future__ import annotations
@@ -84,6 +86,11 @@ PAPERS = {
         "OPPO": ([], 3),
     }),
 }
+# each comparison's baseline arms: the others are compared with the best of them (the shortest mean time to
+# target); every arm runs on the same 2 cores, a synchronous one with its sampler and learner each on every core
+# in turn (common.sampler_threads), so no baseline leaves a core idle
+BASELINES = {"rloo": ["K=1"], "rloo-overlap": ["K=4"], "dpo": ["sync"], "pipeline": ["Conventional G=1", "Conventional G=4"],
+             "ppo": ["plain PPO"]}
 WORKLOADS = {
     "default": [],
     "long-tail": ["--task", "countdown-steps", "--max-new-tokens", "80"],  # the tiny model's context: 128 = prompt + 80 fits
@@ -202,6 +209,27 @@ def summarize(times: list[float]) -> tuple[float, float, int]:
     return float(np.mean(reached)), float(np.std(reached)), len(reached)
 
 
+def bootstrap_speedup(arm_times: list[float], base_times: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """Speed-up of an arm over a baseline in time to target, mean(base) / mean(arm), and its 95% interval from a
+    bootstrap over seeds (each arm's seeds resampled with replacement, independently). NaN when a seed of either
+    never reached the target or a mean is 0 (no ratio to take)."""
+    arm, base = np.asarray(arm_times, float), np.asarray(base_times, float)
+    if np.isnan(arm).any() or np.isnan(base).any() or arm.mean() <= 0 or base.mean() <= 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    arm_means = arm[rng.integers(0, len(arm), (draws, len(arm)))].mean(1)
+    base_means = base[rng.integers(0, len(base), (draws, len(base)))].mean(1)
+    ratios = base_means / np.maximum(arm_means, 1e-9)
+    return float(base.mean() / arm.mean()), float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
+
+
+def verdict(low: float, high: float) -> str:
+    """What an interval says: faster or slower only where it excludes 1."""
+    if math.isnan(low):
+        return "inconclusive (a seed never reached the target)"
+    return "faster" if low > 1 else "slower" if high < 1 else "inconclusive (the interval contains 1)"
+
+
 def plot(by_arm: dict[str, list[list[tuple[float, float]]]], target: float, seconds: float, title: str, out: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -276,10 +304,26 @@ def main():
         shown = f"{mean:.1f}" if every_seed else (f"{mean:.1f} ({reached} of {len(times)} seeds reached it)" if reached else "not reached")
         per_seed = " ".join("never" if math.isnan(t) else f"{t:.1f}" for t in times)
         print(f"| {arm} | {shown} | {sd:.1f} | {per_seed} | {ratio} | {final:.3f} |")
+    # last: each other arm against the best baseline, with a bootstrap interval over seeds
+    times = {arm: [time_to(c, target) for c in cs] for arm, cs in by_arm.items()}
+    baselines = [b for b in BASELINES[args.paper] if b in times]
+    reached = [b for b in baselines if not any(math.isnan(t) for t in times[b])]
+    best = min(reached, key=lambda b: np.mean(times[b])) if reached else None
+    lines = []
+    for arm in (a for a in times if a not in baselines):
+        if best is None:
+            lines.append(f"{arm}: inconclusive (no baseline reached the target in every seed)")
+            continue
+        ratio, low, high = bootstrap_speedup(times[arm], times[best])
+        lines.append(f"{arm} vs {best}: {ratio:.2f}x [95% interval over seeds {low:.2f}, {high:.2f}]: {verdict(low, high)}"
+                     if not math.isnan(ratio) else f"{arm} vs {best}: {verdict(float('nan'), float('nan'))}")
     suffix = "" if args.workload == "default" else "_" + args.workload.replace("-", "_")
     out = plot(by_arm, target, args.seconds, f"{args.paper} ({args.workload}): held-out pass@1, mean and sd over {len(args.seeds)} seeds",
                Path(args.out) / f"learning_speed_{args.paper}{suffix}.png")
     print(f"\nplot: {out}\nthis command took {time.perf_counter() - start:.0f} s")
+    print(f"\nspeed-up in time to target against the best baseline at equal hardware ({best or 'none reached it'}; "
+          f"{len(args.seeds)} seeds, bootstrap):")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -32,3 +32,21 @@ def test_a_target_some_seeds_never_reach_is_summarized_over_those_that_did():
     assert (mean, sd, reached) == (pytest.approx(4.0), pytest.approx(2.0), 2)
     mean, sd, reached = learning_speed.summarize([float("nan")] * 3)
     assert math.isnan(mean) and math.isnan(sd) and reached == 0
+
+
+def test_every_paper_names_baselines_among_its_arms():
+    for paper, (_, _, arms) in learning_speed.PAPERS.items():
+        baselines = learning_speed.BASELINES[paper]
+        assert baselines and set(baselines) <= set(arms) and set(arms) - set(baselines), paper
+
+
+def test_a_speed_up_is_claimed_only_where_its_bootstrap_interval_excludes_one():
+    ratio, low, high = learning_speed.bootstrap_speedup([5.0, 5.2, 4.8, 5.1, 4.9], [10.0, 10.4, 9.6, 10.2, 9.8])
+    assert ratio == pytest.approx(2.0) and 1.8 < low < 2.0 < high < 2.2
+    assert learning_speed.verdict(low, high) == "faster"
+    ratio, low, high = learning_speed.bootstrap_speedup([3.0, 9.0, 6.0], [4.0, 8.0, 7.0])  # seeds spread wider than the gap
+    assert low < 1 < high and learning_speed.verdict(low, high).startswith("inconclusive")
+    _, low, high = learning_speed.bootstrap_speedup([10.0, 10.5, 9.5], [5.0, 5.5, 4.5])
+    assert learning_speed.verdict(low, high) == "slower"
+    assert all(math.isnan(v) for v in learning_speed.bootstrap_speedup([4.0, float("nan")], [8.0, 8.0]))
+    assert learning_speed.verdict(float("nan"), float("nan")).startswith("inconclusive")
