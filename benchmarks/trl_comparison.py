@@ -683,6 +683,12 @@ def main():
         print(f"{key}: {trl['config']}\n  resolved: {trl['resolved']}")
         print("  ours: " + "; ".join(dict.fromkeys(r["command"] for r in rows if r["side"].startswith("ours"))))
     print(f"\nwhole command: {time.time() - started:.0f} s")
+    # last: ours against the best baseline, TRL at its fastest thread count on the same 2 cores
+    print("\nspeed-up against the best baseline at equal hardware (TRL at its fastest thread count), per step:")
+    for key, rows in results.items():
+        trl = min((r for r in rows if r["side"].startswith("TRL")), key=lambda r: r["step"])
+        ours = min((r for r in rows if r["side"].startswith("ours")), key=lambda r: r["step"])
+        print(f"{key}: {ours['side']} {trl['step'] / ours['step']:.2f}x vs {trl['side']}")
 
 
 if __name__ == "__main__":

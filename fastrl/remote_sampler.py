@@ -717,27 +717,17 @@ class RemoteSampler(WeightPusher):
         timeout, so a server that fails meanwhile is reported from here at once (the stuck
         transfer thread is left behind; the run is over anyway)."""
         self._next_version, self._recompute_kv, self._when_idle = version, recompute_kv, when_idle
-        error: list[BaseException] = []
 
-        def transfer():
-            try:
-                self._weight_engine.send_weights()
-            except BaseException as e:
-                error.append(e)
-
-        thread = threading.Thread(target=transfer, name="weight-push", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self._push_deadline()
-        while thread.is_alive():
-            thread.join(0.1)
-            if self._failed and thread.is_alive():
+        def check():
+            if self._failed:
                 raise SamplerError(f"weight push failed: {next(iter(self._failed.values()))}")
-            if time.monotonic() > deadline:
-                raise SamplerError(f"a weight push did not finish within {self._push_deadline():.0f}s")
-        if error:
-            if isinstance(error[0], SamplerError):
-                raise error[0]
-            raise SamplerError(f"weight push to the vLLM servers failed: {error[0]!r}") from error[0]
+
+        try:
+            self._watched(self._weight_engine.send_weights, check, poll=0.1)
+        except SamplerError:
+            raise
+        except Exception as e:
+            raise SamplerError(f"weight push to the vLLM servers failed: {e!r}") from e
         self.version = version
 
     # -- lifecycle --

@@ -904,40 +904,19 @@ class Sampler(WeightPusher):
     def _push_deadline(self) -> float:
         return 4 * self.config.call_timeout
 
-    def _watched(self, transfer) -> None:
-        """Run a weight transfer in a thread and watch the sampler meanwhile. A NCCL broadcast to a
-        dead peer never returns (it has no timeout), and cannot be interrupted; the watchdog turns a
-        dead or silent sampler into a SamplerError in the learner instead of a hang (the stuck
-        thread is left behind; the run is over anyway)."""
-        error: list[BaseException] = []
-
-        def run():
-            try:
-                transfer()
-            except BaseException as e:
-                error.append(e)
-
-        thread = threading.Thread(target=run, name="weight-transfer", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + self._push_deadline()
-        while thread.is_alive():
-            thread.join(0.5)
-            if not thread.is_alive():
-                break
-            if not self.process.is_alive():
-                raise SamplerError(f"the sampler process died during a weight push (exit code {self._exit_code()})")
-            if time.monotonic() - self._last_heard > self.config.silence_timeout:
-                with self._lock:  # nobody received for a while: look for a heartbeat ourselves
-                    self._receive(0.5)
-            if time.monotonic() > deadline:
-                raise SamplerError(f"a weight push did not finish within {self._push_deadline():.0f}s")
-        if error:
-            raise error[0]
+    def _check_alive(self) -> None:
+        """During a push (WeightPusher._watched): a dead or silent sampler is a SamplerError, not a hang."""
+        if not self.process.is_alive():
+            raise SamplerError(f"the sampler process died during a weight push (exit code {self._exit_code()})")
+        if time.monotonic() - self._last_heard > self.config.silence_timeout:
+            with self._lock:  # nobody received for a while: look for a heartbeat ourselves
+                self._receive(0.5)
 
     def _send_weights(self, version: int, recompute_kv: bool, when_idle: bool) -> None:
         self._next_version, self._recompute_kv, self._when_idle = version, recompute_kv, when_idle
         try:
-            self._watched(self._on_push_stream(self._weight_engine.send_weights))  # a background push: its own CUDA stream
+            # a background push: its own CUDA stream
+            self._watched(self._on_push_stream(self._weight_engine.send_weights), self._check_alive, poll=0.5)
         except SamplerError:
             raise
         except Exception as e:  # a broken group usually means the sampler died: say why if it told us

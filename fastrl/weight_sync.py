@@ -120,11 +120,37 @@ class WeightPusher:
     """The learner's side of weight sync, shared by vllm_sampler.Sampler and
     remote_sampler.RemoteSampler. A subclass is vLLM's weight-sync client (init_weight_transfer_engine,
     start_weight_update, update_weights, finish_weight_update) and provides
-    `_send_weights(version, recompute_kv, when_idle)` (one whole transfer, watched, which sets
-    `version`) and `_push_deadline()`."""
+    `_send_weights(version, recompute_kv, when_idle)` (one whole transfer, watched with `_watched`, which
+    sets `version`) and `_push_deadline()`."""
 
     _weight_engine = None
     _model = None
+
+    def _watched(self, transfer, check, poll: float) -> None:
+        """Run `transfer` in a thread and watch the sampler meanwhile: every `poll` seconds `check()`
+        raises a SamplerError for a dead or failed sampler, and the push deadline is kept. A collective
+        to a dead peer may never return and cannot be interrupted (NCCL has no timeout): the stuck thread
+        is left behind, the run is over anyway. The transfer's own error is raised as it is."""
+        error: list[BaseException] = []
+
+        def run():
+            try:
+                transfer()
+            except BaseException as e:
+                error.append(e)
+
+        thread = threading.Thread(target=run, name="weight-transfer", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + self._push_deadline()
+        while True:
+            thread.join(poll)
+            if not thread.is_alive():
+                break
+            check()
+            if time.monotonic() > deadline:
+                raise SamplerError(f"a weight push did not finish within {self._push_deadline():.0f}s")
+        if error:
+            raise error[0]
 
     def _start_weight_engine(self, backend: str, model: torch.nn.Module, background: bool, master_address: str = "127.0.0.1",
                              world_size: int = 2, dtype: torch.dtype | None = None) -> None:
