@@ -319,7 +319,7 @@ def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
 
     start = time.monotonic()
     with pytest.raises(vllm_sampler.SamplerError, match="died during a weight push"):
-        sampler._watched(stuck_transfer)
+        sampler._watched(stuck_transfer, sampler._check_alive, poll=0.5)
     assert time.monotonic() - start < 10
     sampler.close()
 
