@@ -11,14 +11,15 @@ memory with the sampler instead of sending bytes through a socket.
 - The learner's parameters move into the buffer (share_parameters: the learner trains in it), so a
   push copies nothing on the learner's side; where they cannot (a cast to the sampler's dtype), a
   push first copies them in (done before `start_weight_update`, so the sampler keeps decoding
-  meanwhile). Then it drives start -> update -> finish through the client. The worker's update loads views of the buffer into the weights it
-  kept (`model.load_weights`: one more copy, no allocation); finish repacks the linear layers for
-  the CPU GEMM (gloo_transfer.GlooWeightTransferEngine, whose start/finish this engine shares).
+  meanwhile). Then it drives start -> update -> finish through the client. The worker's update
+  loads views of the buffer into the weights it kept (`model.load_weights`: one more copy, no
+  allocation); finish repacks the linear layers for the CPU GEMM
+  (gloo_transfer.GlooWeightTransferEngine, whose start/finish this engine shares).
 - Nothing waits on a lock, semaphore or socket of its own: every wait is an RPC through the client
   (vllm_sampler.Sampler: deadlines, a dead sampler is a SamplerError).
 
-Measured at 54M parameters (207 MiB fp32, tied 32k embedding; benchmarks/push_bandwidth.py, 2 cores):
-a push ~90 ms (gloo over loopback ~150 ms), a memcpy of the same bytes ~12 ms. Of the push: the
+Measured at 54M parameters (207 MiB fp32, tied 32k embedding; benchmarks/push_bandwidth.py, 2 cores),
+before the parameters moved into the buffer: a push ~90 ms (gloo over loopback ~150 ms), a memcpy of the same bytes ~12 ms. Of the push: the
 learner's copy ~13 ms, the worker's load ~17 ms, the repack ~57 ms (linears 43, tied lm_head 14),
 the three RPCs ~1.5 ms. The repack is the floor: vLLM's CPU GEMM reads oneDNN-packed weights, and
 dispatch_cpu_unquantized_gemm builds a new packed copy each time (vllm/model_executor/layers/
