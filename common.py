@@ -79,6 +79,18 @@ def mismatch_correction(tis: str, sampler_dtype: str, placement: str, learner_bf
     return vllm_sampler.resolve_dtype(sampler_dtype, placement) != "float32" or learner_bf16
 
 
+def check_model(args, script: str) -> tuple[str, float | None]:
+    """Before the sampler starts, from the model's files alone: its path (resolve_model), and that it can serve the
+    flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a template
+    (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming the flag.
+    Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo, dpo,
+    pipeline or ppo."""
+    model_path = resolve_model(args.model, args.task)
+    check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
+    check_chat_template(model_path, args.chat_template)
+    return model_path, memory_plan(args, model_path, script)
+
+
 def memory_plan(args, model_path: str, script: str) -> float | None:
     """On a GPU, before any weight loads: the run's memory plan from the model's config alone (memory_plan.py
     has its contract), printed in one line, `memory plan: learner ~X GB + sampler Y GB + transfer Z GB of N GB`.

@@ -528,10 +528,7 @@ def main():
     vllm_sampler.quiet_libraries(args.verbose)
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
-    model_path = common.resolve_model(args.model, args.task)
-    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
-    common.check_chat_template(model_path, args.chat_template)
-    args.sampler_gpu_memory = common.memory_plan(args, model_path, "pipeline")  # GPU only: the plan line, or a refusal naming flags
+    model_path, args.sampler_gpu_memory = common.check_model(args, "pipeline")  # the model fits the flags; on a GPU, the memory plan
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=args.sampler_gpu_memory,

@@ -745,10 +745,7 @@ def main():
     distributed.from_main(lambda: common.check_args(not (args.intra and dist.enabled), "--intra",
                                                     "the intra-step overlap runs on one process only; under torchrun add --no-intra"), dist)
     distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", dist)
-    model_path = common.resolve_model(args.model, args.task)
-    common.check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
-    common.check_chat_template(model_path, args.chat_template)
-    sampler_gpu_memory = common.memory_plan(args, model_path, "ppo")  # GPU only: the plan line, or a refusal naming flags
+    model_path, sampler_gpu_memory = common.check_model(args, "ppo")  # the model fits the flags; on a GPU, the memory plan
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
     sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
