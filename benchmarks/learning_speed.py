@@ -7,6 +7,7 @@ training wall-clock, over seeds, and the time until pass@1 first reaches a targe
     .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL (~10 min)
     .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults; ~14 min)
     .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # answers of widely varying length (~10 min; ppo: ~14 min)
+    .venv/bin/python benchmarks/learning_speed.py rloo --workload regime --arms K=1 K=4   # the papers' regime: generation 71% of a round
 
 How it measures:
 - Every run keeps its weights every few rounds with the run's wall time (the scripts'
@@ -21,16 +22,21 @@ How it measures:
 - Workloads: `default` is each script's tiny default (Countdown with 3 numbers, answers of ~12
   tokens); `long-tail` is `--task countdown-steps` (3-7 numbers, few problems with many, answers
   worked step by step: ~20 tokens for 3 numbers, ~70 for 7, and all of it answer), the workload
-  PipelineRL's and OPPO's claims are about (generation waits on the longest answers).
+  PipelineRL's and OPPO's claims are about (generation waits on the longest answers); `regime`
+  (RLOO only) is rloo_k_sweep.REGIME, the same task in rounds of 2 prompts x 4, where generation
+  is 71% of a K=1 round as in the K-reuse report (83%).
 - Target: unless --target is given, 75% of the way from the mean pass@1 at time 0 to the lowest
   final pass@1 of any run (its last two snapshots' mean), so that every run reaches it. Time to
   target: where the curve first reaches it, linear between the two snapshots around it.
 
 Prints the time-to-target table (mean and sd over seeds per arm, ratio to the first arm), the
 pass@1 reached at the end, the command's own duration, writes docs/learning_speed_<paper>.png
-(mean pass@1 against seconds of training, a band of one sd over seeds), and last each arm's speed-up
+(mean pass@1 against seconds of training, a band of one sd over seeds, up to where the arm's shortest run
+ends) and its curves as .json beside it, and last each arm's speed-up
 over the best baseline arm (BASELINES: the shortest mean time to target) with a 95% bootstrap interval
-over seeds: "faster" only where the interval excludes 1, else "inconclusive".
+over seeds, paired (every arm runs every seed, and a seed's prompts and sampling move both arms' times
+alike; the unpaired interval is printed beside it): "faster" only where the interval excludes 1, else
+"inconclusive".
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import rloo_k_sweep  # noqa: E402
 import tasks  # noqa: E402
 
 # script, flags every arm shares, and per arm: (flags, rounds between snapshots ~ every 4-5 s on 2 cores)
@@ -91,9 +98,13 @@ PAPERS = {
 # in turn (common.sampler_threads), so no baseline leaves a core idle
 BASELINES = {"rloo": ["K=1"], "rloo-overlap": ["K=4"], "dpo": ["sync"], "pipeline": ["Conventional G=1", "Conventional G=4"],
              "ppo": ["plain PPO"]}
+# workload: (flags, how many times each arm's rounds between snapshots: ~every 4-5 s on 2 cores)
 WORKLOADS = {
-    "default": [],
-    "long-tail": ["--task", "countdown-steps", "--max-new-tokens", "80"],  # the tiny model's context: 128 = prompt + 80 fits
+    "default": ([], 1),
+    "long-tail": (["--task", "countdown-steps", "--max-new-tokens", "80"], 1),  # the tiny model's context: 128 = prompt + 80 fits
+    # RLOO in the papers' regime (rloo_k_sweep.REGIME: 2 prompts x 4 step-by-step answers, generation 71% of a K=1 round),
+    # whose rounds are ~3x shorter; the other papers' regimes force response lengths (PPO) or are their benchmark's own
+    "regime": (rloo_k_sweep.REGIME.split(), 3),
 }
 
 
@@ -111,8 +122,8 @@ class Args:
     """samples per problem (pass@1 is their mean accuracy)"""
     target: float | None = None
     """pass@1 target (None: see the module docstring)"""
-    workload: Literal["default", "long-tail"] = "default"
-    """the scripts' tiny default, or the long-tail one (see above)"""
+    workload: Literal["default", "long-tail", "regime"] = "default"
+    """the scripts' tiny default, the long-tail one, or (rloo, rloo-overlap) the papers' regime (see above)"""
     arms: tuple[str, ...] | None = None
     """a subset of the paper's arms, by name (None: all)"""
     out: str = "docs"
@@ -209,16 +220,22 @@ def summarize(times: list[float]) -> tuple[float, float, int]:
     return float(np.mean(reached)), float(np.std(reached)), len(reached)
 
 
-def bootstrap_speedup(arm_times: list[float], base_times: list[float], draws: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_speedup(arm_times: list[float], base_times: list[float], draws: int = 10000, seed: int = 0,
+                      paired: bool = False) -> tuple[float, float, float]:
     """Speed-up of an arm over a baseline in time to target, mean(base) / mean(arm), and its 95% interval from a
-    bootstrap over seeds (each arm's seeds resampled with replacement, independently). NaN when a seed of either
-    never reached the target or a mean is 0 (no ratio to take)."""
+    bootstrap over seeds: each arm's seeds resampled with replacement, independently, or (paired: the i-th time of
+    each comes from the same seed, as here, where every arm runs every seed) the seeds resampled together, so that
+    what a seed does to both arms (its prompts' order, its sampling) cancels in the ratio. NaN when a seed of
+    either never reached the target or a mean is 0 (no ratio to take)."""
     arm, base = np.asarray(arm_times, float), np.asarray(base_times, float)
     if np.isnan(arm).any() or np.isnan(base).any() or arm.mean() <= 0 or base.mean() <= 0:
         return float("nan"), float("nan"), float("nan")
+    if paired and len(arm) != len(base):
+        raise ValueError(f"a paired bootstrap needs one time per seed in each arm, got {len(arm)} and {len(base)}")
     rng = np.random.default_rng(seed)
-    arm_means = arm[rng.integers(0, len(arm), (draws, len(arm)))].mean(1)
-    base_means = base[rng.integers(0, len(base), (draws, len(base)))].mean(1)
+    arm_seeds = rng.integers(0, len(arm), (draws, len(arm)))
+    arm_means = arm[arm_seeds].mean(1)
+    base_means = base[arm_seeds if paired else rng.integers(0, len(base), (draws, len(base)))].mean(1)
     ratios = base_means / np.maximum(arm_means, 1e-9)
     return float(base.mean() / arm.mean()), float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))
 
@@ -240,9 +257,10 @@ def plot(by_arm: dict[str, list[list[tuple[float, float]]]], target: float, seco
     grid = np.linspace(0, seconds, 61)
     for arm, curves in by_arm.items():
         ys = np.array([np.interp(grid, [t for t, _ in c], [y for _, y in c], right=np.nan) for c in curves])
-        mean, sd = np.nanmean(ys, 0), np.nanstd(ys, 0)
-        line, = ax.plot(grid, mean, label=f"{arm} ({len(curves)} seeds)")
-        ax.fill_between(grid, mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
+        kept = ~np.isnan(ys).any(0)  # up to where this arm's shortest run ends: a mean over every seed
+        mean, sd = ys[:, kept].mean(0), ys[:, kept].std(0)
+        line, = ax.plot(grid[kept], mean, label=f"{arm} ({len(curves)} seeds)")
+        ax.fill_between(grid[kept], mean - sd, mean + sd, color=line.get_color(), alpha=0.15)
     ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:.3f}")
     ax.set_xlabel("seconds of training")
     ax.set_ylabel("held-out pass@1")
@@ -263,6 +281,8 @@ def main():
         arms = {a: arms[a] for a in args.arms}
     common.check_args(args.seconds > 0 and args.eval_problems >= 1 and args.eval_samples >= 1,
                       "--seconds/--eval-problems/--eval-samples", "must be > 0")
+    common.check_args(args.workload != "regime" or script == "rloo_kreuse.py", "--workload",
+                      "regime is RLOO's (rloo, rloo-overlap); PPO's regime forces response lengths, which teach nothing")
     start = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)
 
@@ -271,10 +291,10 @@ def main():
         for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
             flags, every = arms[arm]
             print(f"[{time.perf_counter() - start:6.0f}s] {args.paper} {arm} seed {seed}", flush=True)
-            workload = WORKLOADS[args.workload]
+            workload, spacing = WORKLOADS[args.workload]
             if workload and script == "pipeline_rl.py":
                 workload = [*workload, "--max-prompt-tokens", "48"]  # (its tiny default of 64 + 80 would not fit)
-            runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every)],
+            runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every * spacing)],
                                    args.seconds, seed, arm))
     print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
     curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples, args.seconds)
@@ -314,13 +334,18 @@ def main():
         if best is None:
             lines.append(f"{arm}: inconclusive (no baseline reached the target in every seed)")
             continue
-        ratio, low, high = bootstrap_speedup(times[arm], times[best])
-        lines.append(f"{arm} vs {best}: {ratio:.2f}x [95% interval over seeds {low:.2f}, {high:.2f}]: {verdict(low, high)}"
+        # paired over seeds (every arm ran every seed); the unpaired interval beside it, for comparison
+        ratio, low, high = bootstrap_speedup(times[arm], times[best], paired=True)
+        _, low_unpaired, high_unpaired = bootstrap_speedup(times[arm], times[best])
+        lines.append(f"{arm} vs {best}: {ratio:.2f}x [95% interval, paired over seeds, {low:.2f}, {high:.2f}; unpaired "
+                     f"{low_unpaired:.2f}, {high_unpaired:.2f}]: {verdict(low, high)}"
                      if not math.isnan(ratio) else f"{arm} vs {best}: {verdict(float('nan'), float('nan'))}")
     suffix = "" if args.workload == "default" else "_" + args.workload.replace("-", "_")
     out = plot(by_arm, target, args.seconds, f"{args.paper} ({args.workload}): held-out pass@1, mean and sd over {len(args.seeds)} seeds",
                Path(args.out) / f"learning_speed_{args.paper}{suffix}.png")
-    print(f"\nplot: {out}\nthis command took {time.perf_counter() - start:.0f} s")
+    # the curves themselves, to replot or reanalyse without rerunning: {arm: [per seed: [[seconds, pass@1], ...]]}
+    out.with_suffix(".json").write_text(json.dumps({"seeds": list(args.seeds), "target": target, "curves": by_arm}))
+    print(f"\nplot: {out} (curves: {out.with_suffix('.json')})\nthis command took {time.perf_counter() - start:.0f} s")
     print(f"\nspeed-up in time to target against the best baseline at equal hardware ({best or 'none reached it'}; "
           f"{len(args.seeds)} seeds, bootstrap):")
     print("\n".join(lines))

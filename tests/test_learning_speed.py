@@ -50,3 +50,27 @@ def test_a_speed_up_is_claimed_only_where_its_bootstrap_interval_excludes_one():
     assert learning_speed.verdict(low, high) == "slower"
     assert all(math.isnan(v) for v in learning_speed.bootstrap_speedup([4.0, float("nan")], [8.0, 8.0]))
     assert learning_speed.verdict(float("nan"), float("nan")).startswith("inconclusive")
+
+
+def test_the_regime_workload_is_rloos_and_refused_for_another_paper_before_any_run(monkeypatch, capsys):
+    flags, spacing = learning_speed.WORKLOADS["regime"]
+    assert "countdown-steps" in flags and spacing > 1  # rloo_k_sweep.REGIME, whose rounds are shorter
+    monkeypatch.setattr(sys, "argv", ["learning_speed.py", "dpo", "--workload", "regime"])
+    monkeypatch.setattr(learning_speed, "train", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        learning_speed.main()
+    message = str(exit_info.value) + capsys.readouterr().err
+    assert "--workload" in message and "regime" in message
+
+
+def test_a_paired_bootstrap_cancels_what_a_seed_does_to_both_arms():
+    # the seeds spread the times 3x, and every seed is 1.2x faster in the arm: only pairing sees it
+    base = [4.0, 12.0, 6.0, 9.0, 5.0, 11.0]
+    arm = [t / 1.2 * (1 + 0.02 * (-1) ** i) for i, t in enumerate(base)]
+    _, low, high = learning_speed.bootstrap_speedup(arm, base)
+    assert low < 1 < high
+    ratio, low, high = learning_speed.bootstrap_speedup(arm, base, paired=True)
+    assert ratio == pytest.approx(1.2, rel=0.02) and 1.1 < low < 1.2 < high < 1.3
+    assert learning_speed.verdict(low, high) == "faster"
+    with pytest.raises(ValueError, match="one time per seed"):
+        learning_speed.bootstrap_speedup([1.0, 2.0], [1.0, 2.0, 3.0], paired=True)
