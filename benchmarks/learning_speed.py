@@ -7,7 +7,6 @@ training wall-clock, over seeds, and the time until pass@1 first reaches a targe
     .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL (~10 min)
     .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults; ~14 min)
     .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # answers of widely varying length (~10 min; ppo: ~14 min)
-    .venv/bin/python benchmarks/learning_speed.py rloo --workload regime --arms K=1 K=4   # the papers' regime: generation 71% of a round
 
 How it measures:
 - Every run keeps its weights every few rounds with the run's wall time (the scripts'
@@ -22,9 +21,10 @@ How it measures:
 - Workloads: `default` is each script's tiny default (Countdown with 3 numbers, answers of ~12
   tokens); `long-tail` is `--task countdown-steps` (3-7 numbers, few problems with many, answers
   worked step by step: ~20 tokens for 3 numbers, ~70 for 7, and all of it answer), the workload
-  PipelineRL's and OPPO's claims are about (generation waits on the longest answers); `regime`
-  (RLOO only) is rloo_k_sweep.REGIME, the same task in rounds of 2 prompts x 4, where generation
-  is 71% of a K=1 round as in the K-reuse report (83%).
+  PipelineRL's and OPPO's claims are about (generation waits on the longest answers). (The K
+  sweep's regime, rloo_k_sweep.REGIME, is a throughput workload: as a learning one, its rounds of
+  2 prompts x 4 without the KL term took held-out pass@1 from 0.19 to 0.07 at K=1 and to 0 at K=4
+  in 20 s; docs/results.md.)
 - Target: unless --target is given, 75% of the way from the mean pass@1 at time 0 to the lowest
   final pass@1 of any run (its last two snapshots' mean), so that every run reaches it. Time to
   target: where the curve first reaches it, linear between the two snapshots around it.
@@ -59,7 +59,6 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-import rloo_k_sweep  # noqa: E402
 import tasks  # noqa: E402
 
 # script, flags every arm shares, and per arm: (flags, rounds between snapshots ~ every 4-5 s on 2 cores)
@@ -98,13 +97,9 @@ PAPERS = {
 # in turn (common.sampler_threads), so no baseline leaves a core idle
 BASELINES = {"rloo": ["K=1"], "rloo-overlap": ["K=4"], "dpo": ["sync"], "pipeline": ["Conventional G=1", "Conventional G=4"],
              "ppo": ["plain PPO"]}
-# workload: (flags, how many times each arm's rounds between snapshots: ~every 4-5 s on 2 cores)
 WORKLOADS = {
-    "default": ([], 1),
-    "long-tail": (["--task", "countdown-steps", "--max-new-tokens", "80"], 1),  # the tiny model's context: 128 = prompt + 80 fits
-    # RLOO in the papers' regime (rloo_k_sweep.REGIME: 2 prompts x 4 step-by-step answers, generation 71% of a K=1 round),
-    # whose rounds are ~3x shorter; the other papers' regimes force response lengths (PPO) or are their benchmark's own
-    "regime": (rloo_k_sweep.REGIME.split(), 3),
+    "default": [],
+    "long-tail": ["--task", "countdown-steps", "--max-new-tokens", "80"],  # the tiny model's context: 128 = prompt + 80 fits
 }
 
 
@@ -122,8 +117,8 @@ class Args:
     """samples per problem (pass@1 is their mean accuracy)"""
     target: float | None = None
     """pass@1 target (None: see the module docstring)"""
-    workload: Literal["default", "long-tail", "regime"] = "default"
-    """the scripts' tiny default, the long-tail one, or (rloo, rloo-overlap) the papers' regime (see above)"""
+    workload: Literal["default", "long-tail"] = "default"
+    """the scripts' tiny default, or the long-tail one (see above)"""
     arms: tuple[str, ...] | None = None
     """a subset of the paper's arms, by name (None: all)"""
     out: str = "docs"
@@ -281,8 +276,6 @@ def main():
         arms = {a: arms[a] for a in args.arms}
     common.check_args(args.seconds > 0 and args.eval_problems >= 1 and args.eval_samples >= 1,
                       "--seconds/--eval-problems/--eval-samples", "must be > 0")
-    common.check_args(args.workload != "regime" or script == "rloo_kreuse.py", "--workload",
-                      "regime is RLOO's (rloo, rloo-overlap); PPO's regime forces response lengths, which teach nothing")
     start = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)
 
@@ -291,10 +284,10 @@ def main():
         for arm in (list(arms) if i % 2 == 0 else list(arms)[::-1]):
             flags, every = arms[arm]
             print(f"[{time.perf_counter() - start:6.0f}s] {args.paper} {arm} seed {seed}", flush=True)
-            workload, spacing = WORKLOADS[args.workload]
+            workload = WORKLOADS[args.workload]
             if workload and script == "pipeline_rl.py":
                 workload = [*workload, "--max-prompt-tokens", "48"]  # (its tiny default of 64 + 80 would not fit)
-            runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every * spacing)],
+            runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every)],
                                    args.seconds, seed, arm))
     print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
     curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples, args.seconds)

@@ -52,17 +52,6 @@ def test_a_speed_up_is_claimed_only_where_its_bootstrap_interval_excludes_one():
     assert learning_speed.verdict(float("nan"), float("nan")).startswith("inconclusive")
 
 
-def test_the_regime_workload_is_rloos_and_refused_for_another_paper_before_any_run(monkeypatch, capsys):
-    flags, spacing = learning_speed.WORKLOADS["regime"]
-    assert "countdown-steps" in flags and spacing > 1  # rloo_k_sweep.REGIME, whose rounds are shorter
-    monkeypatch.setattr(sys, "argv", ["learning_speed.py", "dpo", "--workload", "regime"])
-    monkeypatch.setattr(learning_speed, "train", lambda *a, **k: pytest.fail("a run started"))
-    with pytest.raises(SystemExit) as exit_info:
-        learning_speed.main()
-    message = str(exit_info.value) + capsys.readouterr().err
-    assert "--workload" in message and "regime" in message
-
-
 def test_a_paired_bootstrap_cancels_what_a_seed_does_to_both_arms():
     # the seeds spread the times 3x, and every seed is 1.2x faster in the arm: only pairing sees it
     base = [4.0, 12.0, 6.0, 9.0, 5.0, 11.0]
