@@ -186,13 +186,19 @@ class RewardModel:
 # --------------------------------------------------------------------------------------
 
 TINY = "tiny"
+SMOLLM2 = "smollm2"  # SmolLM2-135M-Instruct from a PyPI wheel (fastrl/smollm2.py): the real model that needs no hub
 
 
 
 def resolve_model(name: str, task: str = "countdown") -> str:
     """`tiny` -> the built-in model's directory (tiny_model.py: built once, cached; for
-    `countdown-steps` the one trained to answer step by step); anything else is passed on as a
-    local path or Hub id."""
+    `countdown-steps` the one trained to answer step by step); `smollm2` -> SmolLM2-135M-Instruct's
+    directory (fastrl/smollm2.py: converted once from its PyPI wheel, cached); anything else is passed
+    on as a local path or Hub id."""
+    if name == SMOLLM2:
+        from fastrl.smollm2 import smollm2_path
+
+        return str(smollm2_path())
     if name != TINY:
         return name
     return str(tiny_model_path("countdown-steps" if task == "countdown-steps" else "countdown"))
