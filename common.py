@@ -232,20 +232,39 @@ def tiny_sft_batch(task: str, seed: int):
 def check_run_flags(args) -> None:
     """The flags every script shares that can be checked before anything loads, each refused in one
     line naming it: --track without wandb, a GPU placement without a GPU, a local --model directory
-    that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template."""
+    that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template, a Hub
+    --task without the datasets package, a --task file that does not exist."""
     import importlib.util
 
-    check_args(not args.track or importlib.util.find_spec("wandb") is not None, "--track",
-               "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard files are always written)")
+    for module, (flag, message) in optional_modules(args).items():
+        check_args(importlib.util.find_spec(module) is not None, flag, message)
     if getattr(args, "sampler_url", None) is None and args.placement in ("colocate", "separate"):
         gpus = torch.cuda.device_count()
         check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
                    f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use --placement cpu or auto")
+    check_args(not args.task.endswith((".jsonl", ".json")) or Path(args.task).expanduser().is_file(), "--task",
+               f"no such file: {args.task}")
     check_args(getattr(args, "system_prompt", None) is None or args.chat_template, "--system-prompt",
                "is the system turn of a chat template: add --chat-template")
     local = args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
     check_args(args.model == TINY or not local or Path(args.model).expanduser().is_dir(), "--model",
                f"no such directory: {args.model} (a Hub id looks like Qwen/Qwen2.5-0.5B; --model tiny is the built-in model)")
+
+
+def optional_modules(args) -> dict[str, tuple[str, str]]:
+    """The modules beyond the core dependencies that this run will import: {module: (the flag that needs it, the
+    refusal's message)}; a module's distribution has its name. (tests/test_install_plan.py holds the README's
+    commands to the extras their setup installs.)"""
+    import tasks
+
+    needed = {}
+    if args.track:
+        needed["wandb"] = ("--track", "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard "
+                                      "files are always written)")
+    if args.task in tasks.HUB_TASKS or args.task.startswith("hf:"):
+        needed["datasets"] = ("--task", f"{args.task} is a Hub dataset and needs the datasets package: pip install -e '.[hub]' "
+                                        "(bash scripts/setup.sh gpu installs it); offline, use --task countdown or arithmetic")
+    return needed
 
 
 def check_sampler_version(samples, learner_version: int, max_lag: int = 0) -> None:
@@ -671,10 +690,30 @@ def run_dir_of(resume: str) -> Path:
 RUN_LENGTH = ("num_rounds", "num_steps")  # what a resume may change without --resume-changes: how long it runs
 
 
-def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = None):
+def instruct_model(model: str) -> bool:
+    """Whether `model` names an instruct (chat) model, by the naming convention of their releases: `smollm2`, or a
+    last path component ending in -Instruct, -it or -Chat (Qwen2.5-0.5B-Instruct, gemma-2-2b-it, Llama-2-7b-chat-hf)."""
+    name = Path(model.rstrip("/")).name.lower()
+    return model == SMOLLM2 or name.endswith(("-instruct", "-it", "-chat", "-chat-hf"))
+
+
+def model_defaults(args_cls, model: str, paper: dict | None, smollm2: dict | None):
+    """The defaults for `--model model` (None: `args_cls`'s own, the tiny model's): `smollm2` for --model smollm2 (a
+    CPU-sized run of the real model), else `paper` for any model but `tiny`; and --chat-template on for an instruct
+    model (instruct_model), which was trained on its template."""
+    if model == TINY:
+        return None
+    changes = dict((smollm2 if model == SMOLLM2 and smollm2 is not None else paper) or {})
+    if instruct_model(model) and any(f.name == "chat_template" for f in dataclasses.fields(args_cls)):
+        changes.setdefault("chat_template", True)
+    return dataclasses.replace(args_cls(), **changes) if changes else None
+
+
+def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = None, smollm2: dict | None = None):
     """tyro.cli(args_cls). `args_cls`'s own defaults are the built-in tiny model's; `paper` holds the
-    defaults that differ for a real model (the paper's), used when --model is not `tiny`, so --help
-    shows the defaults of the model given (`--model Qwen/Qwen2.5-0.5B --help`: the paper's).
+    defaults that differ for a real model (the paper's), used when --model is not `tiny`, and `smollm2`
+    those of --model smollm2 (model_defaults), so --help shows the defaults of the model given
+    (`--model Qwen/Qwen2.5-0.5B --help`: the paper's).
     On `--resume RUN` the saved run's args.json supplies the defaults, so the run
     continues as it was started whatever the command line leaves out. A flag given with a value other
     than the saved one is refused in one line naming it (the run would silently change), unless
@@ -685,7 +724,7 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
     argv = sys.argv[1:] if argv is None else argv
     model = next((a.split("=", 1)[1] if "=" in a else argv[i + 1] for i, a in enumerate(argv)
                   if (a == "--model" and i + 1 < len(argv)) or a.startswith("--model=")), args_cls.model)
-    default = dataclasses.replace(args_cls(), **paper) if paper and model != TINY else None
+    default = model_defaults(args_cls, model, paper, smollm2)
     args = tyro.cli(args_cls, args=argv, default=default)
     if not args.resume:
         return args

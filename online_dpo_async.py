@@ -47,9 +47,11 @@ class Args:
     verbose: bool = False
     """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
-    """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
+    """`tiny` (built-in, offline, CPU), `smollm2` (SmolLM2-135M-Instruct from a PyPI wheel, CPU-sized defaults) or an HF
+    model directory / Hub id"""
     task: str = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), arithmetic (two-digit sums in
+    words, offline; --model smollm2's default), countdown-hub (TinyZero's
     data), gsm8k (Table 10's defaults: --task gsm8k --help), tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a
     {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG] (docs/tasks.md); scored by the
     task's reward unless --reward-model or --reward"""
@@ -122,7 +124,8 @@ class Args:
     (the authors' code: DataLoader(shuffle=True) seeded by the seed); --no-shuffle-train: the split's own order, epoch after
     epoch. The countdown generators have no epochs: every position is a new problem"""
     chat_template: bool = False
-    """wrap prompts in the tokenizer's chat template (instruct models)"""
+    """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
+    -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
@@ -221,6 +224,9 @@ PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, 
 # --task gsm8k with a real model: Table 10's batch, 252 prompts a step; 129024 prompts (516096 episodes, 4 a prompt) = 512
 # steps of one minibatch (num_mini_batches 1), so one round = one step
 GSM8K_PAPER = dict(num_prompts=252, num_rounds=512)
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, 16 prompts x 4 samples a round
+SMOLLM2 = PAPER | dict(task="arithmetic", group_size=4, num_prompts=16, num_rounds=20, learning_rate=1e-5,
+                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, autocast_bf16=False, gradient_checkpointing=False)
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -229,7 +235,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     argv = sys.argv[1:] if argv is None else argv
     gsm8k = "gsm8k" in [a.split("=", 1)[1] for a in argv if a.startswith("--task=")] + [v for a, v in zip(argv, argv[1:]) if a == "--task"]
     paper = ({k: v for k, v in PAPER.items() if k not in GSM8KArgs.__annotations__} | GSM8K_PAPER) if gsm8k else PAPER
-    args = common.parse_args(GSM8KArgs if gsm8k else Args, argv, paper=paper)
+    args = common.parse_args(GSM8KArgs if gsm8k else Args, argv, paper=paper, smollm2=SMOLLM2)
     if args.staleness is None:
         args.staleness = 0 if args.sync else 1
     args.sync = args.staleness == 0

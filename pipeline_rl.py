@@ -56,9 +56,11 @@ class Args:
     verbose: bool = False
     """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
-    """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id"""
+    """`tiny` (built-in, offline, CPU), `smollm2` (SmolLM2-135M-Instruct from a PyPI wheel, CPU-sized defaults) or an HF
+    model directory / Hub id"""
     task: str = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), arithmetic (two-digit sums in
+    words, offline; --model smollm2's default), countdown-hub (TinyZero's
     data), gsm8k, a .jsonl file of your own (a {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG]
     (docs/tasks.md)"""
     reward: str | None = None
@@ -147,7 +149,8 @@ class Args:
     max_prompt_tokens: int = 64
     """prompt budget: longer prompts are skipped and counted [paper 512; tiny 64]"""
     chat_template: bool = False
-    """wrap prompts in the tokenizer's chat template (instruct models)"""
+    """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
+    -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
     long_tail: float = 0.0
@@ -217,6 +220,10 @@ GPU = torch.cuda.is_available()
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
 PAPER = dict(num_steps=1000, learning_rate=1e-6, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
              gradient_checkpointing=GPU)
+
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, steps of 32 sequences
+SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=1e-5,
+                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
 
 
 def mode_defaults(args: Args) -> Args:
@@ -524,7 +531,7 @@ def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_e
 
 
 def main():
-    args = mode_defaults(common.parse_args(Args, paper=PAPER))  # on --resume: the saved run's flags
+    args = mode_defaults(common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)

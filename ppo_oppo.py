@@ -76,9 +76,11 @@ class Args:
     verbose: bool = False
     """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
-    """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id: the actor, and the init of critic and reference"""
+    """`tiny` (built-in, offline, CPU), `smollm2` (SmolLM2-135M-Instruct from a PyPI wheel, CPU-sized defaults) or an HF
+    model directory / Hub id: the actor, and the init of critic and reference"""
     task: str = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), arithmetic (two-digit sums in
+    words, offline; --model smollm2's default), countdown-hub (TinyZero's
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
     a line) or hf:DATASET[:CONFIG] (docs/tasks.md)"""
     reward: str | None = None
@@ -107,7 +109,8 @@ class Args:
     """dtype of the trained models (actor, critic) and the reference, whatever the checkpoint's (often bf16):
     in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
     chat_template: bool = False
-    """wrap each prompt as a user turn in the tokenizer's chat template (instruct models)"""
+    """wrap each prompt as a user turn in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a
+    name ending in -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
@@ -256,6 +259,11 @@ class Args:
 # a real model's defaults (the paper's and TRL's), where they differ from the tiny model's above
 PAPER = dict(num_rounds=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, kl_coef=0.05, temperature=0.7, max_new_tokens=1024,
              max_prompt_tokens=512, chunk_tune_every=50, delta_window=10, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
+
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, iterations of 32 episodes; the critic and the
+# reference are copies of the same checkpoint
+SMOLLM2 = PAPER | dict(task="arithmetic", num_rounds=20, batch_size=32, num_ppo_epochs=2, learning_rate=1e-5, chunk_tune_every=20,
+                       delta_window=5, max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
 
 
 def chunk_sizes(args: Args) -> tuple[int, tuple[int, ...]]:
@@ -730,7 +738,7 @@ def report(logger, args: Args, step: int, wall: float, eval_start: dict, eval_en
 
 
 def main():
-    args = common.parse_args(Args, paper=PAPER)  # on --resume: the saved run's flags
+    args = common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
     common.check_run_flags(args)
     B = args.batch_size

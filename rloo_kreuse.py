@@ -39,9 +39,11 @@ class Args:
     verbose: bool = False
     """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
     model: str = "tiny"
-    """`tiny` (built-in, offline, CPU) or an HF model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
+    """`tiny` (built-in, offline, CPU), `smollm2` (SmolLM2-135M-Instruct from a PyPI wheel, CPU-sized defaults) or an HF
+    model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
     task: str = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), countdown-hub (TinyZero's
+    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), arithmetic (two-digit sums in
+    words, offline; --model smollm2's default), countdown-hub (TinyZero's
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
     a line) or hf:DATASET[:CONFIG] (docs/tasks.md) [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
     reward: str | None = None
@@ -108,7 +110,8 @@ class Args:
     tis_cap: float = 2.0
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
     chat_template: bool = False
-    """wrap prompts in the tokenizer's chat template (instruct models)"""
+    """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
+    -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
     overlap: bool = False
@@ -181,6 +184,10 @@ class Args:
 # a real model's defaults (the paper's v3 setup), where they differ from the tiny model's above
 PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, ent_coef=0.05, max_new_tokens=512,
              max_prompt_tokens=256, eval_problems=50, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU, docs/results.md): two-digit arithmetic, which it starts weak at, in rounds
+# of 64 episodes at a learning rate that shows the gain within minutes; no KL or entropy term (no reference forward)
+SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=20, learning_rate=1e-5, kl_coef=0.0, ent_coef=0.0,
+                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
@@ -410,7 +417,7 @@ def report(logger, args: Args, step: int, timing: dict, eval_start: dict, eval_e
 
 
 def main():
-    args = common.parse_args(Args, paper=PAPER)  # on --resume: the saved run's flags
+    args = common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
     common.check_run_flags(args)
     tis_on = mismatch_correction_on(args)

@@ -6,6 +6,10 @@
   by step, so that long answers are real answers.
   `countdown` is an offline generator (train problem i is a pure function of the seed and i, test
   problem i of i alone; train and test are disjoint); `countdown-hub` is TinyZero's data on the Hub.
+- Arithmetic in words (`arithmetic`, offline): "What is 63 - 15? Give the final answer as a number.",
+  two-digit sums and differences; the answer is the completion's last number (one final answer:
+  "48, or maybe 47" answers 47); 1 if it equals the result, else 0. The task that SmolLM2-135M-Instruct
+  (`--model smollm2`) starts weak at (pass@1 ~0.1) and learns from in minutes on a CPU.
 - GSM8K (`gsm8k`, from the Hub): exact match on the final number, in the dataset's `#### n` format
   (strict: a completion without `#### n` scores 0; loose: it falls back to its last number).
 
@@ -273,6 +277,43 @@ class CountdownTask:
         return f"{worked}<answer>{problem.answer}</answer>"
 
 
+ARITHMETIC_QUESTION = "What is {a} {op} {b}? Give the final answer as a number."
+
+
+@dataclass
+class ArithmeticTask:
+    """Offline two-digit arithmetic in words (module docstring): train problem i is a pure function of
+    (seed, i), test problem i of i alone (HELD_OUT_SEED); train and test are disjoint by a hash of the
+    problem (a tenth of the 16,200 problems is the test split)."""
+
+    seed: int = 0
+    name: str = "arithmetic"
+
+    def problem(self, split: str, index: int) -> Problem:
+        attempt = 0
+        while True:
+            train = split == "train"
+            rng = np.random.default_rng([self.seed if train else HELD_OUT_SEED, 2 if train else 3, index, attempt])
+            attempt += 1
+            a, b = (int(x) for x in rng.integers(10, 100, size=2))
+            op = "+" if rng.random() < 0.5 else "-"
+            if op == "-" and b > a:
+                a, b = b, a  # no negative results
+            in_test = int(hashlib.sha1(f"{a}{op}{b}".encode()).hexdigest(), 16) % 10 == 0
+            if in_test != (split == "test"):
+                continue
+            question = ARITHMETIC_QUESTION.format(a=a, op=op, b=b)
+            return Problem(prompt=f"Question: {question}\nAnswer:", numbers=[a, b], target=a + b if op == "+" else a - b,
+                           answer=str(a + b if op == "+" else a - b), user=question)
+
+    def reward(self, completion: str, problem: Problem) -> float:
+        return float(self.is_correct(completion, problem))
+
+    def is_correct(self, completion: str, problem: Problem) -> bool:
+        found = _NUMBER_RE.findall(completion.replace("\u2212", "-"))
+        return bool(found) and float(found[-1].replace(",", "")) == problem.target  # "48.0" is 48
+
+
 @dataclass
 class ListTask:
     """A task over a fixed list of problems (a Hub dataset, a JSONL file); index wraps around.
@@ -412,7 +453,8 @@ def _load_hub_dataset(*args, **kwargs):
         ) from e
 
 
-BUILT_IN = ("countdown", "countdown-steps", "countdown-hub", "gsm8k", "tldr")
+BUILT_IN = ("countdown", "countdown-steps", "countdown-hub", "arithmetic", "gsm8k", "tldr")
+HUB_TASKS = ("countdown-hub", "gsm8k", "tldr")  # loaded from the Hugging Face Hub (the datasets package)
 
 
 def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict", reward: str | None = None,
@@ -445,6 +487,8 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
             return CountdownTask(seed=seed, **TINY_STEPS_TASK)
         return CountdownTask(seed=seed, max_number=99, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, prompt_template=template,
                              name="countdown-steps")
+    if name == "arithmetic":
+        return ArithmeticTask(seed=seed)
     if name == "countdown-hub":
         rows = _load_hub_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
         problems = [
