@@ -204,7 +204,8 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     drawn from pi (Schulman's k1/k2/k3; Tang & Munos 2025 for their gradients as losses):
     - k1 = log pi - log pi_ref (the default): its gradient as a loss is zero in expectation, so it
       is not used as a loss; main() subtracts kl_coef * k1 from the reward instead (RLHF's KL-shaped
-      reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4;
+      reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4 (k1 of the
+      current policy at every k-step: shaped_advantages);
     - k2 = (log pi - log pi_ref)^2 / 2 per token: as a loss, the gradient of each token's
       KL(pi || pi_ref) at the sampled prefix, which leaves out how earlier tokens move later tokens' KL;
     - k3 = r - log r - 1 with r = pi_ref/pi: its value estimates KL(pi || pi_ref) without bias and
@@ -216,6 +217,17 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     if estimator == "k2":
         return (0.5 * log_ratio ** 2).sum(1)
     return -log_ratio.sum(1)
+
+
+def shaped_advantages(rewards, logp, ref_logp, mask, *, kl_coef: float, kl_estimator: str, group_size: int) -> torch.Tensor:
+    """Leave-one-out advantages [N] of the reward shaped by k1 (r - kl_coef * sum_t log(pi / pi_ref)) under the policy
+    `logp` is of. main() calls it at every k-step with the current policy's logprobs: w * (r - kl_coef * k1_theta)
+    * grad log pi_theta is then the exact gradient of Eq. 4's sequence-level KL off-policy too (theta != theta0),
+    where k1 of pi_theta0 would be stale and vanish with the weights. rewards: [N]; ref_logp None: no KL."""
+    shaped = rewards
+    if kl_estimator == "k1" and ref_logp is not None:
+        shaped = shaped - kl_coef * kl_penalty(logp, ref_logp, mask, "k1")
+    return rloo_advantages(shaped.view(-1, group_size)).view(-1)
 
 
 def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: float | None, iw_level: str, iw_clip: float | None,
@@ -482,15 +494,17 @@ def main():
                                     if tis_on else (None, {}))
             # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
             kl_value = kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item() if ref_policy is not None else math.nan
-            shaped = rewards.to(dist.device)
-            if args.kl_estimator == "k1" and ref_policy is not None:  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
-                shaped = shaped - args.kl_coef * kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k1")
-            batch.advantages = rloo_advantages(shaped.view(-1, args.group_size)).view(-1)
+            rewards_on_device = rewards.to(dist.device)
+            shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
+            k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
             iw_means, ess_values, round_start_step, logprob_diff = [], [], step, float("nan")
             for k_step in range(args.k):
+                # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
+                current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
+                batch.advantages = shaped_advantages(rewards_on_device, current_logp, batch.ref_logp, batch.mask, **shaping)
                 # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
                 loss_fn = functools.partial(micro_batch_loss, policy, batch, logprob_diff=fresh and k_step == 0, **contract,
                                             **hyperparameters)
