@@ -103,10 +103,14 @@ class Args:
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
     numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL
     (vllm_importance_sampling_correction) and verl do. On: log pi_theta0 is the learner's own recomputation, the
-    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --iw-level, kept apart from
-    K-reuse's own weights. Not with --overlap (the learner no longer holds the sampling weights)"""
+    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level, kept apart from
+    K-reuse's own weights (--tis-level). Not with --overlap (the learner no longer holds the sampling weights)"""
     tis_cap: float = 2.0
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
+    tis_level: Literal["token", "sequence"] = "token"
+    """the truncated IS weight per `token` (TRL's and verl's default: each token's gradient weighted by its own
+    min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response, which down-weights long ones), whatever
+    --iw-level K-reuse's own weights use"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template (instruct models)"""
     system_prompt: str | None = None
@@ -234,12 +238,17 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
               kl_estimator: str, kl_coef: float, ent_coef: float, tis=None):
     """The paper's Eq. 4 for one minibatch: -E[w A log pi] - ent_coef H + kl_coef KL(pi||pi_ref).
     logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated IS weights
-    (--tis-cap) at the level of the method's weights ([N] per sequence, [N, T] per token) or None.
+    (--tis-cap) per sequence ([N]) or per token ([N, T]: each token's gradient weighted by its own) or None.
     Returns (loss, stats): the mean pg, kl and entropy terms and the importance weights w [N]."""
-    tis = 1.0 if tis is None else tis  # a number broadcasts at either level
-    seq_logp = (logp * mask).sum(1)
+    token_tis = tis is not None and tis.dim() == 2
+    # per-token TIS weights each token's log pi inside the method's sum; per-sequence TIS multiplies the whole term
+    tis_logp = logp * tis if token_tis else logp
+    tis = 1.0 if tis is None or token_tis else tis  # a number broadcasts at either level
+    seq_logp = (tis_logp * mask).sum(1)
     if ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
+        if token_tis:  # the same value, its gradient ratio * sum_t tis_t grad log pi_t
+            ratio = ratio.detach() * torch.exp(seq_logp - seq_logp.detach())
         clipped = ratio.clamp(1 - ppo_clip, 1 + ppo_clip)
         pg = -torch.min(ratio * advantages, clipped * advantages) * tis
         w = ratio.detach()
@@ -250,7 +259,7 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
         if iw_level == "sequence":
             pg = -w * tis * advantages * seq_logp
         else:
-            pg = -(w * tis * logp * mask).sum(1) * advantages
+            pg = -(w * tis * tis_logp * mask).sum(1) * advantages
     no_kl_loss = kl_estimator == "k1" or ref_logp is None  # (None: --kl-coef 0, no reference model)
     kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, kl_estimator)
     tokens = mask.sum(1).clamp(min=1)
@@ -427,7 +436,7 @@ def main():
     common.check_run_flags(args)
     tis_on = mismatch_correction_on(args)
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
-    tis_level = "sequence" if args.ppo_clip is not None else args.iw_level  # Proximal RLOO's ratio is per sequence
+    tis_level = args.tis_level  # independent of --iw-level: the mismatch correction is not K-reuse's weight
     batch_size = args.num_prompts * args.group_size  # episodes per round
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 

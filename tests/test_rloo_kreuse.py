@@ -420,6 +420,27 @@ def test_truncated_is_weights_by_hand():
     assert torch.allclose(logp.grad, torch.tensor([[-0.5], [-0.25]]))
 
 
+def test_truncated_is_per_token_by_default_whatever_the_iw_level():
+    """--tis-level token (the default, TRL's and verl's): each token's gradient is weighted by its own truncated
+    ratio, at sequence-level K-reuse weights and under Proximal RLOO too; a long answer is not down-weighted as a
+    whole (a sequence-level weight would be min(prod, C))."""
+    assert rloo.Args().tis_level == "token" and rloo.Args().iw_level == "sequence"
+    learner = torch.tensor([[-1.0, -1.0, -1.0]])
+    sampler = torch.tensor([[-1.5, -0.5, -1.0]])
+    mask = torch.ones(1, 3)
+    tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
+    assert torch.allclose(tis, torch.tensor([[min(torch.e ** 0.5, 2.0), torch.e ** -0.5, 1.0]]))
+    for extra in ({}, {"ppo_clip": 0.2}, {"iw_level": "token"}):
+        logp = learner.clone().requires_grad_(True)
+        rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(**extra), tis=tis)[0].backward()
+        assert torch.allclose(logp.grad, -tis), extra  # w = 1 (theta = theta0), A = 1: -tis_t per token
+    # per sequence (--tis-level sequence): one weight for every token
+    seq_tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
+    logp = learner.clone().requires_grad_(True)
+    rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(), tis=seq_tis)[0].backward()
+    assert torch.allclose(logp.grad, -seq_tis.expand(1, 3))
+
+
 def test_sequence_weights_never_overflow():
     logp, old = torch.full((1, 400), -0.1), torch.full((1, 400), -1.0)  # summed log-ratio 360: exp() is inf in fp32
     w = rloo.importance_weights(logp, old, torch.ones_like(logp), "sequence")
