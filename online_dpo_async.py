@@ -27,7 +27,6 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 
 import common
 import tasks
@@ -131,10 +130,10 @@ class Args:
     """token budget of one forward/backward: pairs (and, for the reference, sequences) sorted by length are packed into
     micro-batches of at most this many padded tokens (rows x longest row; a longer pair goes alone); the gradients
     accumulate to exactly the minibatch's"""
-    autocast_bf16: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    autocast_bf16: bool = False
     """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype.
     The logprobs are then bf16-accurate (see charts/logprob_diff) [paper: on when a GPU is visible; tiny off]"""
-    gradient_checkpointing: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    gradient_checkpointing: bool = False
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, more compute)
     [paper: on when a GPU is visible; tiny off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"

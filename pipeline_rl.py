@@ -38,7 +38,6 @@ from typing import Annotated, Callable, Literal
 
 import numpy as np
 import torch
-import tyro
 
 import common
 import tasks
@@ -106,10 +105,10 @@ class Args:
     """at most this many sequences per forward/backward, grouped by length (memory and padding only: one step per B)"""
     micro_batch_tokens: int = 8192
     """and at most this many padded tokens (rows x longest row) per forward/backward; a longer sequence goes alone"""
-    autocast_bf16: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    autocast_bf16: bool = False
     """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype
     [a real model on a GPU: on; tiny or CPU: off]"""
-    gradient_checkpointing: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    gradient_checkpointing: bool = False
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
     compute) [a real model on a GPU: on; tiny or CPU: off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"

@@ -307,7 +307,9 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
             setattr(a, name, value)
         return _place(script, a, s, total, where, reward_model_bytes)[4]
 
-    def flag(name, value):
+    def flag(name, value):  # booleans as --flag / --no-flag, the one style every script parses (tyro's)
+        if isinstance(value, bool):
+            return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
         return f"--{name.replace('_', '-')} {value}"
 
     found = []
