@@ -340,7 +340,7 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     epochs = [[i for _, i in reads[e * 8:(e + 1) * 8]] for e in range(2)]
     assert all(sorted(e) == list(range(8)) for e in epochs) and epochs[0] != epochs[1] and list(range(8)) not in epochs
     question = lambda index: GSM8K_LOCAL["train"][index]["question"]  # noqa: E731
-    assert epochs[0][0] != 0 and f"Question: {question(epochs[0][0])}" in out.stdout.split("example: ")[1].splitlines()[0]
+    assert epochs[0][0] != 0 and "Problem:\\n" + question(epochs[0][0]) in out.stdout.split("example: ")[1].splitlines()[0]
     evals = [r for r in common.read_metrics(run_dir) if "eval/pass@1" in r]
     assert len(evals) == 2  # the whole (local) test split, greedy, before and after
 
@@ -352,7 +352,7 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     assert [p for p, _ in resumed_reads] == list(range(16, 24))  # the third epoch, where the first run stopped
     third = [i for _, i in resumed_reads]
     assert sorted(third) == list(range(8)) and third not in epochs
-    assert f"Question: {question(third[0])}" in resumed.stdout.split("example: ")[1].splitlines()[0]
+    assert "Problem:\\n" + question(third[0]) in resumed.stdout.split("example: ")[1].splitlines()[0]
 
 
 @pytest.mark.slow
