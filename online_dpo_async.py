@@ -89,10 +89,11 @@ class Args:
     tiny 60]"""
     loss_type: Literal["dpo", "ipo"] = "dpo"
     """dpo (sigmoid) or ipo"""
-    loss_average: Literal["kept", "all"] = "kept"
-    """kept: a minibatch's loss is the mean over its kept pairs (tied groups dropped), which scales the effective learning
-    rate by 1/(kept fraction) against all, and rounds with many ties weigh more than rounds with few; all: the kept pairs'
-    summed loss over the minibatch's prompts, a tied prompt contributing 0 (the authors' released code). The paper does not say"""
+    loss_average: Literal["kept", "all"] = "all"
+    """all: the kept pairs' summed loss over the minibatch's prompts, a tied prompt contributing 0 (the authors' released
+    code: torch.max and torch.min pick the same sample of a tied group, whose loss has no gradient, inside losses.mean());
+    kept: the mean over the kept pairs (tied groups dropped), which scales the effective learning rate by 1/(kept
+    fraction), so rounds with many ties weigh more than rounds with few. The paper does not say"""
     beta: float = 0.1
     """DPO beta [0.1; gsm8k 0.05]"""
     learning_rate: float = 1e-4
