@@ -63,6 +63,10 @@ class Args:
     reward: str | None = None
     """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
+    binary_reward: bool = False
+    """the reward is 1 for a correct answer, 0 otherwise (the paper's, Sec. 5), instead of the task's own (Countdown's
+    0.1 for a well-formed wrong answer, TinyZero's, which gives the tiny model a gradient from its first rounds); a
+    --reward function is used as it is [paper on; tiny off]"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""
     answer_field: str = "answer"
@@ -214,8 +218,16 @@ class Args:
 GPU = torch.cuda.is_available()
 # the defaults that differ for a real model (common.parse_args applies them unless --model tiny); on a GPU a real
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
-PAPER = dict(num_steps=1000, learning_rate=1e-6, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
+PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
              gradient_checkpointing=GPU)
+
+
+def reward_function(task, args: Args):
+    """What scores a completion: 1/0 by the task's own check under --binary-reward (the paper's reward), else the
+    task's reward (or --reward's)."""
+    if args.binary_reward and args.reward is None:
+        return lambda completion, problem: float(task.is_correct(completion, problem))
+    return task.reward
 
 
 def mode_defaults(args: Args) -> Args:
@@ -572,11 +584,13 @@ def main():
         nonfinite_in_a_row = 0
         gathered_step = step  # the step whose weights push_model holds (under torchrun it is gathered, not the policy itself)
 
+        score = reward_function(task, args)
+
         def train_on(batch: list[Group]) -> dict:
             batch = sorted(batch, key=lambda kg: kg[0])  # in data order: the micro-batches do not depend on which group finished first
             problems = [task.problem("train", key) for key, _ in batch]
             samples = [c for _, g in batch for c in g]
-            rewards = torch.tensor([task.reward(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
+            rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
             stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id, dist)
             stats["accuracy"] = float(np.mean([task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]))
