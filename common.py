@@ -229,6 +229,38 @@ def tiny_sft_batch(task: str, seed: int):
     return sft_batch
 
 
+# the oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes, table 3)
+MIN_DRIVER = {11: (450, 80), 12: (525, 60), 13: (580, 65)}
+
+
+def nvidia_driver_version() -> str | None:
+    """The loaded NVIDIA kernel driver's version ("580.65.06"), or None where there is none."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    import re
+
+    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    return found.group(1) if found else None
+
+
+def check_nvidia_driver() -> None:
+    """A CUDA build of torch (and vLLM) on a machine whose NVIDIA driver is older than that CUDA needs: torch then
+    sees no GPU, --placement auto falls to the CPU path with vLLM's CUDA build and fails far from the cause. Say it
+    in one line at start instead, with what to install."""
+    driver, cuda = nvidia_driver_version(), torch.version.cuda
+    if driver is None or cuda is None or torch.cuda.is_available():
+        return
+    major = int(cuda.split(".")[0])
+    needed = MIN_DRIVER.get(major, max(MIN_DRIVER.values()))
+    have = tuple(int(x) for x in driver.split(".")[:2])
+    if have < needed:
+        raise SystemExit(f"error: NVIDIA driver {driver} is older than CUDA {cuda} (this torch and vLLM) needs (>= {needed[0]}.{needed[1]}), "
+                         f"so no GPU is visible: install NVIDIA driver {needed[0]} or newer (e.g. apt install nvidia-driver-{needed[0]}) "
+                         "and reboot, or run on CPU with the CPU build (docs/install.md)")
+
+
 def check_run_flags(args) -> None:
     """The flags every script shares that can be checked before anything loads, each refused in one
     line naming it: --track without wandb, a GPU placement without a GPU, a local --model directory
@@ -236,6 +268,7 @@ def check_run_flags(args) -> None:
     --task without the datasets package, a --task file that does not exist."""
     import importlib.util
 
+    check_nvidia_driver()
     for module, (flag, message) in optional_modules(args).items():
         check_args(importlib.util.find_spec(module) is not None, flag, message)
     if getattr(args, "sampler_url", None) is None and args.placement in ("colocate", "separate"):

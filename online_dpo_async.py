@@ -27,7 +27,6 @@ from typing import Annotated, Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-import tyro
 
 import common
 import tasks
@@ -92,10 +91,11 @@ class Args:
     tiny 60]"""
     loss_type: Literal["dpo", "ipo"] = "dpo"
     """dpo (sigmoid) or ipo"""
-    loss_average: Literal["kept", "all"] = "kept"
-    """kept: a minibatch's loss is the mean over its kept pairs (tied groups dropped), which scales the effective learning
-    rate by 1/(kept fraction) against all, and rounds with many ties weigh more than rounds with few; all: the kept pairs'
-    summed loss over the minibatch's prompts, a tied prompt contributing 0 (the authors' released code). The paper does not say"""
+    loss_average: Literal["kept", "all"] = "all"
+    """all: the kept pairs' summed loss over the minibatch's prompts, a tied prompt contributing 0 (the authors' released
+    code: torch.max and torch.min pick the same sample of a tied group, whose loss has no gradient, inside losses.mean());
+    kept: the mean over the kept pairs (tied groups dropped), which scales the effective learning rate by 1/(kept
+    fraction), so rounds with many ties weigh more than rounds with few. The paper does not say"""
     beta: float = 0.1
     """DPO beta [0.1; gsm8k 0.05]"""
     learning_rate: float = 1e-4
@@ -134,10 +134,10 @@ class Args:
     """token budget of one forward/backward: pairs (and, for the reference, sequences) sorted by length are packed into
     micro-batches of at most this many padded tokens (rows x longest row; a longer pair goes alone); the gradients
     accumulate to exactly the minibatch's"""
-    autocast_bf16: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    autocast_bf16: bool = False
     """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype.
     The logprobs are then bf16-accurate (see charts/logprob_diff) [paper: on when a GPU is visible; tiny off]"""
-    gradient_checkpointing: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    gradient_checkpointing: bool = False
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, more compute)
     [paper: on when a GPU is visible; tiny off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"

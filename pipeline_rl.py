@@ -38,7 +38,6 @@ from typing import Annotated, Callable, Literal
 
 import numpy as np
 import torch
-import tyro
 
 import common
 import tasks
@@ -66,6 +65,10 @@ class Args:
     reward: str | None = None
     """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
+    binary_reward: bool = False
+    """the reward is 1 for a correct answer, 0 otherwise (the paper's, Sec. 5), instead of the task's own (Countdown's
+    0.1 for a well-formed wrong answer, TinyZero's, which gives the tiny model a gradient from its first rounds); a
+    --reward function is used as it is [paper on; tiny off]"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""
     answer_field: str = "answer"
@@ -108,10 +111,10 @@ class Args:
     """at most this many sequences per forward/backward, grouped by length (memory and padding only: one step per B)"""
     micro_batch_tokens: int = 8192
     """and at most this many padded tokens (rows x longest row) per forward/backward; a longer sequence goes alone"""
-    autocast_bf16: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    autocast_bf16: bool = False
     """run the learner's forwards (policy and reference) under bf16 autocast; weights, gradients and Adam stay in --dtype
     [a real model on a GPU: on; tiny or CPU: off]"""
-    gradient_checkpointing: Annotated[bool, tyro.conf.FlagConversionOff] = False
+    gradient_checkpointing: bool = False
     """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, ~1/3 more
     compute) [a real model on a GPU: on; tiny or CPU: off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -218,12 +221,20 @@ class Args:
 GPU = torch.cuda.is_available()
 # the defaults that differ for a real model (common.parse_args applies them unless --model tiny); on a GPU a real
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
-PAPER = dict(num_steps=1000, learning_rate=1e-6, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
+PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
              gradient_checkpointing=GPU)
 
 # --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, steps of 32 sequences
 SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=1e-5,
                        max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
+
+
+def reward_function(task, args: Args):
+    """What scores a completion: 1/0 by the task's own check under --binary-reward (the paper's reward), else the
+    task's reward (or --reward's)."""
+    if args.binary_reward and args.reward is None:
+        return lambda completion, problem: float(task.is_correct(completion, problem))
+    return task.reward
 
 
 def mode_defaults(args: Args) -> Args:
@@ -580,11 +591,13 @@ def main():
         nonfinite_in_a_row = 0
         gathered_step = step  # the step whose weights push_model holds (under torchrun it is gathered, not the policy itself)
 
+        score = reward_function(task, args)
+
         def train_on(batch: list[Group]) -> dict:
             batch = sorted(batch, key=lambda kg: kg[0])  # in data order: the micro-batches do not depend on which group finished first
             problems = [task.problem("train", key) for key, _ in batch]
             samples = [c for _, g in batch for c in g]
-            rewards = torch.tensor([task.reward(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
+            rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
             stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id, dist)
             stats["accuracy"] = float(np.mean([task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]))

@@ -141,6 +141,9 @@ class Args:
     (about 0.3 on the learner's GPU, 0.85 on its own)"""
     learning_rate: float = 1e-4
     """Adam learning rate for actor and critic [paper 3e-6, TRL's; tiny 1e-4]"""
+    lr_schedule: Literal["linear", "constant"] = "constant"
+    """linear: decay from --learning-rate to 0 over --num-rounds, one value per iteration (TRL's PPOTrainer, which OPPO
+    builds on: lr_scheduler_type linear, num_training_steps = its batches); constant [paper linear; tiny constant]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm (actor and critic together)"""
     clip_coef: float = 0.2
@@ -257,7 +260,7 @@ class Args:
 
 
 # a real model's defaults (the paper's and TRL's), where they differ from the tiny model's above
-PAPER = dict(num_rounds=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, kl_coef=0.05, temperature=0.7, max_new_tokens=1024,
+PAPER = dict(num_rounds=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, lr_schedule="linear", kl_coef=0.05, temperature=0.7, max_new_tokens=1024,
              max_prompt_tokens=512, chunk_tune_every=50, delta_window=10, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
 
 # --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, iterations of 32 episodes; the critic and the
@@ -737,6 +740,14 @@ def report(logger, args: Args, step: int, wall: float, eval_start: dict, eval_en
     logger.close()
 
 
+def scheduled_learning_rate(learning_rate: float, schedule: str, iteration: int, num_rounds: int) -> float:
+    """The learning rate of PPO iteration `iteration` (0-based): constant, or TRL's linear decay to 0 (HF's
+    get_linear_schedule_with_warmup without warmup, stepped once per batch: lr * (1 - iteration / num_rounds))."""
+    if schedule == "constant":
+        return learning_rate
+    return learning_rate * max(0.0, 1 - iteration / num_rounds)
+
+
 def main():
     args = common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
@@ -869,6 +880,9 @@ def main():
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl", "entropy"), 0.0)  # token means, summed over minibatches
             total_tokens = sum(lengths)
+            learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, rounds, args.num_rounds)
+            for group in optimizer.param_groups:  # set from the iteration alone: a resumed run gets the same value
+                group["lr"] = learning_rate
             for epoch in range(args.num_ppo_epochs):
                 # rank 0's draw (its RNG is the one a checkpoint restores), the same minibatches on every rank
                 order = distributed.broadcast(np.random.permutation(B) if dist.is_main else None, dist)
@@ -927,7 +941,7 @@ def main():
                 "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
-                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm,
+                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm, "charts/learning_rate": learning_rate,
                 "time/round_seconds": time.time() - round_start, "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,

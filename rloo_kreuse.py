@@ -105,10 +105,14 @@ class Args:
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
     numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL
     (vllm_importance_sampling_correction) and verl do. On: log pi_theta0 is the learner's own recomputation, the
-    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --iw-level, kept apart from
-    K-reuse's own weights. Not with --overlap (the learner no longer holds the sampling weights)"""
+    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level, kept apart from
+    K-reuse's own weights (--tis-level). Not with --overlap (the learner no longer holds the sampling weights)"""
     tis_cap: float = 2.0
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
+    tis_level: Literal["token", "sequence"] = "token"
+    """the truncated IS weight per `token` (TRL's and verl's default: each token's gradient weighted by its own
+    min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response, which down-weights long ones), whatever
+    --iw-level K-reuse's own weights use"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
     -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
@@ -211,7 +215,8 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     drawn from pi (Schulman's k1/k2/k3; Tang & Munos 2025 for their gradients as losses):
     - k1 = log pi - log pi_ref (the default): its gradient as a loss is zero in expectation, so it
       is not used as a loss; main() subtracts kl_coef * k1 from the reward instead (RLHF's KL-shaped
-      reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4;
+      reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4 (k1 of the
+      current policy at every k-step: shaped_advantages);
     - k2 = (log pi - log pi_ref)^2 / 2 per token: as a loss, the gradient of each token's
       KL(pi || pi_ref) at the sampled prefix, which leaves out how earlier tokens move later tokens' KL;
     - k3 = r - log r - 1 with r = pi_ref/pi: its value estimates KL(pi || pi_ref) without bias and
@@ -225,16 +230,32 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     return -log_ratio.sum(1)
 
 
+def shaped_advantages(rewards, logp, ref_logp, mask, *, kl_coef: float, kl_estimator: str, group_size: int) -> torch.Tensor:
+    """Leave-one-out advantages [N] of the reward shaped by k1 (r - kl_coef * sum_t log(pi / pi_ref)) under the policy
+    `logp` is of. main() calls it at every k-step with the current policy's logprobs: w * (r - kl_coef * k1_theta)
+    * grad log pi_theta is then the exact gradient of Eq. 4's sequence-level KL off-policy too (theta != theta0),
+    where k1 of pi_theta0 would be stale and vanish with the weights. rewards: [N]; ref_logp None: no KL."""
+    shaped = rewards
+    if kl_estimator == "k1" and ref_logp is not None:
+        shaped = shaped - kl_coef * kl_penalty(logp, ref_logp, mask, "k1")
+    return rloo_advantages(shaped.view(-1, group_size)).view(-1)
+
+
 def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: float | None, iw_level: str, iw_clip: float | None,
               kl_estimator: str, kl_coef: float, ent_coef: float, tis=None):
     """The paper's Eq. 4 for one minibatch: -E[w A log pi] - ent_coef H + kl_coef KL(pi||pi_ref).
     logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated IS weights
-    (--tis-cap) at the level of the method's weights ([N] per sequence, [N, T] per token) or None.
+    (--tis-cap) per sequence ([N]) or per token ([N, T]: each token's gradient weighted by its own) or None.
     Returns (loss, stats): the mean pg, kl and entropy terms and the importance weights w [N]."""
-    tis = 1.0 if tis is None else tis  # a number broadcasts at either level
-    seq_logp = (logp * mask).sum(1)
+    token_tis = tis is not None and tis.dim() == 2
+    # per-token TIS weights each token's log pi inside the method's sum; per-sequence TIS multiplies the whole term
+    tis_logp = logp * tis if token_tis else logp
+    tis = 1.0 if tis is None or token_tis else tis  # a number broadcasts at either level
+    seq_logp = (tis_logp * mask).sum(1)
     if ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
+        if token_tis:  # the same value, its gradient ratio * sum_t tis_t grad log pi_t
+            ratio = ratio.detach() * torch.exp(seq_logp - seq_logp.detach())
         clipped = ratio.clamp(1 - ppo_clip, 1 + ppo_clip)
         pg = -torch.min(ratio * advantages, clipped * advantages) * tis
         w = ratio.detach()
@@ -245,7 +266,7 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
         if iw_level == "sequence":
             pg = -w * tis * advantages * seq_logp
         else:
-            pg = -(w * tis * logp * mask).sum(1) * advantages
+            pg = -(w * tis * tis_logp * mask).sum(1) * advantages
     no_kl_loss = kl_estimator == "k1" or ref_logp is None  # (None: --kl-coef 0, no reference model)
     kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, kl_estimator)
     tokens = mask.sum(1).clamp(min=1)
@@ -422,7 +443,7 @@ def main():
     common.check_run_flags(args)
     tis_on = mismatch_correction_on(args)
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
-    tis_level = "sequence" if args.ppo_clip is not None else args.iw_level  # Proximal RLOO's ratio is per sequence
+    tis_level = args.tis_level  # independent of --iw-level: the mismatch correction is not K-reuse's weight
     batch_size = args.num_prompts * args.group_size  # episodes per round
     run_name = common.run_name(args.exp_name, args.seed, args.resume)
 
@@ -489,15 +510,17 @@ def main():
                                     if tis_on else (None, {}))
             # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
             kl_value = kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item() if ref_policy is not None else math.nan
-            shaped = rewards.to(dist.device)
-            if args.kl_estimator == "k1" and ref_policy is not None:  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
-                shaped = shaped - args.kl_coef * kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k1")
-            batch.advantages = rloo_advantages(shaped.view(-1, args.group_size)).view(-1)
+            rewards_on_device = rewards.to(dist.device)
+            shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
+            k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
             iw_means, ess_values, round_start_step, logprob_diff = [], [], step, float("nan")
             for k_step in range(args.k):
+                # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
+                current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
+                batch.advantages = shaped_advantages(rewards_on_device, current_logp, batch.ref_logp, batch.mask, **shaping)
                 # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
                 loss_fn = functools.partial(micro_batch_loss, policy, batch, logprob_diff=fresh and k_step == 0, **contract,
                                             **hyperparameters)

@@ -112,20 +112,22 @@ def countdown_reward(completion: str, numbers: list[int], target: int, format_sc
 # a number as GSM8K writes them: commas only as thousands separators ("1,234"; "1,5" is two numbers)
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
+GSM8K_PROMPT = "[MATH_TASK] Problem:\n{}\n\nSolution:"  # async_rlhf's GSM8k_PROMPT, "from realtreetune"
 _MARKED_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 
 
 def gsm8k_extract(text: str, match: str = "strict") -> str | None:
     """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the
-    first number after the last '####' that is followed by one (text after the answer, or a
-    trailing '####', does not change it). Without a marked answer: None when `match` is "strict"
+    number after the first '####' that is followed by one, as the authors' grader reads it (async_rlhf
+    src/gsm8k_utils.py: ANS_RE.search; a model that goes on to a next "Problem:" and its own `#### n`
+    keeps its first answer; a trailing '####' does not change it). Without a marked answer: None when `match` is "strict"
     (the paper's reward, §5.2: 1 only if the answer string matches; the authors' grader
     `extract_answer` reads `#### n` only), the last number in the text when "loose" (this file's
     rule before issue #27). Unicode minus signs count as minus."""
     text = text.replace("\u2212", "-")
     marked = _MARKED_RE.findall(text)
     if marked:
-        return marked[-1].replace(",", "")
+        return marked[0].replace(",", "")
     if match == "strict":
         return None
     found = _NUMBER_RE.findall(text)
@@ -506,7 +508,8 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
         if gsm8k_match not in ("strict", "loose"):
             raise SystemExit(f"error: --gsm8k-match: strict or loose, got {gsm8k_match!r}")
         data = _load_hub_dataset("openai/gsm8k", "main")
-        to_problem = lambda r: Problem(prompt=f"Question: {r['question']}\nAnswer:", answer=r["answer"], user=r["question"])  # noqa: E731
+        # the format realtreetune/rho-1b-sft-GSM8K was fine-tuned on and the authors prompt it with (async_rlhf src/gsm8k_utils.py)
+        to_problem = lambda r: Problem(prompt=GSM8K_PROMPT.format(r["question"]), answer=r["answer"], user=r["question"])  # noqa: E731
         # the whole test split (1319 problems), in the dataset's order whatever the seed: evaluate(num_problems=None)
         # scores all of it, as the paper does
         return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],

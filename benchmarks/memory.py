@@ -255,7 +255,8 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
     (the second step: the next round, Adam's moments allocated)."""
     import online_dpo_async as dpo
 
-    flags = ["--model", "qwen2.5-0.5b", "--autocast-bf16", str(autocast), "--gradient-checkpointing", str(checkpointing)]
+    flags = ["--model", "qwen2.5-0.5b", "--autocast-bf16" if autocast else "--no-autocast-bf16",
+             "--gradient-checkpointing" if checkpointing else "--no-gradient-checkpointing"]
     args = dpo.parse_args(flags + (["--micro-batch-tokens", str(micro_batch_tokens)] if micro_batch_tokens else []))
     policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)
     optimizer = adam(policy.parameters())

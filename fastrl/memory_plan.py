@@ -261,7 +261,7 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
     learner, sampler, transfer, share, fits = _place(script, args, s, total, placement, reward_model_bytes)
     if not fits:
         return Plan(learner, sampler, transfer, total, share, refusal(learner, sampler, transfer, total,
-                                                                      fixes(script, args, s, total, placement, reward_model_bytes)), False)
+                                                                      fixes(script, args, s, total, placement, reward_model_bytes, gpus)), False)
     if placement == "colocate":
         line = plan_line(learner, sampler, transfer, total)
     elif placement == "separate":
@@ -294,11 +294,12 @@ def _place(script: str, args, s: Shape, total: float, placement: str, reward_mod
     return learner, share * total, transfer, share, learner_fits and share * total >= need and learner + transfer + share * total + HEADROOM <= total
 
 
-def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0) -> list[str]:
-    """Flag changes that make the plan fit, each alternative in one string. The first that fits of: the
-    memory settings (checkpointing, then bf16 autocast), then with a halved --micro-batch-tokens (down to
-    1024), then with bf16 weights (--dtype bfloat16: Adam in bf16 too), then with a halved batch; beside
-    it, a sampler share the plan sizes itself instead of the one given, and a sampler on a second GPU."""
+def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0, gpus: int = 1) -> list[str]:
+    """Flag changes that make the plan fit and still train as the run would, each alternative in one string. The
+    first that fits of: the memory settings (checkpointing, then bf16 autocast), then with a halved
+    --micro-batch-tokens (down to 1024), then with a halved batch; beside it, a sampler share the plan sizes itself
+    instead of the one given, and a sampler on a second GPU when there is one (`gpus`). Never --dtype bfloat16:
+    Adam steps at the papers' learning rates (1e-6 to 3e-6) round away on most bf16 weights."""
     import copy
 
     def fits(changes: dict, where: str = placement) -> bool:
@@ -307,7 +308,9 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
             setattr(a, name, value)
         return _place(script, a, s, total, where, reward_model_bytes)[4]
 
-    def flag(name, value):
+    def flag(name, value):  # booleans as --flag / --no-flag, the one style every script parses (tyro's)
+        if isinstance(value, bool):
+            return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
         return f"--{name.replace('_', '-')} {value}"
 
     found = []
@@ -317,8 +320,6 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
     budgets = [args.micro_batch_tokens // 2**i for i in range(1, 8) if args.micro_batch_tokens // 2**i >= 1024]
     candidates = [dict(list(memory.items())[:i]) for i in range(1, len(memory) + 1)]
     candidates += [memory | {"micro_batch_tokens": b} for b in budgets]
-    if getattr(args, "dtype", "bfloat16") != "bfloat16":
-        candidates += [memory | {"dtype": "bfloat16"}] + [memory | {"dtype": "bfloat16", "micro_batch_tokens": b} for b in budgets]
     batch = {"rloo": "num_prompts", "dpo": "num_prompts", "pipeline": "train_batch_size", "ppo": "batch_size"}[script]
     smallest = candidates[-1] if candidates else {}
     candidates += [smallest | {batch: getattr(args, batch) // 2**i} for i in range(1, 6) if getattr(args, batch) // 2**i >= 1]
@@ -327,7 +328,7 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
             text = " ".join(flag(name, value) for name, value in changes.items())
             found.append(text + (" (a smaller batch)" if batch in changes else ""))
             break
-    if placement == "colocate" and fits({"sampler_gpu_memory": None}, "separate"):
+    if placement == "colocate" and gpus >= 2 and fits({"sampler_gpu_memory": None}, "separate"):
         found.append("--placement separate (the sampler on a second GPU)")
     return found
 

@@ -3,6 +3,7 @@ import os
 import random
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -445,3 +446,27 @@ def test_chat_template_check_reads_the_model_files(tiny_path, realistic_path, tm
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     common.check_chat_template(str(tmp_path), True)
     assert not common.load_tokenizer(tiny_path).chat_template and common.load_tokenizer(realistic_path).chat_template
+
+
+def test_an_nvidia_driver_older_than_torchs_cuda_is_one_line_at_start(monkeypatch, tmp_path):
+    """A CUDA 13 build of torch on a 570 driver: torch sees no GPU; the start says why, and what to install, in one
+    line. A recent enough driver, a CPU build of torch or no NVIDIA driver at all pass."""
+    version_file = tmp_path / "version"
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real_read(version_file if str(self) == "/proc/driver/nvidia/version" else self, *a, **k))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    version_file.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs-builder@U16)\n")
+    assert common.nvidia_driver_version() == "570.86.15"
+    with pytest.raises(SystemExit) as refused:
+        common.check_nvidia_driver()
+    message = str(refused.value)
+    assert message.startswith("error: NVIDIA driver 570.86.15 is older than CUDA 13.0") and "580" in message and "\n" not in message
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:34 UTC 2025\n")
+    assert common.nvidia_driver_version() == "580.65.06"
+    common.check_nvidia_driver()  # new enough: whatever hides the GPU, it is not the driver's age
+    monkeypatch.setattr(torch.version, "cuda", None)  # the CPU build
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.1  \n")
+    common.check_nvidia_driver()
+    version_file.unlink()
+    assert common.nvidia_driver_version() is None

@@ -76,23 +76,23 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
         (252, 512, 1, 3e-6, 512)
     assert gsm8k.num_prompts * gsm8k.num_rounds == 129024 and gsm8k.num_prompts * gsm8k.num_rounds * gsm8k.group_size == 516096
     # the authors' GSM8K configs: no missing-EOS penalty; the paper's reward: `#### n` only; data reshuffled every epoch
-    assert (gsm8k.eos_penalty_mode, gsm8k.gsm8k_match, gsm8k.shuffle_train, gsm8k.loss_average) == ("off", "strict", True, "kept")
+    assert (gsm8k.eos_penalty_mode, gsm8k.gsm8k_match, gsm8k.shuffle_train, gsm8k.loss_average) == ("off", "strict", True, "all")
     tldr_like = dpo.parse_args(["--model", "some/model"])
     assert (tldr_like.group_size, tldr_like.beta, tldr_like.temperature) == (2, 0.1, 0.7)
     assert (tldr_like.eval_decoding, tldr_like.eval_problems, tldr_like.eval_samples) == ("sample", 50, 4)
     assert (tldr_like.num_prompts, tldr_like.num_rounds, tldr_like.eos_penalty_mode) == (64, 2000, "replace")
     tiny = dpo.parse_args([])
-    assert (tiny.group_size, tiny.temperature, tiny.staleness, tiny.sync) == (4, 1.0, 1, False)
+    assert (tiny.group_size, tiny.temperature, tiny.staleness, tiny.sync, tiny.loss_average) == (4, 1.0, 1, False, "all")
     tiny_gsm8k = dpo.parse_args(["--task", "gsm8k"])  # Table 10's batch is for a real model; the task's rules hold for any
     assert (tiny_gsm8k.num_prompts, tiny_gsm8k.num_rounds, tiny_gsm8k.eos_penalty_mode, tiny_gsm8k.group_size) == (32, 60, "off", 4)
     explicit = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--group-size", "2", "--beta", "0.1",
                                "--eval-decoding", "sample", "--eval-problems", "100", "--num-prompts", "64", "--num-rounds", "2000",
                                "--eos-penalty-mode", "replace", "--gsm8k-match", "loose", "--no-shuffle-train",
-                               "--loss-average", "all"])
+                               "--loss-average", "kept"])
     assert (explicit.group_size, explicit.beta, explicit.eval_decoding, explicit.eval_problems, explicit.eval_samples) == \
         (2, 0.1, "sample", 100, 4)
     assert (explicit.num_prompts, explicit.num_rounds, explicit.eos_penalty_mode, explicit.gsm8k_match, explicit.shuffle_train,
-            explicit.loss_average) == (64, 2000, "replace", "loose", False, "all")
+            explicit.loss_average) == (64, 2000, "replace", "loose", False, "kept")
     assert (dpo.parse_args(["--sync"]).staleness, dpo.parse_args(["--staleness", "0"]).sync) == (0, True)
 
 
@@ -335,12 +335,12 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     run_dir = _run_dir(out, tmp_path)
     args = json.loads((run_dir / "args.json").read_text())
     assert (args["gsm8k_match"], args["shuffle_train"], args["loss_average"], args["eos_penalty_mode"], args["group_size"]) == \
-        ("strict", True, "kept", "replace", 4)
+        ("strict", True, "all", "replace", 4)
     assert [p for p, _ in reads] == list(range(16))  # two rounds of 8 (async: nothing submitted past the last round)
     epochs = [[i for _, i in reads[e * 8:(e + 1) * 8]] for e in range(2)]
     assert all(sorted(e) == list(range(8)) for e in epochs) and epochs[0] != epochs[1] and list(range(8)) not in epochs
     question = lambda index: GSM8K_LOCAL["train"][index]["question"]  # noqa: E731
-    assert epochs[0][0] != 0 and f"Question: {question(epochs[0][0])}" in out.stdout.split("example: ")[1].splitlines()[0]
+    assert epochs[0][0] != 0 and "Problem:\\n" + question(epochs[0][0]) in out.stdout.split("example: ")[1].splitlines()[0]
     evals = [r for r in common.read_metrics(run_dir) if "eval/pass@1" in r]
     assert len(evals) == 2  # the whole (local) test split, greedy, before and after
 
@@ -352,7 +352,7 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     assert [p for p, _ in resumed_reads] == list(range(16, 24))  # the third epoch, where the first run stopped
     third = [i for _, i in resumed_reads]
     assert sorted(third) == list(range(8)) and third not in epochs
-    assert f"Question: {question(third[0])}" in resumed.stdout.split("example: ")[1].splitlines()[0]
+    assert "Problem:\\n" + question(third[0]) in resumed.stdout.split("example: ")[1].splitlines()[0]
 
 
 @pytest.mark.slow
@@ -453,3 +453,29 @@ def test_tldr_format_jsonl_with_a_reward_model(tmp_path, tiny_reward_model):
     assert rounds and all(r["charts/rewards_margin"] > 0 for r in rounds)  # best minus worst of each kept pair
     scores = {round(r["charts/rewards_chosen"], 6) for r in rounds} | {round(r["charts/rewards_rejected"], 6) for r in rounds}
     assert not scores <= {0.0, 1.0, 0.1, -1.0}  # the reward model's scores, not a verifier's
+
+
+def test_loss_average_all_by_default_is_the_authors_gradient():
+    """The authors' step (online_dpo_vllm_trainer.py): chosen/rejected = torch.max/torch.min of each prompt's scores, a
+    tied group's both the same sample, -logsigmoid(beta h).mean() over every prompt. The default --loss-average all,
+    dropping tied groups and dividing by the number of prompts, has the same gradient; kept does not."""
+    assert dpo.Args().loss_average == "all"
+    torch.manual_seed(0)
+    scores = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, 1.0], [0.2, 0.2]])  # two tied prompts
+    logp = torch.randn(4, 2, requires_grad=True)
+    ref = torch.randn(4, 2)
+    rows = torch.arange(4)
+    chosen, rejected = scores.max(1).indices, scores.min(1).indices
+    authors, _ = dpo.dpo_loss(logp[rows, chosen], logp[rows, rejected], ref[rows, chosen], ref[rows, rejected], beta=0.1)
+    (authors_grad,) = torch.autograd.grad(authors.mean(), logp)
+
+    def ours(average):
+        c, r, keep = dpo.select_pairs(scores)
+        kept = rows[keep]
+        ((pairs, total),) = dpo.minibatch_pairs(keep, 1, average)
+        i = kept[pairs]
+        loss, _ = dpo.dpo_loss(logp[i, c[i]], logp[i, r[i]], ref[i, c[i]], ref[i, r[i]], beta=0.1)
+        return torch.autograd.grad(loss.sum() / total, logp)[0]
+
+    assert torch.allclose(ours("all"), authors_grad, atol=1e-7)
+    assert not torch.allclose(ours("kept"), authors_grad, atol=1e-7)

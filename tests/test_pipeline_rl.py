@@ -525,3 +525,21 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"])  # rank 0 pushed the gathered weights
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
+
+def test_a_real_model_gets_the_papers_one_or_zero_reward():
+    """Sec. 5: "reward 1 to any generated sequence with the correct answer and 0 otherwise": a real model's default;
+    Countdown's 0.1 for a well-formed wrong answer stays the tiny model's (and --no-binary-reward's)."""
+    real = common.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=prl.PAPER)
+    tiny = common.parse_args(prl.Args, [], paper=prl.PAPER)
+    kept = common.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--no-binary-reward"], paper=prl.PAPER)
+    assert (real.binary_reward, tiny.binary_reward, kept.binary_reward) == (True, False, False)
+    task = tasks.make_task("countdown", 1, tiny_prompts=False)
+    problem = task.problem("train", 0)
+    wrong = f"<answer>{'+'.join(map(str, problem.numbers))}</answer>"  # well formed, every number once
+    if tasks.safe_arithmetic(wrong[8:-9])[0] == problem.target:
+        wrong = f"<answer>{'*'.join(map(str, problem.numbers))}</answer>"
+    right = f"<answer>{problem.answer}</answer>"
+    assert task.reward(wrong, problem) == tasks.COUNTDOWN_FORMAT_SCORE > 0
+    assert [prl.reward_function(task, real)(c, problem) for c in (right, wrong, "no answer")] == [1.0, 0.0, 0.0]
+    assert [prl.reward_function(task, tiny)(c, problem) for c in (right, wrong, "no answer")] == \
+        [1.0, tasks.COUNTDOWN_FORMAT_SCORE, 0.0]

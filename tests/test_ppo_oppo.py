@@ -495,3 +495,25 @@ def test_realistic_model_chat_template_and_bf16_sampler_by_default(tmp_path, rea
     assert rows[0]["charts/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at round 0
     # nothing stale yet: the weight corrects the bf16 sampler's own numbers only, ratios near 1 but not 1
     assert rows[0]["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6) and rows[0]["charts/tis_max_ratio"] < 2.0
+
+
+def test_learning_rate_decays_linearly_for_a_real_model_as_trl():
+    """TRL's PPOTrainer (OPPO's base): a linear schedule to 0 over its batches, stepped once per batch; a real model
+    gets it, the tiny model and --lr-schedule constant a constant rate."""
+    real = common.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
+    assert (real.lr_schedule, common.parse_args(po.Args, [], paper=po.PAPER).lr_schedule) == ("linear", "constant")
+    assert common.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--lr-schedule", "constant"], paper=po.PAPER).lr_schedule == "constant"
+    rates = [po.scheduled_learning_rate(3e-6, "linear", i, 4) for i in range(4)]
+    assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
+    # HF's get_linear_schedule_with_warmup (TRL's lr_scheduler_type "linear"), stepped once per iteration
+    from transformers import get_linear_schedule_with_warmup
+
+    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=3e-6)
+    schedule = get_linear_schedule_with_warmup(optimizer, 0, 4)
+    hf = []
+    for _ in range(4):
+        hf.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx(hf)
+    assert po.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6

@@ -350,6 +350,51 @@ def test_which_sequence_level_kl_gradient_each_estimator_gives():
     assert close(expected_grad("k2"), torch.autograd.grad(kl1 + (lp1.exp().detach() * kl2).sum(), (theta1, theta2)))
 
 
+def test_k1_in_the_reward_is_the_exact_kl_gradient_off_policy():
+    """K-reuse's k-step j > 1: samples from pi_theta0, weights w = pi_theta / pi_theta0, theta != theta0. Exact
+    expectation over every pair (group size 2) of sequences of a two-token, two-step policy: the loss main() builds
+    (k1 of the current policy in the shaped reward, leave-one-out advantages, w A log pi) has exactly the gradient of
+    E_theta[r] - kl_coef KL(pi_theta || pi_ref); k1 of pi_theta0 (computed once per round) does not."""
+    torch.manual_seed(1)
+    theta1, theta2 = torch.randn(2, requires_grad=True), torch.randn(2, 2, requires_grad=True)
+    theta01, theta02 = theta1.detach() + torch.randn(2), theta2.detach() + torch.randn(2, 2)  # the sampling policy, far off
+    ref1, ref2 = torch.randn(2).log_softmax(0), torch.randn(2, 2).log_softmax(1)
+    seqs = [(a, b) for a in range(2) for b in range(2)]
+    reward = torch.tensor([1.0, 0.0, 0.3, 0.7])
+    kl_coef = 0.5
+
+    def token_logps(t1, t2):
+        lp1, lp2 = t1.log_softmax(0), t2.log_softmax(1)
+        return torch.stack([torch.stack([lp1[a], lp2[a, b]]) for a, b in seqs])  # [4 sequences, 2 tokens]
+
+    ref = torch.stack([torch.stack([ref1[a], ref2[a, b]]) for a, b in seqs])
+    old = token_logps(theta01, theta02)
+    p0 = old.sum(1).exp()
+    logp = token_logps(theta1, theta2)
+    assert not torch.allclose(logp.detach(), old, atol=0.1)  # off-policy: theta != theta0
+    prob = logp.sum(1).exp()
+    true_grad = torch.autograd.grad((prob * reward).sum() - kl_coef * (prob * (logp.sum(1) - ref.sum(1))).sum(), (theta1, theta2))
+
+    def expected_grad(k1_of):
+        logp = token_logps(theta1, theta2)
+        total = 0.0
+        for i in range(4):
+            for j in range(4):
+                rows = [i, j]
+                adv = rloo.shaped_advantages(reward[rows], k1_of(logp)[rows], ref[rows], torch.ones(2, 2), kl_coef=kl_coef,
+                                             kl_estimator="k1", group_size=2)
+                loss, _ = rloo.rloo_loss(logp[rows], old[rows], ref[rows], torch.zeros(2, 2), torch.ones(2, 2), adv,
+                                         **_hp(kl_coef=kl_coef, kl_estimator="k1"))
+                total = total + p0[i] * p0[j] * loss
+        return torch.autograd.grad(-total, (theta1, theta2))
+
+    def close(a, b):
+        return all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+
+    assert close(expected_grad(lambda logp: logp.detach()), true_grad)  # main(): k1 of the current policy
+    assert not close(expected_grad(lambda logp: old), true_grad)  # k1 of pi_theta0: stale
+
+
 def test_k1_is_folded_into_the_reward_not_the_loss():
     logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -1.0]])
     loss, stats = rloo.rloo_loss(logp, logp, ref, torch.zeros_like(logp), torch.ones_like(logp), torch.zeros(1),
@@ -373,6 +418,27 @@ def test_truncated_is_weights_by_hand():
                              **_hp(), tis=torch.tensor([1.0, 0.5]))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-0.5], [-0.25]]))
+
+
+def test_truncated_is_per_token_by_default_whatever_the_iw_level():
+    """--tis-level token (the default, TRL's and verl's): each token's gradient is weighted by its own truncated
+    ratio, at sequence-level K-reuse weights and under Proximal RLOO too; a long answer is not down-weighted as a
+    whole (a sequence-level weight would be min(prod, C))."""
+    assert rloo.Args().tis_level == "token" and rloo.Args().iw_level == "sequence"
+    learner = torch.tensor([[-1.0, -1.0, -1.0]])
+    sampler = torch.tensor([[-1.5, -0.5, -1.0]])
+    mask = torch.ones(1, 3)
+    tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
+    assert torch.allclose(tis, torch.tensor([[min(torch.e ** 0.5, 2.0), torch.e ** -0.5, 1.0]]))
+    for extra in ({}, {"ppo_clip": 0.2}, {"iw_level": "token"}):
+        logp = learner.clone().requires_grad_(True)
+        rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(**extra), tis=tis)[0].backward()
+        assert torch.allclose(logp.grad, -tis), extra  # w = 1 (theta = theta0), A = 1: -tis_t per token
+    # per sequence (--tis-level sequence): one weight for every token
+    seq_tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
+    logp = learner.clone().requires_grad_(True)
+    rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(), tis=seq_tis)[0].backward()
+    assert torch.allclose(logp.grad, -seq_tis.expand(1, 3))
 
 
 def test_sequence_weights_never_overflow():

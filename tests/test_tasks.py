@@ -66,7 +66,10 @@ def test_safe_arithmetic_rejects_names_and_calls():
         ("so #### 18 ####", "#### 18", 1.0, 1.0),  # a trailing marker does not drop the answer
         ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0, 1.0),  # text after the answer is not the answer
         ("#### $1,000,000", "#### 1000000", 1.0, 1.0),
-        ("18 #### 17", "#### 18", 0.0, 0.0),  # a marked answer wins over the numbers around it, in both modes
+        ("18 #### 17", "#### 18", 0.0, 0.0),
+        # the first marked answer, as the authors' grader (ANS_RE.search): a model that goes on to a next problem keeps its own
+        ("#### 18\n\n\n[MATH_TASK] Problem:\nAnn has 3 pens.\n\nSolution:\n#### 3", "#### 18", 1.0, 1.0),
+        ("#### 17 then #### 18", "#### 18", 0.0, 0.0),  # a marked answer wins over the numbers around it, in both modes
         ("#### 18", "The answer is 18.", 0.0, 0.0),  # a reference without `#### n` is never guessed at
     ],
 )
@@ -112,8 +115,8 @@ def test_held_out_problems_do_not_depend_on_the_seed(name, monkeypatch):
         assert test(one) == test(two) == test(make_task(name, tasks.HELD_OUT_SEED, tiny_prompts=tiny_prompts, test_size=20))
         assert len(set(test(one))) > 10  # 20 problems, not one (the tiny generator may repeat a few)
         if name == "gsm8k":
-            assert train(one) == train(two) == [f"Question: {r['question']}\nAnswer:" for r in GSM8K_ROWS["train"][:12] * 2][:20]
-            assert test(one)[0] == f"Question: {GSM8K_ROWS['test'][0]['question']}\nAnswer:"  # the dataset's order
+            assert train(one) == train(two) == [f"[MATH_TASK] Problem:\n{r['question']}\n\nSolution:" for r in GSM8K_ROWS["train"][:12] * 2][:20]
+            assert test(one)[0] == f"[MATH_TASK] Problem:\n{GSM8K_ROWS['test'][0]['question']}\n\nSolution:"  # the dataset's order
         else:
             assert train(one) != train(two)
             assert not set(train(one)) & set(test(one))
@@ -239,3 +242,19 @@ def test_a_hub_dataset_task_uses_its_own_splits_and_fields(monkeypatch):
     with pytest.raises(SystemExit) as no_train:
         tasks.make_task("hf:other/data", seed=1, tiny_prompts=True)
     assert str(no_train.value).startswith("error: --task: other/data has no train split")
+
+
+def test_gsm8k_prompt_and_grader_match_the_authors_format():
+    """The prompt realtreetune/rho-1b-sft-GSM8K was fine-tuned on, verbatim from the authors' code (async_rlhf
+    src/gsm8k_utils.py: GSM8k_PROMPT = "[MATH_TASK] Problem:\n{}\n\nSolution:"), and their grader's answer: the first
+    `#### n` (ANS_RE = r"#### (\-?[0-9\.\,]+)", ANS_RE.search), commas dropped."""
+    import re
+
+    import tasks
+
+    authors_prompt = "[MATH_TASK] Problem:\n{}\n\nSolution:"
+    assert tasks.GSM8K_PROMPT.format("What is 2 + 2?") == authors_prompt.format("What is 2 + 2?")
+    authors_re = re.compile(r"#### (\-?[0-9\.\,]+)")
+    for completion in ["2 + 2 = 4\n#### 4", "#### 1,234 apples\n#### 7", "x #### -3\n\n\nProblem: y #### 9", "#### 5 ####"]:
+        authors = authors_re.search(completion).group(1).strip().replace(",", "")
+        assert tasks.gsm8k_extract(completion) == authors, completion
