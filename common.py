@@ -80,11 +80,16 @@ def mismatch_correction(tis: str, sampler_dtype: str, placement: str, learner_bf
 
 
 def check_model(args, script: str) -> tuple[str, float | None]:
-    """Before the sampler starts, from the model's files alone: its path (resolve_model), and that it can serve the
+    """Before the sampler starts, from the model's files alone: the packages the run needs (optional_modules), the
+    model's path (resolve_model), and that it can serve the
     flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a template
     (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming the flag.
     Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo, dpo,
     pipeline or ppo."""
+    import importlib.util
+
+    for module, (flag, message) in optional_modules(args).items():  # e.g. a Hub --task without datasets
+        check_args(importlib.util.find_spec(module) is not None, flag, message)
     model_path = resolve_model(args.model, args.task)
     check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     check_chat_template(model_path, args.chat_template)
@@ -263,14 +268,12 @@ def check_nvidia_driver() -> None:
 
 def check_run_flags(args) -> None:
     """The flags every script shares that can be checked before anything loads, each refused in one
-    line naming it: --track without wandb, a GPU placement without a GPU, a local --model directory
-    that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template, a Hub
-    --task without the datasets package, a --task file that does not exist."""
+    line naming it: an NVIDIA driver too old for CUDA 13, a GPU placement without a GPU, a local --model directory
+    that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template, a --task
+    file that does not exist."""
     import importlib.util
 
     check_nvidia_driver()
-    for module, (flag, message) in optional_modules(args).items():
-        check_args(importlib.util.find_spec(module) is not None, flag, message)
     if getattr(args, "sampler_url", None) is None and args.placement in ("colocate", "separate"):
         gpus = torch.cuda.device_count()
         check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
