@@ -54,7 +54,7 @@ class Args:
     {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG] (docs/tasks.md); scored by the
     task's reward unless --reward-model or --reward"""
     reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""

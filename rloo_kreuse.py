@@ -45,7 +45,7 @@ class Args:
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
     a line) or hf:DATASET[:CONFIG] (docs/tasks.md) [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
     reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""
