@@ -633,7 +633,7 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samples_per_problem: int, max_prompt_tokens: int,
              chat_template: bool = False, **sampling) -> dict[str, float]:
-    """pass@k (k = 1, 4, 8, 16 up to samples_per_problem) on the first `num_problems` held-out
+    """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems` held-out
     problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
     weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
     progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
@@ -649,9 +649,13 @@ def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samp
             progress.update(len(ids[start:start + part]))
     correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
                for i, p in enumerate(problems)]
-    ks = [k for k in (1, 4, 8, 16) if k <= samples_per_problem]
-    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in ks} | {
-        "eval/problems": float(len(correct))}
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in eval_ks(samples_per_problem)} | {
+        "eval/problems": float(len(correct)), "eval/samples": float(samples_per_problem)}
+
+
+def eval_ks(samples_per_problem: int) -> list[int]:
+    """The k of pass@k that n samples per problem allow: the powers of two up to n, and n itself (n = 6: 1, 2, 4, 6)."""
+    return sorted({2**i for i in range(samples_per_problem.bit_length())} | {samples_per_problem})
 
 
 # --------------------------------------------------------------------------------------
@@ -687,7 +691,8 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
                   if (a == "--model" and i + 1 < len(argv)) or a.startswith("--model=")), args_cls.model)
     default = dataclasses.replace(args_cls(), **paper) if paper and model != TINY else None
     args = tyro.cli(args_cls, args=argv, default=default)
-    if not args.resume:
+    SCRIPT_DEFAULTS[args_cls] = default or args_cls()  # what changed_flags compares with (the run summary's title)
+    if not getattr(args, "resume", None):
         return args
     saved_file = run_dir_of(args.resume) / "args.json"
     if not saved_file.is_file():
@@ -699,11 +704,41 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
     resumed = tyro.cli(args_cls, args=argv, default=base)
     changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes", "verbose")
                and getattr(resumed, name) != getattr(base, name)]
-    if changed and not resumed.resume_changes:
+    if changed and not getattr(resumed, "resume_changes", False):
         what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})" for n in changed)
         raise SystemExit(f"error: {what}: differs from the run being resumed ({saved_file}); leave it out to continue as saved, "
                          "or add --resume-changes")
     return resumed
+
+
+SCRIPT_DEFAULTS: dict[type, Any] = {}  # Args class -> its defaults for the model given (parse_args)
+
+
+def changed_flags(args) -> str:
+    """The command line of the run as it differs from its script's defaults, for the summary's title: the script's
+    file and each flag whose value is not the default (a copy's own new flags included), e.g. `rloo_grpo.py
+    --advantage grpo --k 2`. Compared with what parse_args parsed against; values a script derives after parsing
+    (None defaults filled in) are not named."""
+    defaults = SCRIPT_DEFAULTS.get(type(args))
+    if defaults is None and dataclasses.is_dataclass(args):
+        defaults = type(args)()
+    words = [Path(sys.argv[0]).name]
+    for f in dataclasses.fields(args) if defaults is not None else ():
+        value, default = getattr(args, f.name), getattr(defaults, f.name)
+        if value == default or (default is None and f.name not in _given_on_command_line()):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            words.append(f"{flag} {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
+    return " ".join(words)
+
+
+def _given_on_command_line() -> set[str]:
+    """The field names of the flags on the command line (--x-y, --x-y=v, --no-x-y)."""
+    names = {a[2:].split("=", 1)[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    return names | {n[3:] for n in names if n.startswith("no_")}
 
 
 def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
@@ -731,6 +766,7 @@ class RunLogger:
                 with contextlib.suppress(FileExistsError):
                     self.dir.mkdir()  # atomic: exactly one process creates it
                     break
+        self.args = args
         config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         (self.dir / "args.json").write_text(json.dumps(config, indent=1, default=str))
         self._console = open(self.dir / "console.log", "a")
@@ -776,8 +812,12 @@ class RunLogger:
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
         cell = lambda v: v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"  # noqa: E731
         keys = sorted((k for k in eval_end if "@" in k), key=lambda k: int(k.split("@")[1]))
-        lines = [f"## {title}", "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row), "| " + " | ".join(cell(v) for v in row.values()) + " |",
-                 "", "held-out", "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
+        measured = (f": {eval_end['eval/problems']:.0f} problems x {eval_end['eval/samples']:.0f} samples each, "
+                    f"{', '.join(k.split('/')[1] for k in keys)} (unbiased, Chen et al. 2021)" if "eval/samples" in eval_end else "")
+        command = changed_flags(self.args) if dataclasses.is_dataclass(self.args) else ""
+        lines = [f"## {title}" + (f" | {command}" if command else ""), "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row),
+                 "| " + " | ".join(cell(v) for v in row.values()) + " |",
+                 "", "held-out" + measured, "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
                  "| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |",
                  "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
                  "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()),
@@ -825,7 +865,7 @@ def what_happened(eval_start: dict, eval_end: dict, kl: float | None) -> list[st
     top = ks[-1] if ks else None
     kl_text = f"; KL to the reference {kl:.3f} nats" if kl is not None and math.isfinite(kl) else ""
     if top is None or top == "eval/pass@1":
-        return [first, f"(one sample per problem: no pass@k for larger k){kl_text}"]
+        return [first, f"(one sample per problem: pass@1 only; --eval-samples n gives pass@k up to k = n){kl_text}"]
     q0, q1 = eval_start[top], eval_end[top]
     if q1 < q0 - 1e-9 and p1 >= p0:
         second = (f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}: the policy sharpened (it puts more mass on answers it already found, "

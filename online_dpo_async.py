@@ -149,7 +149,7 @@ class Args:
     eval_problems: int = 200
     """held-out problems; 0 = the whole test split of a fixed dataset (gsm8k, countdown-hub) [gsm8k 0; paper 50; tiny 200]"""
     eval_samples: Annotated[int | None, common.help_default("1 under greedy decoding, 4 when sampling")] = None
-    """completions per held-out problem, accuracy = pass@1 over them"""
+    """completions per held-out problem: pass@k for k = 1, 2, 4, ... up to it (common.eval_ks)"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
     keep_checkpoints: int = 1
@@ -387,16 +387,15 @@ class Rounds:
         return distributed.broadcast(rewards, self.dist).view(-1, a.group_size)
 
     def evaluate(self) -> dict:
-        """pass@1 on the held-out problems with the sampler's current weights (rank 0; {} elsewhere)."""
+        """pass@k on the held-out problems with the sampler's current weights (rank 0; {} elsewhere)."""
         a = self.args
         if not self.dist.is_main:
             return {}
         sampling = dict(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
         if a.eval_decoding == "greedy":
             sampling = dict(temperature=0.0, max_tokens=a.max_new_tokens)
-        result = common.evaluate(self.sampler, self.task, self.tokenizer, a.eval_problems or None, a.eval_samples, a.max_prompt_tokens,
-                                 a.chat_template, **sampling)
-        return {"eval/pass@1": result["eval/pass@1"], "eval/problems": result["eval/problems"]}
+        return common.evaluate(self.sampler, self.task, self.tokenizer, a.eval_problems or None, a.eval_samples, a.max_prompt_tokens,
+                               a.chat_template, **sampling)
 
     def checkpoint_rng(self, last: bool):
         """--sync: the sampler's generators as a resumed run's next round must find them (after the last round: now)."""

@@ -72,3 +72,80 @@ def test_no_doc_calls_answer_matches_the_tasks_notion_of_correct():
     for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         for line in path.read_text().splitlines():
             assert not ("answer_matches" in line and "correct" in line), f"{path.name}: {line}"
+
+
+# --------------------------------------------------------------------------------------
+# 2. pass@k for every k the samples allow, in all four scripts; the summary says what was measured and changed
+# --------------------------------------------------------------------------------------
+
+import dataclasses  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import common  # noqa: E402
+from fastrl.vllm_sampler import Completion  # noqa: E402
+
+
+class ScriptedSampler:
+    """A stand-in for the sampler in evaluate(): sample j of prompt i is right when j < right[i] (Countdown)."""
+
+    def __init__(self, task, right: list[int]):
+        self.task, self.right, self.asked = task, right, {}
+
+    def submit(self, prompts, n=1, **sampling):
+        self.asked = dict(n=n, **sampling)
+        return [(i, j) for i in range(len(prompts)) for j in range(n)]
+
+    def wait_for(self, ids):
+        def text(i, j):
+            problem = self.task.problem("test", i)
+            return f"<answer>{problem.answer}</answer>" if j < self.right[i] else "<answer>1</answer>"
+        return [Completion(f"{i}-{j}", [1], [2], [0.0], "stop", [(0, 0, 1)], text=text(i, j)) for i, j in ids]
+
+
+class CharTokenizer:
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) % 50 for c in text]}
+
+
+@pytest.mark.parametrize("samples, ks", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (16, [1, 2, 4, 8, 16])])
+def test_evaluate_reports_pass_at_k_for_every_k_the_samples_allow(samples, ks):
+    """Issue 42, item 2: k was only ever 1, 4, 8, 16: --eval-samples 2 gave pass@1 alone and a summary saying one sample."""
+    task = tasks.make_task("countdown", seed=1, tiny_prompts=True)
+    right = [0, 1, samples, samples // 2]
+    result = common.evaluate(ScriptedSampler(task, right), task, CharTokenizer(), len(right), samples, 64)
+    assert sorted(int(k.split("@")[1]) for k in result if "@" in k) == ks
+    for k in ks:
+        assert result[f"eval/pass@{k}"] == pytest.approx(sum(common.pass_at_k(samples, c, k) for c in right) / len(right))
+    assert result["eval/samples"] == samples and result["eval/problems"] == len(right)
+    lines = common.what_happened(result, result, None)
+    assert ("one sample per problem" in " ".join(lines)) == (samples == 1)
+
+
+def test_dpo_evaluates_pass_at_k_too():
+    import online_dpo_async as dpo
+
+    task = tasks.make_task("countdown", seed=1, tiny_prompts=True)
+    args = dpo.parse_args(["--eval-samples", "4", "--eval-problems", "3"])
+    rounds = SimpleNamespace(args=args, dist=SimpleNamespace(is_main=True), sampler=ScriptedSampler(task, [0, 1, 4]), task=task,
+                             tokenizer=CharTokenizer())
+    result = dpo.Rounds.evaluate(rounds)
+    assert {"eval/pass@1", "eval/pass@2", "eval/pass@4"} <= set(result) and result["eval/samples"] == 4
+
+
+def test_the_summary_says_what_was_measured_and_names_the_changed_flags(tmp_path, monkeypatch):
+    """A student's copy with an added flag, run with it: the title named neither the flag nor the copy."""
+    import rloo_kreuse as rloo
+
+    student = dataclasses.make_dataclass("Args", [("advantage", str, dataclasses.field(default="rloo"))], bases=(rloo.Args,))
+    monkeypatch.setattr("sys.argv", ["rloo_grpo.py"])
+    args = common.parse_args(student, ["--advantage", "grpo", "--k", "2", "--eval-samples", "2"], paper=rloo.PAPER)
+    logger = common.RunLogger("summary__1__1", args, root=str(tmp_path))
+    try:
+        evaluation = {"eval/pass@1": 0.25, "eval/pass@2": 0.5, "eval/problems": 200.0, "eval/samples": 2.0}
+        text = logger.report(3, "RLOO K=2", {"K": "2"}, evaluation, evaluation, {"learner": 1.0})
+    finally:
+        logger.close()
+    title = text.splitlines()[0]
+    assert "rloo_grpo.py" in title and "--advantage grpo" in title and "--k 2" in title and "--eval-samples 2" in title
+    assert "--num-rounds" not in title and "--seed" not in title  # defaults are not named
+    assert "200 problems" in text and "2 samples" in text and "pass@2" in text
