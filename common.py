@@ -84,10 +84,13 @@ def check_model(args, script: str) -> tuple[str, float | None]:
     flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a template
     (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming the flag.
     Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo, dpo,
-    pipeline or ppo."""
-    model_path = resolve_model(args.model, args.task)
+    pipeline or ppo. A flag the plan needs that a stripped copy lacks stops it here, on any machine (with_defaults)."""
+    from fastrl import memory_plan as plan_memory
+
+    args = plan_memory.with_defaults(script, args)  # (what a copy dropped: planned without it, or one line on a CPU too)
+    model_path = resolve_model(args.model, getattr(args, "task", "countdown"))
     check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
-    check_chat_template(model_path, args.chat_template)
+    check_chat_template(model_path, getattr(args, "chat_template", False))
     return model_path, memory_plan(args, model_path, script)
 
 
@@ -99,7 +102,7 @@ def memory_plan(args, model_path: str, script: str) -> float | None:
     sharded learner it does not model) it prints nothing and returns --sampler-gpu-memory as given.
     script: rloo, dpo, pipeline or ppo."""
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return args.sampler_gpu_memory
+        return getattr(args, "sampler_gpu_memory", None)
     from transformers import AutoConfig
 
     from fastrl import memory_plan as plan_memory
@@ -235,13 +238,13 @@ def check_run_flags(args) -> None:
     that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template."""
     import importlib.util
 
-    check_args(not args.track or importlib.util.find_spec("wandb") is not None, "--track",
+    check_args(not getattr(args, "track", False) or importlib.util.find_spec("wandb") is not None, "--track",
                "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard files are always written)")
-    if getattr(args, "sampler_url", None) is None and args.placement in ("colocate", "separate"):
+    if getattr(args, "sampler_url", None) is None and getattr(args, "placement", "auto") in ("colocate", "separate"):
         gpus = torch.cuda.device_count()
         check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
                    f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use --placement cpu or auto")
-    check_args(getattr(args, "system_prompt", None) is None or args.chat_template, "--system-prompt",
+    check_args(getattr(args, "system_prompt", None) is None or getattr(args, "chat_template", False), "--system-prompt",
                "is the system turn of a chat template: add --chat-template")
     local = args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
     check_args(args.model == TINY or not local or Path(args.model).expanduser().is_dir(), "--model",

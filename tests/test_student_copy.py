@@ -149,3 +149,59 @@ def test_the_summary_says_what_was_measured_and_names_the_changed_flags(tmp_path
     assert "rloo_grpo.py" in title and "--advantage grpo" in title and "--k 2" in title and "--eval-samples 2" in title
     assert "--num-rounds" not in title and "--seed" not in title  # defaults are not named
     assert "200 problems" in text and "2 samples" in text and "pass@2" in text
+
+
+# --------------------------------------------------------------------------------------
+# 3. a copy without a flag the method does not use runs its memory plan and checks, on a GPU too
+# --------------------------------------------------------------------------------------
+
+import importlib  # noqa: E402
+
+from fastrl import memory_plan  # noqa: E402
+
+SCRIPTS = {"rloo": "rloo_kreuse", "dpo": "online_dpo_async", "pipeline": "pipeline_rl", "ppo": "ppo_oppo"}
+# Qwen2.5-0.5B's shape (tests/test_memory.py): a real model's plan, from numbers alone
+QWEN = memory_plan.Shape(params=494_032_768, critic_params=494_033_664, largest=136_134_656, layers=24, hidden=896,
+                         intermediate=4864, heads=14, kv_dim=128, vocab=151_936)
+
+
+def stripped_copy(script: str, without: str):
+    """A student's copy of the script's Args at its real-model defaults, with the field `without` deleted (and the
+    __post_init__ checks that read it, as a student deletes them too)."""
+    module = importlib.import_module(SCRIPTS[script])
+    full = dataclasses.replace(module.Args(), **module.PAPER)
+    fields = [(f.name, f.type, dataclasses.field(default=getattr(full, f.name))) for f in dataclasses.fields(module.Args) if f.name != without]
+    return dataclasses.make_dataclass("Args", fields)()
+
+
+def optional_flags(script: str) -> list[str]:
+    module = importlib.import_module(SCRIPTS[script])
+    return [f.name for f in dataclasses.fields(module.Args) if f.name not in ("model", *memory_plan.needed_flags(script))]
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_copy_without_any_one_optional_flag_plans_and_checks(script, monkeypatch):
+    """Issue 42, item 3: the plan read args.kl_coef (and others) by name, so a copy without it passed every CPU run and
+    raised AttributeError on its first GPU start. Every optional flag deleted in turn: the plan on an 80 GB GPU (its
+    line or its one-line refusal) and the checks before the sampler starts (check_run_flags, check_model) still run."""
+    for name in optional_flags(script):
+        args = stripped_copy(script, name)
+        plan = memory_plan.plan(script, args, QWEN, 80e9)
+        assert plan.line.startswith(("memory plan: ", "error: memory plan: ")) and "\n" not in plan.line, (name, plan.line)
+        if name not in ("sampler_url",):  # (not about the flags: a copy's plan names only flags it has)
+            assert f"--{name.replace('_', '-')} " not in plan.line, (name, plan.line)
+        common.check_run_flags(args)
+        args.model = common.TINY  # (the check reads the model's files: the built-in model's)
+        if hasattr(args, "max_prompt_tokens"):
+            args.max_prompt_tokens, args.max_new_tokens = 32, 32
+        common.check_model(args, script)
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_copy_without_a_flag_the_plan_needs_stops_in_one_line_on_cpu_too(script):
+    for name in memory_plan.needed_flags(script):
+        args = stripped_copy(script, name)
+        args.model = common.TINY
+        with pytest.raises(SystemExit, match=f"^error: --{name.replace('_', '-')}: ") as stopped:
+            common.check_model(args, script)
+        assert "\n" not in str(stopped.value)
