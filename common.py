@@ -274,6 +274,24 @@ def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> Non
               "logprobs are not the learner's (not the same weights, model or sampling settings); importance weights and ratios are off")
 
 
+def warn_no_learning(signal, what: str, streaks: dict, patience: int) -> bool:
+    """One warning line, once per run and `what`, when a round's learning signal (its advantages, its kept pairs, whether
+    its step trained) has been all zero, non-finite or empty for `patience` rounds in a row (the scripts: 10, or the whole
+    run when shorter): a setting under which the method learns nothing (a group size of 1, a reward that never differs
+    within a group, a guard that skips every step), which a flat curve would otherwise be the only sign of. `streaks`
+    (a dict kept by the caller) counts the rounds. Returns whether this round had no signal."""
+    values = torch.as_tensor(signal, dtype=torch.float32)
+    none = values.numel() == 0 or not bool((torch.isfinite(values) & (values != 0)).any())
+    count = streaks.get(what, 0)
+    if count >= 0:  # (-1: said already)
+        count = count + 1 if none else 0
+        if count >= patience:
+            print(f"warning: {what}, in each of the last {count} rounds: the method learns nothing from them (docs/methods.md)")
+            count = -1
+        streaks[what] = count
+    return none
+
+
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """Prompt budget + response cap must fit the model's context, or vLLM refuses to start. (A local
     directory's config.json is read as it is: importing transformers here would delay the sampler's start.)"""

@@ -452,7 +452,7 @@ def main():
         reward_model = common.RewardModel(args.reward_model, device=str(dist.device)) if args.reward_model and dist.is_main else None
         logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
-        start_round, data_position, step, sampler_rng, warned = 0, 0, 0, None, []
+        start_round, data_position, step, sampler_rng, warned, no_signal = 0, 0, 0, None, [], {}
         totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
         if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
             state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
@@ -494,6 +494,7 @@ def main():
             # ALGO LOGIC: pairs, the best and worst of each prompt's group; the reference's sequence logprobs
             rewards = rounds.rewards(batch)
             chosen, rejected, keep = select_pairs(rewards)
+            common.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
             ref_seq = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,

@@ -435,7 +435,7 @@ def main():
         print(f"run directory: {logger.dir}")
         # sampler_rng: the sampler's generators between two rounds, so a resumed synchronous run samples as an uninterrupted one
         start_round, data_position, step, timing, sampler_rng = resume(args, policy, optimizer, push_model, dist)
-        nonfinite_skipped, warned = 0, []  # warned: the logprob_diff warning, once
+        nonfinite_skipped, warned, no_signal = 0, [], {}  # warned: the logprob_diff warning, once; no_signal: warn_no_learning's
         if dist.is_main:
             common.connect_weights(sampler, push_model, version=step)
         rounds = Rounds(sampler, task, tokenizer, args, data_position)
@@ -486,6 +486,8 @@ def main():
             if args.kl_estimator == "k1" and ref_policy is not None:  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
                 shaped = shaped - args.kl_coef * kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k1")
             batch.advantages = rloo_advantages(shaped.view(-1, args.group_size)).view(-1)
+            common.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or --group-size 1)",
+                                    no_signal, min(10, args.num_rounds))
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights

@@ -205,3 +205,42 @@ def test_a_copy_without_a_flag_the_plan_needs_stops_in_one_line_on_cpu_too(scrip
         with pytest.raises(SystemExit, match=f"^error: --{name.replace('_', '-')}: ") as stopped:
             common.check_model(args, script)
         assert "\n" not in str(stopped.value)
+
+
+# --------------------------------------------------------------------------------------
+# 4. a setting under which the method learns nothing is said in one line
+# --------------------------------------------------------------------------------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def test_no_learning_signal_is_said_once_after_patience_rounds(capsys):
+    streaks = {}
+    said = [common.warn_no_learning(signal, "every advantage is 0", streaks, patience=3)
+            for signal in (torch.zeros(4), torch.ones(4), torch.zeros(4), torch.full((4,), float("nan")), torch.zeros(0), torch.zeros(4))]
+    assert said == [True, False, True, True, True, True]  # zero, non-finite and empty are no signal
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: every advantage is 0") and "learns nothing" in lines[0]
+    common.warn_no_learning(torch.zeros(4), "every advantage is 0", streaks, patience=1)  # said already: not again
+    assert capsys.readouterr().out == ""
+    assert not common.warn_no_learning(torch.tensor([True, False]), "pairs", {}, patience=1)  # one kept pair is signal
+
+
+@pytest.mark.slow
+def test_a_copy_without_the_group_size_check_says_it_learns_nothing(tmp_path):
+    """Issue 42, item 3's second half: a copy of rloo_kreuse.py without its `group_size >= 2` check trained on
+    advantages that carry nothing (0/0 with one response a prompt) without a word. Two rounds of a real copy."""
+    source = (ROOT / "rloo_kreuse.py").read_text()
+    check = next(line for line in source.splitlines() if "self.group_size >= 2" in line)
+    copy = tmp_path / "rloo_copy.py"
+    copy.write_text(source.replace(check + "\n", ""))
+    out = subprocess.run([sys.executable, str(copy), "--group-size", "1", "--num-prompts", "4", "--num-rounds", "2", "--max-new-tokens", "16",
+                          "--eval-problems", "2", "--eval-samples", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = [line for line in out.stdout.splitlines() if "learns nothing" in line]
+    assert len(said) == 1 and said[0].startswith("warning: every advantage is 0 or not finite"), out.stdout[-3000:]
