@@ -244,3 +244,36 @@ def test_a_copy_without_the_group_size_check_says_it_learns_nothing(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stdout.splitlines() if "learns nothing" in line]
     assert len(said) == 1 and said[0].startswith("warning: every advantage is 0 or not finite"), out.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------------------
+# 5. docs/methods.md says which script to start from, and everything a copy must keep
+# --------------------------------------------------------------------------------------
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"### {title}")
+    return text[start:text.find("\n#", start + 4)]
+
+
+def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
+    """Issue 42, item 4: which script to copy for REINFORCE, GRPO or a new loss was not said, and the list of what a copy
+    must keep left out the flags the shared code reads. Each kind of change names a script that exists and a function of
+    it; the keep list names every field the plan needs, in every script, and the calls a copy keeps; the README points at both."""
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    table = _section(methods, "Which script to start from")
+    for change in ("REINFORCE", "GRPO", "new policy-gradient loss", "new preference loss", "new reward"):
+        row = next(line for line in table.splitlines() if change in line)
+        for script in re.findall(r"`(\w+\.py)`", row):
+            module = importlib.import_module(script[:-3])
+            for name in re.findall(r"`(\w+)`", row.split("|")[3]):
+                assert hasattr(module, name), (change, script, name)
+    keep = _section(methods, "What a copy must keep")
+    for script in SCRIPTS:
+        for name in memory_plan.needed_flags(script):
+            assert f"--{name.replace('_', '-')}" in keep, name
+    for call in ("push_weights", "check_sampler_version", "check_model", "warn_no_learning", "close()", "__main__"):
+        assert call in keep, call
+    assert callable(common.warn_no_learning) and callable(common.check_sampler_version) and callable(common.check_model)
+    readme = (ROOT / "README.md").read_text()
+    assert "methods.md#which-script-to-start-from" in readme and "methods.md#what-a-copy-must-keep" in readme
