@@ -85,14 +85,17 @@ def check_model(args, script: str) -> tuple[str, float | None]:
     flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a template
     (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming the flag.
     Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo, dpo,
-    pipeline or ppo."""
+    pipeline or ppo. A flag the plan needs that a stripped copy lacks stops it here, on any machine (with_defaults)."""
     import importlib.util
 
+    from fastrl import memory_plan as plan_memory
+
+    args = plan_memory.with_defaults(script, args)  # (what a copy dropped: planned without it, or one line on a CPU too)
     for module, (flag, message) in optional_modules(args).items():  # e.g. a Hub --task without datasets
         check_args(importlib.util.find_spec(module) is not None, flag, message)
-    model_path = resolve_model(args.model, args.task)
+    model_path = resolve_model(args.model, getattr(args, "task", "countdown"))
     check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
-    check_chat_template(model_path, args.chat_template)
+    check_chat_template(model_path, getattr(args, "chat_template", False))
     return model_path, memory_plan(args, model_path, script)
 
 
@@ -104,7 +107,7 @@ def memory_plan(args, model_path: str, script: str) -> float | None:
     sharded learner it does not model) it prints nothing and returns --sampler-gpu-memory as given.
     script: rloo, dpo, pipeline or ppo."""
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return args.sampler_gpu_memory
+        return getattr(args, "sampler_gpu_memory", None)
     from transformers import AutoConfig
 
     from fastrl import memory_plan as plan_memory
@@ -274,13 +277,13 @@ def check_run_flags(args) -> None:
     import importlib.util
 
     check_nvidia_driver()
-    if getattr(args, "sampler_url", None) is None and args.placement in ("colocate", "separate"):
+    if getattr(args, "sampler_url", None) is None and getattr(args, "placement", "auto") in ("colocate", "separate"):
         gpus = torch.cuda.device_count()
         check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
                    f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use --placement cpu or auto")
-    check_args(not args.task.endswith((".jsonl", ".json")) or Path(args.task).expanduser().is_file(), "--task",
-               f"no such file: {args.task}")
-    check_args(getattr(args, "system_prompt", None) is None or args.chat_template, "--system-prompt",
+    task = getattr(args, "task", "")
+    check_args(not task.endswith((".jsonl", ".json")) or Path(task).expanduser().is_file(), "--task", f"no such file: {task}")
+    check_args(getattr(args, "system_prompt", None) is None or getattr(args, "chat_template", False), "--system-prompt",
                "is the system turn of a chat template: add --chat-template")
     local = args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
     check_args(args.model == TINY or not local or Path(args.model).expanduser().is_dir(), "--model",
@@ -294,11 +297,12 @@ def optional_modules(args) -> dict[str, tuple[str, str]]:
     import tasks
 
     needed = {}
-    if args.track:
+    if getattr(args, "track", False):
         needed["wandb"] = ("--track", "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard "
                                       "files are always written)")
-    if args.task in tasks.HUB_TASKS or args.task.startswith("hf:"):
-        needed["datasets"] = ("--task", f"{args.task} is a Hub dataset and needs the datasets package: pip install -e '.[hub]' "
+    task = getattr(args, "task", "")
+    if task in tasks.HUB_TASKS or task.startswith("hf:"):
+        needed["datasets"] = ("--task", f"{task} is a Hub dataset and needs the datasets package: pip install -e '.[hub]' "
                                         "(bash scripts/setup.sh gpu installs it); offline, use --task countdown or arithmetic")
     return needed
 
@@ -324,6 +328,24 @@ def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> Non
         warned.append(diff)
         print(f"warning: charts/logprob_diff {diff:.2g} on fresh weights (expected below {limit:g} for these precisions): the sampler's "
               "logprobs are not the learner's (not the same weights, model or sampling settings); importance weights and ratios are off")
+
+
+def warn_no_learning(signal, what: str, streaks: dict, patience: int) -> bool:
+    """One warning line, once per run and `what`, when a round's learning signal (its advantages, its kept pairs, whether
+    its step trained) has been all zero, non-finite or empty for `patience` rounds in a row (the scripts: 10, or the whole
+    run when shorter): a setting under which the method learns nothing (a group size of 1, a reward that never differs
+    within a group, a guard that skips every step), which a flat curve would otherwise be the only sign of. `streaks`
+    (a dict kept by the caller) counts the rounds. Returns whether this round had no signal."""
+    values = torch.as_tensor(signal, dtype=torch.float32)
+    none = values.numel() == 0 or not bool((torch.isfinite(values) & (values != 0)).any())
+    count = streaks.get(what, 0)
+    if count >= 0:  # (-1: said already)
+        count = count + 1 if none else 0
+        if count >= patience:
+            print(f"warning: {what}, in each of the last {count} rounds: the method learns nothing from them (docs/methods.md)")
+            count = -1
+        streaks[what] = count
+    return none
 
 
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
@@ -688,7 +710,7 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samples_per_problem: int, max_prompt_tokens: int,
              chat_template: bool = False, **sampling) -> dict[str, float]:
-    """pass@k (k = 1, 4, 8, 16 up to samples_per_problem) on the first `num_problems` held-out
+    """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems` held-out
     problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
     weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
     progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
@@ -704,9 +726,13 @@ def evaluate(sampler: "Sampler", task, tokenizer, num_problems: int | None, samp
             progress.update(len(ids[start:start + part]))
     correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
                for i, p in enumerate(problems)]
-    ks = [k for k in (1, 4, 8, 16) if k <= samples_per_problem]
-    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in ks} | {
-        "eval/problems": float(len(correct))}
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in eval_ks(samples_per_problem)} | {
+        "eval/problems": float(len(correct)), "eval/samples": float(samples_per_problem)}
+
+
+def eval_ks(samples_per_problem: int) -> list[int]:
+    """The k of pass@k that n samples per problem allow: the powers of two up to n, and n itself (n = 6: 1, 2, 4, 6)."""
+    return sorted({2**i for i in range(samples_per_problem.bit_length())} | {samples_per_problem})
 
 
 # --------------------------------------------------------------------------------------
@@ -762,7 +788,8 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
                   if (a == "--model" and i + 1 < len(argv)) or a.startswith("--model=")), args_cls.model)
     default = model_defaults(args_cls, model, paper, smollm2)
     args = tyro.cli(args_cls, args=argv, default=default)
-    if not args.resume:
+    SCRIPT_DEFAULTS[args_cls] = default or args_cls()  # what changed_flags compares with (the run summary's title)
+    if not getattr(args, "resume", None):
         return args
     saved_file = run_dir_of(args.resume) / "args.json"
     if not saved_file.is_file():
@@ -774,11 +801,41 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
     resumed = tyro.cli(args_cls, args=argv, default=base)
     changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes", "verbose")
                and getattr(resumed, name) != getattr(base, name)]
-    if changed and not resumed.resume_changes:
+    if changed and not getattr(resumed, "resume_changes", False):
         what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})" for n in changed)
         raise SystemExit(f"error: {what}: differs from the run being resumed ({saved_file}); leave it out to continue as saved, "
                          "or add --resume-changes")
     return resumed
+
+
+SCRIPT_DEFAULTS: dict[type, Any] = {}  # Args class -> its defaults for the model given (parse_args)
+
+
+def changed_flags(args) -> str:
+    """The command line of the run as it differs from its script's defaults, for the summary's title: the script's
+    file and each flag whose value is not the default (a copy's own new flags included), e.g. `rloo_grpo.py
+    --advantage grpo --k 2`. Compared with what parse_args parsed against; values a script derives after parsing
+    (None defaults filled in) are not named."""
+    defaults = SCRIPT_DEFAULTS.get(type(args))
+    if defaults is None and dataclasses.is_dataclass(args):
+        defaults = type(args)()
+    words = [Path(sys.argv[0]).name]
+    for f in dataclasses.fields(args) if defaults is not None else ():
+        value, default = getattr(args, f.name), getattr(defaults, f.name)
+        if value == default or (default is None and f.name not in _given_on_command_line()):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            words.append(f"{flag} {' '.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
+    return " ".join(words)
+
+
+def _given_on_command_line() -> set[str]:
+    """The field names of the flags on the command line (--x-y, --x-y=v, --no-x-y)."""
+    names = {a[2:].split("=", 1)[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    return names | {n[3:] for n in names if n.startswith("no_")}
 
 
 def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
@@ -806,6 +863,7 @@ class RunLogger:
                 with contextlib.suppress(FileExistsError):
                     self.dir.mkdir()  # atomic: exactly one process creates it
                     break
+        self.args = args
         config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
         (self.dir / "args.json").write_text(json.dumps(config, indent=1, default=str))
         self._console = open(self.dir / "console.log", "a")
@@ -851,8 +909,12 @@ class RunLogger:
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
         cell = lambda v: v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"  # noqa: E731
         keys = sorted((k for k in eval_end if "@" in k), key=lambda k: int(k.split("@")[1]))
-        lines = [f"## {title}", "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row), "| " + " | ".join(cell(v) for v in row.values()) + " |",
-                 "", "held-out", "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
+        measured = (f": {eval_end['eval/problems']:.0f} problems x {eval_end['eval/samples']:.0f} samples each, "
+                    f"{', '.join(k.split('/')[1] for k in keys)} (unbiased, Chen et al. 2021)" if "eval/samples" in eval_end else "")
+        command = changed_flags(self.args) if dataclasses.is_dataclass(self.args) else ""
+        lines = [f"## {title}" + (f" | {command}" if command else ""), "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row),
+                 "| " + " | ".join(cell(v) for v in row.values()) + " |",
+                 "", "held-out" + measured, "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
                  "| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |",
                  "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
                  "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()),
@@ -900,7 +962,7 @@ def what_happened(eval_start: dict, eval_end: dict, kl: float | None) -> list[st
     top = ks[-1] if ks else None
     kl_text = f"; KL to the reference {kl:.3f} nats" if kl is not None and math.isfinite(kl) else ""
     if top is None or top == "eval/pass@1":
-        return [first, f"(one sample per problem: no pass@k for larger k){kl_text}"]
+        return [first, f"(one sample per problem: pass@1 only; --eval-samples n gives pass@k up to k = n){kl_text}"]
     q0, q1 = eval_start[top], eval_end[top]
     if q1 < q0 - 1e-9 and p1 >= p0:
         second = (f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}: the policy sharpened (it puts more mass on answers it already found, "

@@ -55,7 +55,7 @@ class Args:
     {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG] (docs/tasks.md); scored by the
     task's reward unless --reward-model or --reward"""
     reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""
@@ -152,7 +152,7 @@ class Args:
     eval_problems: int = 200
     """held-out problems; 0 = the whole test split of a fixed dataset (gsm8k, countdown-hub) [gsm8k 0; paper 50; tiny 200]"""
     eval_samples: Annotated[int | None, common.help_default("1 under greedy decoding, 4 when sampling")] = None
-    """completions per held-out problem, accuracy = pass@1 over them"""
+    """completions per held-out problem: pass@k for k = 1, 2, 4, ... up to it (common.eval_ks)"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
     keep_checkpoints: int = 1
@@ -393,16 +393,15 @@ class Rounds:
         return distributed.broadcast(rewards, self.dist).view(-1, a.group_size)
 
     def evaluate(self) -> dict:
-        """pass@1 on the held-out problems with the sampler's current weights (rank 0; {} elsewhere)."""
+        """pass@k on the held-out problems with the sampler's current weights (rank 0; {} elsewhere)."""
         a = self.args
         if not self.dist.is_main:
             return {}
         sampling = dict(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
         if a.eval_decoding == "greedy":
             sampling = dict(temperature=0.0, max_tokens=a.max_new_tokens)
-        result = common.evaluate(self.sampler, self.task, self.tokenizer, a.eval_problems or None, a.eval_samples, a.max_prompt_tokens,
-                                 a.chat_template, **sampling)
-        return {"eval/pass@1": result["eval/pass@1"], "eval/problems": result["eval/problems"]}
+        return common.evaluate(self.sampler, self.task, self.tokenizer, a.eval_problems or None, a.eval_samples, a.max_prompt_tokens,
+                               a.chat_template, **sampling)
 
     def checkpoint_rng(self, last: bool):
         """--sync: the sampler's generators as a resumed run's next round must find them (after the last round: now)."""
@@ -459,7 +458,7 @@ def main():
         reward_model = common.RewardModel(args.reward_model, device=str(dist.device)) if args.reward_model and dist.is_main else None
         logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
-        start_round, data_position, step, sampler_rng, warned = 0, 0, 0, None, []
+        start_round, data_position, step, sampler_rng, warned, no_signal = 0, 0, 0, None, [], {}
         totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
         if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
             state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
@@ -501,6 +500,7 @@ def main():
             # ALGO LOGIC: pairs, the best and worst of each prompt's group; the reference's sequence logprobs
             rewards = rounds.rewards(batch)
             chosen, rejected, keep = select_pairs(rewards)
+            common.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
             ref_seq = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,

@@ -63,7 +63,7 @@ class Args:
     data), gsm8k, a .jsonl file of your own (a {"prompt": ..., "answer": ...} object a line) or hf:DATASET[:CONFIG]
     (docs/tasks.md)"""
     reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
     binary_reward: bool = False
     """the reward is 1 for a correct answer, 0 otherwise (the paper's, Sec. 5), instead of the task's own (Countdown's
@@ -345,7 +345,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     stats = dict(ess=batch_ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
                  tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl=out["kl"],
                  grad_norm=grad_norm, **tis_stats(out["weights"][mask.bool()], args.tis_cap),
-                 outcome="trained" if stepped else "low_ess" if low_ess else "nonfinite", train_seconds=time.time() - start)
+                 outcome="trained" if stepped else "low_ess" if low_ess else "nonfinite", train_seconds=time.time() - start,
+                 advantages=advantages.cpu())
     if out["diff_tokens"]:  # absent when no sequence of the batch was generated wholly by the current weights
         stats["logprob_diff"] = out["diff"] / out["diff_tokens"]
     return stats
@@ -588,7 +589,7 @@ def main():
         if dist.is_main:  # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
             common.connect_weights(sampler, push_model, version=step, background_push=args.mode == "pipeline" and args.background_push)
         actor = Actor(sampler, task, tokenizer, args, data_position, totals) if dist.is_main else None
-        nonfinite_in_a_row = 0
+        nonfinite_in_a_row, no_signal = 0, {}  # no_signal: warn_no_learning's counts
         gathered_step = step  # the step whose weights push_model holds (under torchrun it is gathered, not the policy itself)
 
         score = reward_function(task, args)
@@ -600,6 +601,10 @@ def main():
             rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
             stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id, dist)
+            patience = min(10, args.num_steps)
+            common.warn_no_learning(stats["advantages"], "every advantage is 0 (each prompt's rewards tie, or --group-size 1)", no_signal, patience)
+            common.warn_no_learning(stats["outcome"] == "trained", "no optimizer step (the ESS guard or a non-finite loss skipped it)", no_signal,
+                                    patience)
             stats["accuracy"] = float(np.mean([task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]))
             return stats
 

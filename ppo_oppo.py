@@ -84,7 +84,7 @@ class Args:
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
     a line) or hf:DATASET[:CONFIG] (docs/tasks.md)"""
     reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""
@@ -781,7 +781,7 @@ def main():
         (chunk, candidates), trial_seconds = chunk_sizes(args), {}  # trial_seconds: the chunk tuner's timings
         totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
         # without inter, the sampler's generators between rounds (for an exact resume); the logprob_diff warning, once
-        sampler_rng, warned = None, []
+        sampler_rng, warned, no_signal = None, [], {}  # no_signal: warn_no_learning's counts
         if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
             state = common.load_checkpoint(args.resume, learner, optimizer, dist=dist,
                                            required=("round", "totals", "delta", "chunk", "reward_history", "carried_keys"))
@@ -852,6 +852,8 @@ def main():
             scores, ref_logp, values = read_scores(batch, downstream, task, mine, dist)
             no_eos = torch.tensor([r.final.finish_reason != "stop" for r in batch], dtype=torch.float32)
             scores = scores - eos_penalty * no_eos
+            common.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same: the reward tells none apart",
+                                    no_signal, min(10, args.num_rounds))
             lengths = [len(r.response) for r in batch]
             mask, sampler_logp, fresh = sampler_rows(batch, version)
             if not args.inter:  # plain PPO and intra alone: every token by the weights the learner holds

@@ -47,7 +47,7 @@ class Args:
     data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
     a line) or hf:DATASET[:CONFIG] (docs/tasks.md) [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
     reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem) -> float, instead of the task's own
+    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
     reward; what counts as correct (accuracy, pass@k) stays the task's"""
     prompt_field: str = "prompt"
     """the prompt's field in a .jsonl or hf: task"""
@@ -463,7 +463,7 @@ def main():
         print(f"run directory: {logger.dir}")
         # sampler_rng: the sampler's generators between two rounds, so a resumed synchronous run samples as an uninterrupted one
         start_round, data_position, step, timing, sampler_rng = resume(args, policy, optimizer, push_model, dist)
-        nonfinite_skipped, warned = 0, []  # warned: the logprob_diff warning, once
+        nonfinite_skipped, warned, no_signal = 0, [], {}  # warned: the logprob_diff warning, once; no_signal: warn_no_learning's
         if dist.is_main:
             common.connect_weights(sampler, push_model, version=step)
         rounds = Rounds(sampler, task, tokenizer, args, data_position)
@@ -521,6 +521,9 @@ def main():
                 # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
                 current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
                 batch.advantages = shaped_advantages(rewards_on_device, current_logp, batch.ref_logp, batch.mask, **shaping)
+                if k_step == 0:
+                    common.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or "
+                                            "--group-size 1)", no_signal, min(10, args.num_rounds))
                 # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
                 loss_fn = functools.partial(micro_batch_loss, policy, batch, logprob_diff=fresh and k_step == 0, **contract,
                                             **hyperparameters)

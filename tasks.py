@@ -343,11 +343,18 @@ class ListTask:
 @dataclass
 class Customised:
     """A task with a user's reward `(completion, problem) -> float` (`--reward module:function`) and/or
-    system turn (`--system-prompt`); everything else, what counts as correct included, is the task's own."""
+    system turn (`--system-prompt`); everything else, what counts as correct included, is the task's own.
+    A reward function with a parameter named `task` is also given the task, to build on its own
+    `task.reward(completion, problem)` and `task.is_correct(completion, problem)` (docs/tasks.md)."""
 
     task: Any
     reward_fn: Any = None
     system: str | None = None
+
+    def __post_init__(self):
+        import inspect
+
+        self.passes_task = self.reward_fn is not None and "task" in inspect.signature(self.reward_fn).parameters
 
     def __getattr__(self, name: str):
         return getattr(self.task, name)
@@ -357,7 +364,11 @@ class Customised:
         return problem if self.system is None else dataclasses.replace(problem, system=self.system)
 
     def reward(self, completion: str, problem: Problem) -> float:
-        return float(self.reward_fn(completion, problem)) if self.reward_fn else self.task.reward(completion, problem)
+        if self.reward_fn is None:
+            return self.task.reward(completion, problem)
+        if self.passes_task:
+            return float(self.reward_fn(completion, problem, task=self.task))
+        return float(self.reward_fn(completion, problem))
 
 
 def final_answer(completion: str) -> str | None:
@@ -390,8 +401,9 @@ def answer_matches(completion: str, answer: str) -> bool:
 
 def load_reward(spec: str):
     """`module:function` (a module importable from the working directory, or a path to a .py file)
-    -> the function, which takes (completion: str, problem: Problem) and returns a float; one line
-    naming --reward when it cannot be loaded."""
+    -> the function, which takes (completion: str, problem: Problem) and returns a float (with a third
+    parameter named `task`, it is also given the task: Customised); one line naming --reward when it
+    cannot be loaded."""
     import importlib
     import importlib.util
     import sys

@@ -49,6 +49,15 @@ LOGIT_CHUNK_BYTES = 256 * 2**20  # common.LOGIT_CHUNK_BYTES: fp32 logits per chu
 # top-p adds its sort's values and int64 indices, its cumsum and masks) and in the backward (the chunk recomputed, its grads)
 HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p": 10}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# what the plan reads from a script's Args: a copy must keep these fields (docs/methods.md, "What a copy must keep") ...
+NEEDED = {"rloo": ("num_prompts", "group_size"), "dpo": ("num_prompts", "group_size"), "pipeline": ("train_batch_size",),
+          "ppo": ("batch_size",)}
+# ... and may drop these: a copy without one is planned as the scripts run without it (no reference model, no nucleus, no
+# micro-batch cap, no over-commit, the learner in fp32 without autocast or checkpointing, the sampler placed by `auto`)
+OPTIONAL = dict(placement="auto", sampler_dtype="auto", sampler_gpu_memory=None, sampler_url=None, dtype="float32",
+                autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=8192, top_p=1.0, kl_coef=0.0,
+                micro_batch_size=None, gen_batch_size=None, mode="pipeline", steps_per_rl_step=1, background_push=False,
+                inter=False, delta=0, delta_max=0, num_minibatches=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,12 +258,36 @@ class Plan:
     fits: bool
 
 
+def needed_flags(script: str) -> tuple[str, ...]:
+    """The Args fields the plan cannot do without: the sequence length and the script's batch (NEEDED)."""
+    return ("max_prompt_tokens", "max_new_tokens", *NEEDED[script])
+
+
+def with_defaults(script: str, args):
+    """A copy of `args` with every field the plan reads: a script copied and stripped of a flag it does not use is planned
+    without it (OPTIONAL), rather than failing with AttributeError on its first GPU start; a field it cannot do without
+    (needed_flags) missing stops the run in one line. `defaulted` names those filled in (fixes never names them)."""
+    import copy
+
+    missing = [name for name in needed_flags(script) if not hasattr(args, name)]
+    if missing:
+        raise SystemExit(f"error: {', '.join('--' + n.replace('_', '-') for n in missing)}: the script's Args has no such field, which "
+                         "the memory plan needs (docs/methods.md: what a copy must keep)")
+    args = copy.copy(args)
+    args.defaulted = tuple(name for name in OPTIONAL if not hasattr(args, name))
+    for name in args.defaulted:
+        setattr(args, name, OPTIONAL[name])
+    return args
+
+
 def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_bytes: int = 0) -> Plan:
     """The plan for a script's parsed flags on GPUs of `total` bytes each. args: the script's Args with its
     defaults filled (placement, sampler_dtype, sampler_gpu_memory, dtype, autocast_bf16, gradient_checkpointing,
     micro_batch_tokens, the batch flags); placement "auto" is resolved from `gpus` as vllm_sampler does. The
     sampler's share is args.sampler_gpu_memory when given, else sized here (sampler_share). When it does not
-    fit, `line` is the refusal, naming flag changes that would fit (fixes)."""
+    fit, `line` is the refusal, naming flag changes that would fit (fixes). A field the plan reads that args lacks
+    (a stripped copy of a script): with_defaults."""
+    args = with_defaults(script, args)
     placement = args.placement if args.placement != "auto" else ("separate" if gpus >= 2 else "colocate")
     if getattr(args, "sampler_url", None):
         placement = "remote"
@@ -314,10 +347,11 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
         return f"--{name.replace('_', '-')} {value}"
 
     found = []
-    if placement == "colocate" and args.sampler_gpu_memory is not None and fits({"sampler_gpu_memory": None}):
+    has = lambda name: name not in getattr(args, "defaulted", ())  # noqa: E731  (a copy's refusal names only flags it has)
+    if placement == "colocate" and has("sampler_gpu_memory") and args.sampler_gpu_memory is not None and fits({"sampler_gpu_memory": None}):
         found.append("leave --sampler-gpu-memory out (the plan sizes it)")
-    memory = {name: True for name in ("gradient_checkpointing", "autocast_bf16") if not getattr(args, name)}
-    budgets = [args.micro_batch_tokens // 2**i for i in range(1, 8) if args.micro_batch_tokens // 2**i >= 1024]
+    memory = {name: True for name in ("gradient_checkpointing", "autocast_bf16") if has(name) and not getattr(args, name)}
+    budgets = [args.micro_batch_tokens // 2**i for i in range(1, 8) if has("micro_batch_tokens") and args.micro_batch_tokens // 2**i >= 1024]
     candidates = [dict(list(memory.items())[:i]) for i in range(1, len(memory) + 1)]
     candidates += [memory | {"micro_batch_tokens": b} for b in budgets]
     batch = {"rloo": "num_prompts", "dpo": "num_prompts", "pipeline": "train_batch_size", "ppo": "batch_size"}[script]
@@ -328,7 +362,7 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
             text = " ".join(flag(name, value) for name, value in changes.items())
             found.append(text + (" (a smaller batch)" if batch in changes else ""))
             break
-    if placement == "colocate" and gpus >= 2 and fits({"sampler_gpu_memory": None}, "separate"):
+    if placement == "colocate" and gpus >= 2 and has("placement") and fits({"sampler_gpu_memory": None}, "separate"):
         found.append("--placement separate (the sampler on a second GPU)")
     return found
 
