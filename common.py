@@ -300,6 +300,10 @@ def optional_modules(args) -> dict[str, tuple[str, str]]:
     if getattr(args, "track", False):
         needed["wandb"] = ("--track", "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard "
                                       "files are always written)")
+    if getattr(args, "model", None) == SMOLLM2:  # fastrl/smollm2.py converts it from its GGUF release (transformers' loader)
+        for module in ("gguf", "accelerate"):
+            needed[module] = ("--model", f"smollm2 is converted from its GGUF release, which needs the {module} package: "
+                                         "bash scripts/setup.sh cpu (or pip install -e .)")
     task = getattr(args, "task", "")
     if task in tasks.HUB_TASKS or task.startswith("hf:"):
         needed["datasets"] = ("--task", f"{task} is a Hub dataset and needs the datasets package: pip install -e '.[hub]' "

