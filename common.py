@@ -101,7 +101,8 @@ def check_model(args, script: str) -> tuple[str, float | None]:
 
 def memory_plan(args, model_path: str, script: str) -> float | None:
     """On a GPU, before any weight loads: the run's memory plan from the model's config alone (memory_plan.py
-    has its contract), printed in one line, `memory plan: learner ~X GB + sampler Y GB + transfer Z GB of N GB`.
+    has its contract), printed in one line, `memory plan: learner ~X GB + sampler Y GB + transfer Z GB + headroom H GB
+    (CUDA contexts C + the sampler's push clones P + fragmentation F) of N GB`.
     Returns the sampler's share of its GPU (--sampler-gpu-memory, sized by the plan when not given); a plan
     that does not fit stops the run in one line naming the flags that would. On CPU (and under torchrun, whose
     sharded learner it does not model) it prints nothing and returns --sampler-gpu-memory as given.

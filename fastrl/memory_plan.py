@@ -1,7 +1,8 @@
 """The memory plan: before any weight loads, what one GPU must hold for a run, from the model's
 config alone (issue 28, item 1).
 
-    memory plan: learner ~X GB + sampler Y GB + transfer Z GB of N GB
+    memory plan: learner ~X GB + sampler Y GB + transfer Z GB + headroom H GB (CUDA contexts C + the sampler's push
+                 clones P + fragmentation F) of N GB
 
 - learner: the peak of one learner step, in tensor bytes (what torch.cuda.max_memory_allocated
   counts): the trained models' weights, gradients and Adam moments in --dtype (policy; PPO's
@@ -20,18 +21,35 @@ config alone (issue 28, item 1).
   Gradients are counted whole, although a single micro-batch's step peaks before they all exist:
   the estimate leans high there (RLOO), never low.
 - sampler: vLLM's share of the GPU, gpu_memory_utilization x total (--sampler-gpu-memory). Left
-  unset, the plan sizes it (sampler_share): what the learner, the transfer and HEADROOM leave, at
+  unset, the plan sizes it (sampler_share): what the learner, the transfer and the headroom leave, at
   most MAX_SHARE, at least what the sampler needs (sampler_need_bytes: its weights, a KV cache for
-  the batch it decodes, SAMPLER_OVERHEAD for vLLM's activations, CUDA graphs and context).
+  the batch it decodes, SAMPLER_OVERHEAD for vLLM's profiled activations and CUDA graphs).
 - transfer: what a push allocates on the learner's GPU (weight_sync): the packed staging buffer
   (weight_sync.packed_buffer_bytes, two of them for NCCL), the largest tensor cast to the sampler's
   dtype, and PipelineRL's background push keeps a snapshot of the whole model in that dtype.
+- headroom (headroom), each part a budget of its own, printed in the line (issue 40, item 8):
+    CUDA contexts   CUDA_CONTEXT per process on the GPU: the learner's, and a colocated sampler's, which
+                    vLLM's share does not include: vLLM sets its device and initialises its distributed
+                    environment (vllm/v1/worker/gpu_worker.py:501, :509) before the snapshot it budgets
+                    from (:534), and requests gpu_memory_utilization x total on top of what the snapshot
+                    saw in use (vllm/v1/worker/utils.py:724-726; its KV cache is that less what the
+                    profile consumed since the snapshot, gpu_worker.py:740, vllm/utils/mem_utils.py:312-321);
+    push clones     what each push allocates in the sampler, after its KV cache has taken its share
+                    (sampler_push_bytes): over IPC a clone of the chunk (packed_tensor.py:492, called by
+                    ipc_engine.py:206) and the layer being loaded, materialised whole in the engine's dtype
+                    by vLLM's layerwise reload (model_loader/reload/layerwise.py:185, :354); over NCCL (the
+                    sampler on its own GPU) two receive buffers (packed_tensor.py:231, :253) and the layer;
+    fragmentation   FRAGMENTATION of the learner's and the transfer's tensor bytes, calibrated to the one
+                    GPU measurement there is (docs/memory.md): RLOO's learner step (bf16 autocast +
+                    checkpointing, Qwen2.5-0.5B, 4 x 2, 256 + 512 tokens) read 12.0 GB in
+                    torch.cuda.max_memory_allocated on an H100 where learner_bytes estimates 11.6 GB: the
+                    estimate 3.4% low, rounded up to 5%, and the caching allocator's reserve beyond its
+                    allocations (not measured) 5% more.
 
 When the sum does not fit, the run stops in one line naming the flags that would make it fit
 (refusal). Everything here is a pure function of numbers (the line, the sizing, the refusal), so it
 is tested on CPU with hand-made cards; common.memory_plan is the one call a script makes, on a GPU
-only. Not modelled: several learner ranks (torchrun: the plan is skipped), a remote sampler's GPUs,
-the allocator's fragmentation and the CUDA context (HEADROOM stands for them).
+only. Not modelled: several learner ranks (torchrun: the plan is skipped), a remote sampler's GPUs.
 """
 
 from __future__ import annotations
@@ -40,8 +58,13 @@ import dataclasses
 import math
 
 GB = 1e9
-HEADROOM = 1.5 * GB  # the learner's CUDA context, cuBLAS workspaces and allocator fragmentation (~0.5-1 GB measured)
-SAMPLER_OVERHEAD = 1.5 * GB  # vLLM beyond weights and KV cache: its profiled activations, CUDA graphs, its CUDA context
+# a CUDA context per process: the driver's state and the kernels loaded (lazily, since CUDA 11.7): a bare PyTorch context
+# took 287 MB (pytorch/pytorch#86509), ~400 MB (pytorch/pytorch#109888); the kernels a learner's step loads later are
+# FRAGMENTATION's
+CUDA_CONTEXT = 0.5 * GB
+FRAGMENTATION = 0.10  # of the learner's and the transfer's tensor bytes: the estimate's error (RLOO on an H100: 12.0 GB
+# measured, 11.6 estimated, +3.4%, taken as 5%) and the caching allocator's reserve beyond its allocations (5%)
+SAMPLER_OVERHEAD = 1.5 * GB  # vLLM beyond weights and KV cache, within its share: its profiled activations, CUDA graphs
 MAX_SHARE = 0.9  # vLLM's own default utilization is 0.9
 MIN_SHARE = 0.05
 LOGIT_CHUNK_BYTES = 256 * 2**20  # common.LOGIT_CHUNK_BYTES: fp32 logits per chunk of positions
@@ -215,31 +238,81 @@ def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: boo
     return buffers * packed + cast + snapshot
 
 
+def sampler_push_bytes(s: Shape, sampler_dtype: str, placement: str) -> int:
+    """What a push allocates in the sampler, beyond its share: over IPC (colocated) a clone of the chunk, at most
+    the packed buffer (vllm/distributed/weight_transfer/packed_tensor.py:492, from ipc_engine.py:206), and the layer
+    being loaded materialised in the engine's dtype (model_loader/reload/layerwise.py:185 buffers the chunk's
+    tensors until their layer is whole, :354 materialises it); over NCCL two receive buffers (packed_tensor.py:231,
+    :253), each the packed size and the tensor that overflowed it, and the layer. Qwen2.5-0.5B in bf16, colocated:
+    its embedding's clone and its materialised embedding, 2 x 272 MB."""
+    from fastrl import weight_sync
+
+    b = DTYPE_BYTES[sampler_dtype]
+    rest = (s.params - s.largest) * b
+    pieces = [s.largest * b] + [min(s.largest * b, rest - i) for i in range(0, rest, s.largest * b)]
+    packed = weight_sync.packed_buffer_bytes(pieces)
+    chunks = 2 * (packed + s.largest * b) if placement in ("separate", "remote") else packed
+    return chunks + s.largest * b
+
+
 def sampler_need_bytes(s: Shape, sequences: int, seq_len: int, sampler_dtype: str) -> int:
-    """What vLLM needs at the least: its weights, a KV cache for the batch it decodes, SAMPLER_OVERHEAD."""
+    """What vLLM needs at the least within its share: its weights, a KV cache for the batch it decodes, SAMPLER_OVERHEAD."""
     b = DTYPE_BYTES[sampler_dtype]
     return int(s.params * b + sequences * seq_len * s.layers * 2 * s.kv_dim * b + SAMPLER_OVERHEAD)
 
 
-def sampler_share(total: float, learner: float, transfer: float, need: float) -> float | None:
-    """The sampler's gpu_memory_utilization on a shared GPU: what the learner, the transfer and HEADROOM
-    leave, rounded down to 0.01 and at most MAX_SHARE; None when that is less than it needs."""
-    share = min(MAX_SHARE, math.floor((total - learner - transfer - HEADROOM) / total * 100) / 100)
+@dataclasses.dataclass(frozen=True)
+class Headroom:
+    """What a GPU holds beyond the learner's tensors, the transfer and the sampler's share (the module's table)."""
+    contexts: int  # CUDA contexts on the GPU (the learner's; colocated, the sampler's too)
+    push_clones: float  # colocated: what each push allocates in the sampler (sampler_push_bytes)
+    fragmentation: float  # FRAGMENTATION of the learner's and the transfer's bytes
+
+    @property
+    def bytes(self) -> float:
+        return self.contexts * CUDA_CONTEXT + self.push_clones + self.fragmentation
+
+    def text(self) -> str:
+        """`headroom H GB (CUDA contexts C + the sampler's push clones P + fragmentation F)`: what the plan assumed."""
+        parts = [f"CUDA context{'s' if self.contexts > 1 else ''} {self.contexts * CUDA_CONTEXT / GB:.1f}"]
+        if self.push_clones:
+            parts.append(f"the sampler's push clones {self.push_clones / GB:.1f}")
+        parts.append(f"fragmentation {self.fragmentation / GB:.1f}")
+        return f"headroom {self.bytes / GB:.1f} GB ({' + '.join(parts)})"
+
+
+def headroom(s: Shape, learner: float, transfer: float, sampler_dtype: str, placement: str) -> Headroom:
+    """The headroom on the learner's GPU at a placement: colocated, two CUDA contexts and the sampler's push clones."""
+    colocated = placement == "colocate"
+    return Headroom(2 if colocated else 1, sampler_push_bytes(s, sampler_dtype, placement) if colocated else 0,
+                    FRAGMENTATION * (learner + transfer))
+
+
+def sampler_share(total: float, learner: float, transfer: float, need: float, room: float) -> float | None:
+    """The sampler's gpu_memory_utilization on a shared GPU: what the learner, the transfer and the headroom
+    (`room` bytes) leave, rounded down to 0.01 and at most MAX_SHARE; None when that is less than it needs."""
+    share = min(MAX_SHARE, math.floor((total - learner - transfer - room) / total * 100) / 100)
     return share if share * total >= need and share >= MIN_SHARE else None
 
 
-def plan_line(learner: float, sampler: float, transfer: float, total: float, sampler_total: float | None = None) -> str:
-    """The one line a run prints. sampler_total: the sampler's own GPU (--placement separate)."""
-    line = f"memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB of {total / GB:.0f} GB"
-    return line if sampler_total is None else line + f" (the sampler's on its own GPU of {sampler_total / GB:.0f} GB)"
+def plan_line(learner: float, sampler: float, transfer: float, total: float, room: Headroom,
+              sampler_total: float | None = None, sampler_room: float = 0.0) -> str:
+    """The one line a run prints, with the headroom it assumed. sampler_total: the sampler's own GPU (--placement
+    separate), which holds its share, its CUDA context and its push buffers (`sampler_room` bytes)."""
+    if sampler_total is None:
+        return (f"memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB + "
+                f"{room.text()} of {total / GB:.0f} GB")
+    return (f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB + {room.text()} of {total / GB:.0f} GB; "
+            f"sampler {sampler / GB:.1f} GB + its CUDA context and push buffers {sampler_room / GB:.1f} GB "
+            f"(the sampler's on its own GPU of {sampler_total / GB:.0f} GB)")
 
 
-def refusal(learner: float, sampler: float, transfer: float, total: float, fixes: list[str]) -> str:
+def refusal(learner: float, sampler: float, transfer: float, total: float, fixes: list[str], room: Headroom) -> str:
     """The line a run stops with when the plan does not fit: what is needed, and the flags that make it fit."""
-    need = learner + sampler + transfer + HEADROOM
+    need = learner + sampler + transfer + room.bytes
     fix = "; or ".join(fixes) if fixes else "a smaller model, batch or --max-new-tokens"
     return (f"error: memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB "
-            f"(+ {HEADROOM / GB:.1f} headroom) = {need / GB:.1f} GB does not fit the GPU's {total / GB:.0f} GB; to fit: {fix}")
+            f"+ {room.text()} = {need / GB:.1f} GB does not fit the GPU's {total / GB:.0f} GB; to fit: {fix}")
 
 
 # --------------------------------------------------------------------------------------
@@ -256,6 +329,7 @@ class Plan:
     share: float | None  # the sampler's gpu_memory_utilization (None: no local sampler on a GPU)
     line: str  # the plan line, or the refusal when it does not fit
     fits: bool
+    headroom: Headroom | None = None  # what the plan assumed beyond the three (contexts, push clones, fragmentation)
 
 
 def needed_flags(script: str) -> tuple[str, ...]:
@@ -291,22 +365,25 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
     placement = args.placement if args.placement != "auto" else ("separate" if gpus >= 2 else "colocate")
     if getattr(args, "sampler_url", None):
         placement = "remote"
-    learner, sampler, transfer, share, fits = _place(script, args, s, total, placement, reward_model_bytes)
+    learner, sampler, transfer, share, fits, room, sampler_room = _place(script, args, s, total, placement, reward_model_bytes)
     if not fits:
         return Plan(learner, sampler, transfer, total, share, refusal(learner, sampler, transfer, total,
-                                                                      fixes(script, args, s, total, placement, reward_model_bytes, gpus)), False)
+                                                                      fixes(script, args, s, total, placement, reward_model_bytes, gpus),
+                                                                      room), False, room)
     if placement == "colocate":
-        line = plan_line(learner, sampler, transfer, total)
+        line = plan_line(learner, sampler, transfer, total, room)
     elif placement == "separate":
-        line = plan_line(learner, sampler, transfer, total, sampler_total=total)
+        line = plan_line(learner, sampler, transfer, total, room, sampler_total=total, sampler_room=sampler_room)
     else:
         where = "on another machine" if placement == "remote" else "on the CPU"
-        line = f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB of {total / GB:.0f} GB (the sampler is {where})"
-    return Plan(learner, sampler, transfer, total, share, line, True)
+        line = (f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB + {room.text()} of {total / GB:.0f} GB "
+                f"(the sampler is {where})")
+    return Plan(learner, sampler, transfer, total, share, line, True, room)
 
 
 def _place(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int):
-    """(learner, sampler, transfer bytes, the sampler's share, whether it fits) for the flags at a placement."""
+    """(learner, sampler, transfer bytes, the sampler's share, whether it fits, the learner GPU's Headroom, what the
+    sampler's own GPU holds beyond its share) for the flags at a placement."""
     sampler_dtype = args.sampler_dtype if args.sampler_dtype != "auto" else ("float32" if placement == "cpu" else "bfloat16")
     dtype = getattr(args, "dtype", "float32")
     background = script == "pipeline" and args.mode == "pipeline" and args.background_push
@@ -314,17 +391,21 @@ def _place(script: str, args, s: Shape, total: float, placement: str, reward_mod
     learner = learner_bytes(s, step, dtype, bool(args.autocast_bf16), bool(args.gradient_checkpointing))
     need = sampler_need_bytes(s, sequences, step.seq_len, sampler_dtype)
     transfer = transfer_bytes(s, sampler_dtype, placement, background, dtype)
-    learner_fits = learner + transfer + HEADROOM <= total
+    room = headroom(s, learner, transfer, sampler_dtype, placement)
+    learner_fits = learner + transfer + room.bytes <= total
     if placement in ("remote", "cpu"):  # no sampler on a GPU of ours
-        return learner, 0.0, transfer, None, learner_fits
+        return learner, 0.0, transfer, None, learner_fits, room, 0.0
     given = args.sampler_gpu_memory
-    if placement == "separate":  # the sampler alone on the next GPU (assumed of the same size)
+    if placement == "separate":  # the sampler alone on the next GPU (assumed of the same size), beside its context and push buffers
         share = given if given is not None else 0.85  # vllm_sampler.engine_settings' default there
-        return learner, share * total, transfer, share, learner_fits and share * total >= need
-    share = given if given is not None else sampler_share(total, learner, transfer, need)
+        sampler_room = CUDA_CONTEXT + sampler_push_bytes(s, sampler_dtype, placement)
+        return (learner, share * total, transfer, share, learner_fits and share * total >= need and share * total + sampler_room <= total,
+                room, sampler_room)
+    share = given if given is not None else sampler_share(total, learner, transfer, need, room.bytes)
     if share is None:
-        return learner, need, transfer, None, False
-    return learner, share * total, transfer, share, learner_fits and share * total >= need and learner + transfer + share * total + HEADROOM <= total
+        return learner, need, transfer, None, False, room, 0.0
+    return (learner, share * total, transfer, share,
+            learner_fits and share * total >= need and learner + transfer + share * total + room.bytes <= total, room, 0.0)
 
 
 def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0, gpus: int = 1) -> list[str]:
