@@ -639,4 +639,4 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
     step, _ = memory_plan.script_step("rloo", args, shape)
     estimate = memory_plan.learner_bytes(shape, step, "float32", autocast, checkpointing)
     assert abs(estimate / measured - 1) <= 0.15, (estimate / 1e9, measured / 1e9)
-    assert measured <= estimate + memory_plan.HEADROOM, (estimate / 1e9, measured / 1e9)
+    assert measured <= estimate * (1 + memory_plan.FRAGMENTATION), (estimate / 1e9, measured / 1e9)
