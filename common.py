@@ -409,22 +409,68 @@ def sampling_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
     the token actually sampled (`targets`) is always kept: the learner's nucleus can differ
     from the sampler's at its edge (another precision) or after a few optimizer steps, and a
     -inf logprob would turn every ratio and loss into inf/NaN. logits: [..., V] fp32;
-    targets: [...] token ids."""
+    targets: [...] token ids. Top-p alone is found without sorting the vocabulary
+    (_nucleus_excluded: the same set, bit for bit)."""
     logits = logits / temperature
     if top_p >= 1.0 and top_k <= 0:
         return logits
     with torch.no_grad():
-        sorted_logits, order = logits.sort(dim=-1, descending=False)
-        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if 0 < top_k < logits.shape[-1]:
-            drop |= sorted_logits < sorted_logits[..., -top_k, None]
-        if top_p < 1.0:
-            cumulative = sorted_logits.masked_fill(drop, -float("inf")).softmax(dim=-1).cumsum(dim=-1)
-            drop |= cumulative <= 1 - top_p
-        drop[..., -1] = False  # at least the most likely token
-        drop = drop.scatter(-1, order, drop)  # back to vocabulary order
+        if top_k <= 0:
+            drop = _nucleus_excluded(logits.reshape(-1, logits.shape[-1]), top_p).view(logits.shape)
+        else:
+            drop = _excluded_by_sort(logits, top_p, top_k)
         drop.scatter_(-1, targets.unsqueeze(-1), False)
     return logits.masked_fill(drop, -float("inf"))
+
+
+def _excluded_by_sort(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """vLLM's apply_top_k_top_p_pytorch: the tokens top-k and top-p exclude, from a sort of the whole vocabulary."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        drop |= sorted_logits < sorted_logits[..., -top_k, None]
+    if top_p < 1.0:
+        cumulative = sorted_logits.masked_fill(drop, -float("inf")).softmax(dim=-1).cumsum(dim=-1)
+        drop |= cumulative <= 1 - top_p
+    drop[..., -1] = False  # at least the most likely token
+    return drop.scatter(-1, order, drop)  # back to vocabulary order
+
+
+NUCLEUS_CANDIDATES = (256, 4096)  # the top tokens examined before sorting a position's whole vocabulary
+NUCLEUS_MARGIN = 1e-5  # closer than this to the cut, a position's set is taken from the sort itself
+
+
+def _nucleus_excluded(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """_excluded_by_sort(logits, top_p, 0) without sorting the vocabulary: [N, V] -> [N, V] bool, the same set.
+
+    vLLM keeps token j when the ascending cumulative probability up to it, c_j = total - (mass of the tokens
+    above j), exceeds 1 - top_p. The top-k candidates (largest logits, descending) give every c_j of the
+    nucleus exactly when the nucleus ends inside them; the kept set is then {logit >= the smallest kept
+    logit}. A position goes to the sort when the cut is ambiguous: the nucleus reaches past the candidates,
+    a c_j lies within NUCLEUS_MARGIN of 1 - top_p (the sort's softmax and cumsum round differently; the
+    margin is ~100x their error), or a tie sits on the cut (the sort's order among ties decides)."""
+    n, vocab = logits.shape
+    threshold = torch.tensor(1 - top_p, dtype=logits.dtype).item()  # vLLM compares in the logits' dtype
+    probs = logits.softmax(-1)
+    total = probs.sum(-1, dtype=torch.float64)
+    drop = torch.empty((n, vocab), dtype=torch.bool, device=logits.device)
+    todo = torch.arange(n, device=logits.device)
+    for k in NUCLEUS_CANDIDATES:
+        if k >= vocab or not len(todo):
+            break
+        values, index = logits[todo].topk(k, dim=-1)
+        q = probs[todo].gather(-1, index).double()
+        c = total[todo, None] - (q.cumsum(-1) - q)  # the ascending cumulative at each candidate
+        kept = (c > threshold).sum(-1).clamp(min=1)  # c falls along the candidates: the kept ones come first
+        last = values.gather(-1, (kept - 1)[:, None])  # the smallest kept logit
+        after = values.gather(-1, kept.clamp(max=k - 1)[:, None])
+        sure = (kept < k) & ((c - threshold).abs() > NUCLEUS_MARGIN).all(-1) & (last > after).squeeze(-1)
+        rows = todo[sure]
+        drop[rows] = logits[rows] < last[sure]
+        todo = todo[~sure]
+    if len(todo):
+        drop[todo] = _excluded_by_sort(logits[todo], top_p, 0)
+    return drop
 
 
 LOGIT_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of positions; a [B, T, V] copy at V=151,936 is tens of GB
@@ -439,35 +485,38 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     [batch, len-1] tensors aligned with input_ids[:, 1:], zero off the completion, plus the
     per-token entropy of the same distribution when asked.
 
-    Memory: the backbone runs once; the vocabulary projection, softmax and entropy run over
-    chunks of positions of at most `chunk_bytes` of fp32 logits each, and with gradients each
-    chunk is recomputed in the backward pass (activation checkpointing), so no [B, T, V] copy
-    is ever alive beyond one chunk."""
+    Memory: the backbone runs once; the vocabulary projection, softmax and entropy run on the
+    completion's positions only (a prompt's logits are never used), over chunks of at most
+    `chunk_bytes` of fp32 logits each, and with gradients each chunk is recomputed in the backward
+    pass (activation checkpointing), so no [B, T, V] copy is ever alive beyond one chunk."""
     targets = input_ids[:, 1:]
     mask = completion_mask[:, 1:].float()
     decoder, head = _backbone_and_head(model)
     if decoder is None:  # a model whose head does more than a projection: the plain way
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
         chosen, entropy = _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy)
-    else:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
-        per_chunk = max(1, chunk_bytes // (4 * hidden.shape[0] * head.weight.shape[0]))
-        pieces = []
-        for start in range(0, hidden.shape[1], per_chunk):
-            part = slice(start, start + per_chunk)
+        return (chosen * mask, entropy * mask) if with_entropy else chosen * mask
+    hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+    where = mask.bool()
+    hidden, flat_targets = hidden[where], targets[where]  # [N, H], [N]: the completion's positions
+    per_chunk = max(1, chunk_bytes // (4 * head.weight.shape[0]))
+    pieces = []
+    for start in range(0, hidden.shape[0], per_chunk):
+        part = slice(start, start + per_chunk)
 
-            def run(h, t):
-                return _chunk_logprobs(head(h), t, temperature, top_p, top_k, with_entropy)
+        def run(h, t):
+            return _chunk_logprobs(head(h), t, temperature, top_p, top_k, with_entropy)
 
-            if torch.is_grad_enabled() and hidden.shape[1] > per_chunk:
-                from torch.utils.checkpoint import checkpoint
+        if torch.is_grad_enabled() and hidden.shape[0] > per_chunk:
+            from torch.utils.checkpoint import checkpoint
 
-                pieces.append(checkpoint(run, hidden[:, part], targets[:, part], use_reentrant=False))
-            else:
-                pieces.append(run(hidden[:, part], targets[:, part]))
-        chosen = torch.cat([c for c, _ in pieces], 1)
-        entropy = torch.cat([e for _, e in pieces], 1) if with_entropy else None
-    return (chosen * mask, entropy * mask) if with_entropy else chosen * mask
+            pieces.append(checkpoint(run, hidden[part], flat_targets[part], use_reentrant=False))
+        else:
+            pieces.append(run(hidden[part], flat_targets[part]))
+    chosen = mask.masked_scatter(where, torch.cat([c for c, _ in pieces]) if pieces else hidden.sum(-1).float())
+    if not with_entropy:
+        return chosen
+    return chosen, mask.masked_scatter(where, torch.cat([e for _, e in pieces]) if pieces else hidden.sum(-1).float())
 
 
 def _backbone_and_head(model):

@@ -470,3 +470,42 @@ def test_an_nvidia_driver_older_than_torchs_cuda_is_one_line_at_start(monkeypatc
     common.check_nvidia_driver()
     version_file.unlink()
     assert common.nvidia_driver_version() is None
+
+
+def test_nucleus_without_a_sort_is_the_sorts_set_bit_for_bit():
+    """common._nucleus_excluded (top-k candidates, the sort only for ambiguous positions) excludes exactly what
+    vLLM's sort excludes: peaked rows (the fast path), flat rows (past the candidates: the sort), ties on the cut."""
+    torch.manual_seed(0)
+    vocab = 5000
+    peaked = torch.randn(200, vocab) * 6  # a nucleus of a few tokens
+    flat = torch.randn(50, vocab) * 0.5  # a nucleus wider than every candidate set
+    tied = (torch.randn(100, vocab) * 4).round()  # ties everywhere, on the cut too
+    two = torch.full((3, vocab), -30.0)
+    two[:, :2] = torch.tensor([2.0, 2.0])  # two equal tokens hold all the mass
+    logits = torch.cat([peaked, flat, tied, two])
+    for top_p in (0.95, 0.9, 0.5, 0.999):
+        assert torch.equal(common._nucleus_excluded(logits, top_p), common._excluded_by_sort(logits, top_p, 0))
+    kept = (~common._nucleus_excluded(peaked, 0.95)).sum(-1)
+    assert (kept < common.NUCLEUS_CANDIDATES[0]).float().mean() > 0.9  # the fast path really ran
+
+
+def test_token_logprobs_project_only_the_completion(realistic_path):
+    """The vocabulary part runs on the completion's positions only: logprobs and entropy equal those of
+    the full-logits computation, zero on the prompt; a row without completion tokens still backpropagates."""
+    model = common.load_policy(realistic_path, "cpu")
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 30))
+    attn = torch.ones_like(ids)
+    cmask = torch.zeros_like(ids)
+    cmask[0, 5:] = 1
+    cmask[1, 20:25] = 1
+    with torch.no_grad():
+        logp, ent = common.token_logprobs(model, ids, attn, cmask, 0.8, 0.95, with_entropy=True)
+        logits = model(ids).logits[:, :-1].float()
+        full = torch.log_softmax(common.sampling_logits(logits, ids[:, 1:], 0.8, 0.95), -1)
+    where = cmask[:, 1:].bool()
+    assert torch.allclose(logp[where], full.gather(-1, ids[:, 1:, None]).squeeze(-1)[where], atol=1e-5)
+    assert (logp[~where] == 0).all() and (ent[~where] == 0).all()
+    empty = common.token_logprobs(model, ids[2:], attn[2:], cmask[2:], 0.8, 0.95)
+    assert empty.abs().sum() == 0 and empty.requires_grad
+    empty.sum().backward()
