@@ -36,7 +36,7 @@ Several learner processes (`torchrun --nproc-per-node N`, fastrl/distributed.py)
 reference and reward model are sharded with FSDP2. Rank 0 alone runs the sampler, the OPPO buffer
 (Stages 1-2, inter-step overlap included), evaluation, the log and checkpoints, and broadcasts each
 round's batch; every rank scores its share of it and trains on its share of each minibatch's
-micro-batches (common.accumulate), so every optimizer step is the single-process step on the same
+micro-batches (common.micro_batch_plan), so every optimizer step is the single-process step on the same
 batch. --intra is refused there: it prefills the streamed chunks while rank 0 polls the sampler, and
 a forward of a sharded model needs every rank.
 
@@ -332,7 +332,7 @@ def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, m
 
 def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: dict[str, torch.Tensor], clip_coef: float,
                     vf_clip: float, vf_coef: float, temperature: float, top_p: float, bf16: bool, logprob_diff: bool = False):
-    """common.accumulate's loss for one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
+    """The loss of one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
     loss (Eq. 2 + vf_coef x the clipped value loss, token means), its size in response tokens, and token-weighted sums of
     the stats (divide by `tokens` for means): policy and value (the two losses), clipfrac, approx_kl, ratio_deviation
     (|ratio - 1|), entropy; with `logprob_diff`, the sum of |learner - sampler| logprobs over the tokens the current
@@ -891,11 +891,23 @@ def main():
                 for m, minibatch in enumerate(np.array_split(order, args.num_minibatches)):
                     first = epoch == 0 and m == 0  # no step yet: the learner holds the weights that sampled the fresh tokens
                     minibatch = minibatch.tolist()
-                    loss_fn = functools.partial(ppo_micro_batch, minibatch=minibatch, policy=policy, critic=downstream["critic"], data=data,
-                                                logprob_diff=first and not tis_on, **hyperparameters)
-                    loss, out = common.accumulate(loss_fn, [batch[i].num_tokens for i in minibatch], args.micro_batch_tokens,
-                                                  total=sum(lengths[i] for i in minibatch), dist=dist, max_rows=args.micro_batch_size)
-                    grad_norm, stepped = common.optimizer_step(learner, optimizer, args.max_grad_norm, loss, dist)
+                    # the update: each micro-batch's loss backpropagated with its share of the minibatch's response tokens, so
+                    # the gradients accumulate to exactly the minibatch's; then one clipped step of actor and critic
+                    loss, out, total = 0.0, {}, sum(lengths[i] for i in minibatch)
+                    for mb in common.micro_batch_plan([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens,
+                                                      max_rows=args.micro_batch_size, dist=dist):
+                        mb_loss, size, mb_out = ppo_micro_batch(mb, minibatch, policy, downstream["critic"], data,
+                                                                logprob_diff=first and not tis_on, **hyperparameters)
+                        share = mb.weight * size / total  # (weight 0: a torchrun stand-in)
+                        (mb_loss * share).backward()
+                        loss = loss + mb_loss.detach() * share
+                        common.add_outputs(out, mb, mb_out, len(minibatch))
+                    loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
+                    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm))
+                    stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+                    if stepped:
+                        optimizer.step()
+                    optimizer.zero_grad()
                     version += stepped
                     totals["nonfinite_skipped"] += not stepped  # NaN/inf: the weights and Adam's moments stay finite
                     for k in sums:
@@ -943,7 +955,7 @@ def main():
                 "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
-                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm, "charts/learning_rate": learning_rate,
+                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm.item(), "charts/learning_rate": learning_rate,
                 "time/round_seconds": time.time() - round_start, "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,

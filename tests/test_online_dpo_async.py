@@ -2,6 +2,7 @@
 checks; sync/async lag from the real sampler's versions; async at staleness 0 = sync; non-finite
 steps skipped; the logprob contract on the realistic fixture."""
 
+import functools
 import json
 import math
 import subprocess
@@ -126,7 +127,7 @@ def test_minibatch_pairs_kept_or_all_by_hand():
 
 
 def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
-    """dpo_backward on the tiny model: 3 prompts x 2 samples, one tied; --loss-average all
+    """dpo_micro_batch on the tiny model (accumulated over micro-batches): 3 prompts x 2 samples, one tied; --loss-average all
     divides the 2 kept pairs' summed loss by 3 prompts, so its loss and gradient are the kept mean's
     times 2/3 (the kept mean's effective learning rate is 1/(kept fraction) = 3/2 times all's)."""
     policy = common.load_policy(tiny_path, "cpu")
@@ -147,8 +148,9 @@ def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
     for average in ("kept", "all"):
         [(mb, total)] = dpo.minibatch_pairs(keep, 1, average)
         policy.zero_grad()
-        loss, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb], ref_seq, beta=0.1,
-                                   loss_type="dpo", max_tokens=8192, total=total, temperature=0.7)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, ids, attn, cmask, chosen_rows=chosen_rows[mb], rejected_rows=rejected_rows[mb],
+                                    ref_seq=ref_seq, beta=0.1, loss_type="dpo", temperature=0.7)
+        loss, _ = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), 8192, total=total, rows_per_item=2)
         results[average] = loss.item(), [p.grad.clone() for p in policy.parameters()]
     assert results["all"][0] == pytest.approx(results["kept"][0] * 2 / 3, rel=1e-6)
     for a, k in zip(results["all"][1], results["kept"][1]):
