@@ -582,6 +582,16 @@ def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int)
     return outputs
 
 
+
+def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """charts/kl in every script: KL(pi || pi_ref) of the sampled responses, estimated with k3 = r - log r - 1
+    (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each response ([N]; the
+    scripts log its mean over the batch). logp: the sampling policy's token logprobs (the script's pi_old: the
+    learner's recomputation or the sampler's), ref_logp: the reference's, mask: the response tokens ([N, T])."""
+    log_ratio = (ref_logp - logp) * mask
+    return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+
+
 @torch.no_grad()
 def batch_logprobs(model, input_ids, attention_mask, completion_mask, lengths: list[int], max_tokens: int, dist=None,
                    bf16: bool = False, **processing) -> torch.Tensor:

@@ -18,6 +18,7 @@ on-policy baseline: generate, then train, alternating.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections import deque
@@ -37,7 +38,7 @@ FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fix
 
 @dataclass
 class Args:
-    exp_name: str = "online_dpo_async"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment (and of the sampler's engine)"""
@@ -501,9 +502,10 @@ def main():
             common.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
-            ref_seq = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
-                                            **processing).sum(1)
-            kl = ((sampler_logp * mask).sum(1) - ref_seq).mean().item()  # k1 on every sample: KL(pi_sampler || pi_init)
+            ref_logp = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
+                                             **processing)
+            ref_seq = ref_logp.sum(1)
+            kl = common.sampled_kl(sampler_logp, ref_logp, mask).mean().item()  # charts/kl: k3 of the sampled responses vs pi_init
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs
             losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = [], [], [], [], 0.0, 0.0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from fastrl import distributed, vllm_sampler
 
 @dataclass
 class Args:
-    exp_name: str = "pipeline_rl"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment (also seeds every sampling request: a run is reproducible)"""
@@ -329,7 +330,7 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
         weights = torch.zeros_like(mask)  # the untruncated pi/mu in the batch's layout (its rows only: the micro-batches add up)
         weights[rows, cut] = truncated_is_weights(logp.detach(), mu, m)
         diff = ((logp.detach() - mu).abs() * m)[fresh[rows]]
-        return loss, size, dict(pg=pg.item() * share, kl=kl.item() * share, weights=weights,
+        return loss, size, dict(pg=pg.item() * share, kl_penalty=kl.item() * share, weights=weights, kl=common.sampled_kl(mu, ref_logp, m),
                                 diff=diff.sum().item(), diff_tokens=m[fresh[rows]].sum().item())
 
     # the update: each micro-batch's loss backpropagated with its share of the batch, so the gradients accumulate to
@@ -354,7 +355,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     low_ess = batch_ess < args.ess_threshold and math.isfinite(loss.item())
     lags = [lag for c in samples for lag in token_lags(c, step)]
     stats = dict(ess=batch_ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
-                 tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl=out["kl"],
+                 tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl_penalty=out["kl_penalty"],
+                 kl=out["kl"].mean().item() if ref_policy is not None else float("nan"),  # charts/kl (no reference: none)
                  grad_norm=grad_norm, **tis_stats(out["weights"][mask.bool()], args.tis_cap),
                  outcome="trained" if stepped else "low_ess" if low_ess else "nonfinite", train_seconds=time.time() - start,
                  advantages=advantages.cpu())
@@ -523,7 +525,8 @@ def step_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float,
         "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
         "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
         "charts/tokens_per_second": totals["tokens"] / totals["wall"],
-        "losses/loss": stats["loss"], "losses/pg": stats["pg"], "charts/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
+        "losses/loss": stats["loss"], "losses/pg": stats["pg"], "losses/kl_penalty": stats["kl_penalty"], "charts/kl": stats["kl"],
+        "losses/grad_norm": stats["grad_norm"],
         "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
     }
     if "logprob_diff" in stats:

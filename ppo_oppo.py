@@ -49,6 +49,7 @@ a forward of a sharded model needs every rank.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -67,7 +68,7 @@ ON_GPU = torch.cuda.is_available()
 
 @dataclass
 class Args:
-    exp_name: str = "ppo_oppo"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment"""
@@ -881,6 +882,7 @@ def main():
             data |= {k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None}
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl", "entropy"), 0.0)  # token means, summed over minibatches
+            grad_norms = []  # of the steps taken: losses/grad_norm is their mean
             total_tokens = sum(lengths)
             learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, rounds, args.num_rounds)
             for group in optimizer.param_groups:  # set from the iteration alone: a resumed run gets the same value
@@ -908,6 +910,8 @@ def main():
                     if stepped:
                         optimizer.step()
                     optimizer.zero_grad()
+                    if stepped:
+                        grad_norms.append(grad_norm.item())
                     version += stepped
                     totals["nonfinite_skipped"] += not stepped  # NaN/inf: the weights and Adam's moments stay finite
                     for k in sums:
@@ -940,7 +944,8 @@ def main():
             valid = mask.bool()
             metrics = {
                 "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch])),
-                "charts/kl": kl.sum(1).mean().item(), "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
+                "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(), "charts/kl_penalty": kl.sum(1).mean().item(),
+                "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
                 "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0, "charts/carried_over": len(oppo.inflight),
                 "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)), "charts/carried_in_batch": sum(a > 0 for a in ages),
                 # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
@@ -955,7 +960,8 @@ def main():
                 "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
-                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm.item(), "charts/learning_rate": learning_rate,
+                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "charts/learning_rate": learning_rate,
+                "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
                 "time/round_seconds": time.time() - round_start, "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -30,7 +31,7 @@ ON_GPU = torch.cuda.is_available()
 
 @dataclass
 class Args:
-    exp_name: str = "rloo_kreuse"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment"""
@@ -508,15 +509,15 @@ def main():
             batch.old_logp = batch.logprobs(policy, **no_grad) if recompute_old_logprobs else batch.sampler_logp
             batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, tis_level, args.tis_cap)
                                     if tis_on else (None, {}))
-            # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
-            kl_value = kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item() if ref_policy is not None else math.nan
+            # charts/kl, the same in every script: k3 of the sampled responses (common.sampled_kl), whatever the penalty's estimator
+            kl_value = common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item() if ref_policy is not None else math.nan
             rewards_on_device = rewards.to(dist.device)
             shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
-            iw_means, ess_values, round_start_step, logprob_diff = [], [], step, float("nan")
+            iw_means, ess_values, grad_norms, round_start_step, logprob_diff = [], [], [], step, float("nan")
             for k_step in range(args.k):
                 # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
                 current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
@@ -547,6 +548,7 @@ def main():
                     nonfinite_skipped += 1
                     continue
                 step += 1
+                grad_norms.append(grad_norm.item())
                 iw_means.append(out["w"].mean().item())
                 ess_values.append(ess(out["w"]))
             update_seconds = time.perf_counter() - update_start
@@ -565,7 +567,7 @@ def main():
                 "charts/episodes": (round_index + 1) * batch_size, "charts/ess": min(ess_values, default=float("nan")),
                 "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
                 "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
-                "losses/entropy": out["entropy"].item(), "losses/grad_norm": grad_norm.item(),
+                "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
                 "time/generate_seconds": sample_seconds, "time/train_seconds": update_seconds, "time/push_seconds": push_seconds,
                 "charts/episodes_per_second": (round_index + 1 - start_round) * batch_size / max(timing["wall"] - resumed_wall, 1e-9),
                 "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
