@@ -611,6 +611,41 @@ def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor, d
     return grad_norm.item(), stepped
 
 
+
+def micro_batch_plan(lengths: list[int], max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None,
+                     dist=None) -> list[MicroBatch]:
+    """The micro-batches this process runs for one optimizer step: micro_batches' packing within `max_tokens` (and
+    `max_rows`) as MicroBatch(items, width, weight). Under torchrun each rank gets its share, the same number on every
+    rank: a rank short of one gets a stand-in of weight 0 (the same forward and backward, so that the ranks' collectives
+    match; scale its loss share by the weight and it changes nothing). One process: all of them, weight 1."""
+    plan = distributed.my_micro_batches(micro_batches(lengths, max_tokens, rows_per_item, max_rows), dist)
+    return [MicroBatch(items, max(lengths[i] for i in items), weight) for items, weight in plan]
+
+
+def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int) -> dict:
+    """Adds one micro-batch's outputs into the step's `outputs` (in place; also returned): a tensor with one value per
+    item ([len(mb.items)]) lands at the micro-batch's items of a [num_items] tensor; anything else (a number, a 0-d or a
+    batch-shaped tensor) is summed. Scaled by mb.weight: a torchrun stand-in adds nothing. distributed.all_sum of the
+    result gives every rank the whole batch's."""
+    for name, value in mb_outputs.items():
+        if torch.is_tensor(value) and value.dim() == 1:
+            laid_out = outputs.setdefault(name, torch.zeros(num_items, dtype=value.dtype, device=value.device))
+            laid_out[mb.items] += value.detach() * mb.weight
+        else:
+            outputs[name] = outputs.get(name, 0.0) + (value.detach() if torch.is_tensor(value) else value) * mb.weight
+    return outputs
+
+
+
+def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """charts/kl in every script: KL(pi || pi_ref) of the sampled responses, estimated with k3 = r - log r - 1
+    (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each response ([N]; the
+    scripts log its mean over the batch). logp: the sampling policy's token logprobs (the script's pi_old: the
+    learner's recomputation or the sampler's), ref_logp: the reference's, mask: the response tokens ([N, T])."""
+    log_ratio = (ref_logp - logp) * mask
+    return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+
+
 @torch.no_grad()
 def batch_logprobs(model, input_ids, attention_mask, completion_mask, lengths: list[int], max_tokens: int, dist=None,
                    bf16: bool = False, **processing) -> torch.Tensor:

@@ -18,6 +18,7 @@ on-policy baseline: generate, then train, alternating.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections import deque
@@ -37,7 +38,7 @@ FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fix
 
 @dataclass
 class Args:
-    exp_name: str = "online_dpo_async"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment (and of the sampler's engine)"""
@@ -305,33 +306,31 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
     return (h - 1 / (2 * beta)) ** 2, beta * h
 
 
-def dpo_backward(policy, ids, attn, cmask, lengths: list[int], chosen_rows, rejected_rows, ref_seq, *, beta: float, loss_type: str,
-                 max_tokens: int, total: int | None = None, bf16: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                 sampler_logp=None, dist=None):
-    """The DPO loss of one minibatch of pairs, summed over its pairs / `total` (minibatch_pairs' count; default the number
-    of pairs: the mean), and its gradient, accumulated over micro-batches of whole pairs within `max_tokens` (common.accumulate).
-    chosen_rows, rejected_rows: [pairs] rows of the right-padded batch; ref_seq: [rows] the reference's sequence logprobs;
-    temperature and top_p: the sampler's (the logprob contract). Returns (loss, outputs): outputs["margins"] = beta h
-    [pairs] and, with the sampler's token logprobs `sampler_logp`, "diff_sum" and "diff_tokens": the summed |learner -
-    sampler| over the pairs' completion tokens and their count."""
-    pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
+def pair_lengths(lengths: list[int], chosen_rows, rejected_rows) -> list[int]:
+    """Each pair's length (its longer row): what its micro-batch's padded width is cut to."""
+    return [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
 
-    def pair_loss(mb: common.MicroBatch):
-        k, width = len(mb.items), mb.width
-        rows = torch.cat([chosen_rows[mb.items], rejected_rows[mb.items]])  # the chosen k, then their rejected k
-        with common.autocast(ids.device, bf16):
-            token_logp = common.token_logprobs(policy, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
-                                               temperature=temperature, top_p=top_p)
-        logp, ref = token_logp.sum(1), ref_seq[rows]
-        loss, margins = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], beta=beta, loss_type=loss_type)
-        outputs = {"margins": margins}
-        if sampler_logp is not None:
-            mask = cmask[rows, 1:width].float()
-            outputs["diff_sum"] = ((token_logp.detach() - sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
-            outputs["diff_tokens"] = mask.sum().item()
-        return loss.mean(), k, outputs
 
-    return common.accumulate(pair_loss, pair_lengths, max_tokens, total=total, rows_per_item=2, dist=dist)
+def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows, rejected_rows, ref_seq, *, beta: float,
+                    loss_type: str, bf16: bool = False, temperature: float = 1.0, top_p: float = 1.0, sampler_logp=None):
+    """The DPO loss of one micro-batch of whole pairs (mb.items index chosen_rows / rejected_rows: [pairs] rows of the
+    right-padded batch), cut to its width. ref_seq: [rows] the reference's sequence logprobs; temperature and top_p: the
+    sampler's (the logprob contract). Returns (its pairs' mean loss, its number of pairs, outputs): outputs["margins"] =
+    beta h [its pairs] and, with the sampler's token logprobs `sampler_logp`, "diff_sum" and "diff_tokens": the summed
+    |learner - sampler| over its pairs' completion tokens and their count."""
+    k, width = len(mb.items), mb.width
+    rows = torch.cat([chosen_rows[mb.items], rejected_rows[mb.items]])  # the chosen k, then their rejected k
+    with common.autocast(ids.device, bf16):
+        token_logp = common.token_logprobs(policy, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
+                                           temperature=temperature, top_p=top_p)
+    logp, ref = token_logp.sum(1), ref_seq[rows]
+    loss, margins = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], beta=beta, loss_type=loss_type)
+    outputs = {"margins": margins}
+    if sampler_logp is not None:
+        mask = cmask[rows, 1:width].float()
+        outputs["diff_sum"] = ((token_logp.detach() - sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
+        outputs["diff_tokens"] = mask.sum().item()
+    return loss.mean(), k, outputs
 
 
 class Rounds:
@@ -503,28 +502,43 @@ def main():
             common.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
-            ref_seq = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
-                                            **processing).sum(1)
-            kl = ((sampler_logp * mask).sum(1) - ref_seq).mean().item()  # k1 on every sample: KL(pi_sampler || pi_init)
+            ref_logp = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
+                                             **processing)
+            ref_seq = ref_logp.sum(1)
+            kl = common.sampled_kl(sampler_logp, ref_logp, mask).mean().item()  # charts/kl: k3 of the sampled responses vs pi_init
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs
             losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = [], [], [], [], 0.0, 0.0
             for mb, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
-                loss, out = dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows[mb], rejected_rows[mb], ref_seq, beta=args.beta,
-                                         loss_type=args.loss_type, total=total, max_tokens=args.micro_batch_tokens, bf16=args.autocast_bf16,
-                                         sampler_logp=sampler_logp if fresh else None, dist=dist, **processing)
+                # the update: each micro-batch of whole pairs backpropagated with its share of the minibatch's loss (summed
+                # over its pairs / `total`), so the gradients accumulate to exactly the minibatch's; then one clipped step
+                loss, out = 0.0, {}
+                for micro in common.micro_batch_plan(pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), args.micro_batch_tokens,
+                                                     rows_per_item=2, dist=dist):
+                    mb_loss, size, mb_out = dpo_micro_batch(policy, ids, attn, cmask, micro, chosen_rows[mb], rejected_rows[mb], ref_seq,
+                                                            beta=args.beta, loss_type=args.loss_type, bf16=args.autocast_bf16,
+                                                            sampler_logp=sampler_logp if fresh else None, **processing)
+                    share = micro.weight * size / total  # (weight 0: a torchrun stand-in)
+                    (mb_loss * share).backward()
+                    loss = loss + mb_loss.detach() * share
+                    common.add_outputs(out, micro, mb_out, len(mb))
+                loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
+                grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+                stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+                if stepped:
+                    optimizer.step()
+                optimizer.zero_grad()
                 if fresh:  # no step on this batch yet: the sampling weights
                     diff_sum, diff_tokens = diff_sum + out["diff_sum"], diff_tokens + out["diff_tokens"]
-                grad_norm, stepped = common.optimizer_step(policy, optimizer, args.max_grad_norm, loss, dist)
-                if not stepped:  # a non-finite loss or gradient: skipped, counted
+                if not stepped:  # a NaN/inf never reaches the weights nor Adam: skipped, counted
                     totals["nonfinite_skipped"] += 1
                     continue
                 step += 1
                 fresh = False
                 losses.append(loss.item())
-                grad_norms.append(grad_norm)
+                grad_norms.append(grad_norm.item())
                 accuracies.append((out["margins"] > 0).float().mean().item())
                 margins.append(out["margins"].mean().item())
             train_seconds = time.time() - train_start

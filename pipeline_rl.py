@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from fastrl import distributed, vllm_sampler
 
 @dataclass
 class Args:
-    exp_name: str = "pipeline_rl"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment (also seeds every sampling request: a run is reproducible)"""
@@ -325,25 +326,37 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
         loss, pg, kl = truncated_is_loss(logp, mu, ref_logp, m, advantages[rows], tis_cap=args.tis_cap, kl_coef=args.kl_coef,
                                          loss_norm=args.loss_norm)
         size = len(rows) if args.loss_norm == "sequence" else m.sum().item()
-        share = size / total  # of the batch's sequences (or tokens): what accumulate weights this micro-batch's loss by
+        share = size / total  # of the batch's sequences (or tokens): what the update weights this micro-batch's loss by
         weights = torch.zeros_like(mask)  # the untruncated pi/mu in the batch's layout (its rows only: the micro-batches add up)
         weights[rows, cut] = truncated_is_weights(logp.detach(), mu, m)
         diff = ((logp.detach() - mu).abs() * m)[fresh[rows]]
-        return loss, size, dict(pg=pg.item() * share, kl=kl.item() * share, weights=weights,
+        return loss, size, dict(pg=pg.item() * share, kl_penalty=kl.item() * share, weights=weights, kl=common.sampled_kl(mu, ref_logp, m),
                                 diff=diff.sum().item(), diff_tokens=m[fresh[rows]].sum().item())
 
-    loss, out = common.accumulate(loss_fn, lengths, args.micro_batch_tokens, total=total, max_rows=args.micro_batch_size, dist=dist)
+    # the update: each micro-batch's loss backpropagated with its share of the batch, so the gradients accumulate to
+    # exactly the whole batch's (memory bounded by --micro-batch-tokens / --micro-batch-size); then one clipped step
+    loss, out = 0.0, {}
+    for mb in common.micro_batch_plan(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size, dist=dist):
+        mb_loss, size, mb_out = loss_fn(mb)
+        share = mb.weight * size / total  # (weight 0: a torchrun stand-in)
+        (mb_loss * share).backward()
+        loss = loss + mb_loss.detach() * share
+        common.add_outputs(out, mb, mb_out, len(lengths))
+    loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
     by_length = sorted(range(len(samples)), key=lengths.__getitem__)  # the micro-batches' order: the sums' order, to the last bit
     batch_ess = ess(out["weights"][by_length], mask[by_length])
+    grad_norm, stepped = float("nan"), False
     if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
-        grad_norm, stepped = common.optimizer_step(policy, optimizer, args.max_grad_norm, loss, dist)
-    else:
-        optimizer.zero_grad()
-        grad_norm, stepped = float("nan"), False
+        grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)).item()
+        stepped = bool(torch.isfinite(loss)) and math.isfinite(grad_norm)
+        if stepped:  # a NaN/inf never reaches the weights nor Adam
+            optimizer.step()
+    optimizer.zero_grad()
     low_ess = batch_ess < args.ess_threshold and math.isfinite(loss.item())
     lags = [lag for c in samples for lag in token_lags(c, step)]
     stats = dict(ess=batch_ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
-                 tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl=out["kl"],
+                 tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl_penalty=out["kl_penalty"],
+                 kl=out["kl"].mean().item() if ref_policy is not None else float("nan"),  # charts/kl (no reference: none)
                  grad_norm=grad_norm, **tis_stats(out["weights"][mask.bool()], args.tis_cap),
                  outcome="trained" if stepped else "low_ess" if low_ess else "nonfinite", train_seconds=time.time() - start,
                  advantages=advantages.cpu())
@@ -512,7 +525,8 @@ def step_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float,
         "charts/stale_dropped": totals["stale_dropped"], "charts/skipped_long_prompts": totals["skipped_prompts"],
         "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
         "charts/tokens_per_second": totals["tokens"] / totals["wall"],
-        "losses/loss": stats["loss"], "losses/pg": stats["pg"], "charts/kl": stats["kl"], "losses/grad_norm": stats["grad_norm"],
+        "losses/loss": stats["loss"], "losses/pg": stats["pg"], "losses/kl_penalty": stats["kl_penalty"], "charts/kl": stats["kl"],
+        "losses/grad_norm": stats["grad_norm"],
         "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
     }
     if "logprob_diff" in stats:

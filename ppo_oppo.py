@@ -36,7 +36,7 @@ Several learner processes (`torchrun --nproc-per-node N`, fastrl/distributed.py)
 reference and reward model are sharded with FSDP2. Rank 0 alone runs the sampler, the OPPO buffer
 (Stages 1-2, inter-step overlap included), evaluation, the log and checkpoints, and broadcasts each
 round's batch; every rank scores its share of it and trains on its share of each minibatch's
-micro-batches (common.accumulate), so every optimizer step is the single-process step on the same
+micro-batches (common.micro_batch_plan), so every optimizer step is the single-process step on the same
 batch. --intra is refused there: it prefills the streamed chunks while rank 0 polls the sampler, and
 a forward of a sharded model needs every rank.
 
@@ -49,6 +49,7 @@ a forward of a sharded model needs every rank.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
@@ -67,7 +68,7 @@ ON_GPU = torch.cuda.is_available()
 
 @dataclass
 class Args:
-    exp_name: str = "ppo_oppo"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment"""
@@ -332,7 +333,7 @@ def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, m
 
 def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: dict[str, torch.Tensor], clip_coef: float,
                     vf_clip: float, vf_coef: float, temperature: float, top_p: float, bf16: bool, logprob_diff: bool = False):
-    """common.accumulate's loss for one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
+    """The loss of one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
     loss (Eq. 2 + vf_coef x the clipped value loss, token means), its size in response tokens, and token-weighted sums of
     the stats (divide by `tokens` for means): policy and value (the two losses), clipfrac, approx_kl, ratio_deviation
     (|ratio - 1|), entropy; with `logprob_diff`, the sum of |learner - sampler| logprobs over the tokens the current
@@ -881,6 +882,7 @@ def main():
             data |= {k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None}
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl", "entropy"), 0.0)  # token means, summed over minibatches
+            grad_norms = []  # of the steps taken: losses/grad_norm is their mean
             total_tokens = sum(lengths)
             learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, rounds, args.num_rounds)
             for group in optimizer.param_groups:  # set from the iteration alone: a resumed run gets the same value
@@ -891,11 +893,25 @@ def main():
                 for m, minibatch in enumerate(np.array_split(order, args.num_minibatches)):
                     first = epoch == 0 and m == 0  # no step yet: the learner holds the weights that sampled the fresh tokens
                     minibatch = minibatch.tolist()
-                    loss_fn = functools.partial(ppo_micro_batch, minibatch=minibatch, policy=policy, critic=downstream["critic"], data=data,
-                                                logprob_diff=first and not tis_on, **hyperparameters)
-                    loss, out = common.accumulate(loss_fn, [batch[i].num_tokens for i in minibatch], args.micro_batch_tokens,
-                                                  total=sum(lengths[i] for i in minibatch), dist=dist, max_rows=args.micro_batch_size)
-                    grad_norm, stepped = common.optimizer_step(learner, optimizer, args.max_grad_norm, loss, dist)
+                    # the update: each micro-batch's loss backpropagated with its share of the minibatch's response tokens, so
+                    # the gradients accumulate to exactly the minibatch's; then one clipped step of actor and critic
+                    loss, out, total = 0.0, {}, sum(lengths[i] for i in minibatch)
+                    for mb in common.micro_batch_plan([batch[i].num_tokens for i in minibatch], args.micro_batch_tokens,
+                                                      max_rows=args.micro_batch_size, dist=dist):
+                        mb_loss, size, mb_out = ppo_micro_batch(mb, minibatch, policy, downstream["critic"], data,
+                                                                logprob_diff=first and not tis_on, **hyperparameters)
+                        share = mb.weight * size / total  # (weight 0: a torchrun stand-in)
+                        (mb_loss * share).backward()
+                        loss = loss + mb_loss.detach() * share
+                        common.add_outputs(out, mb, mb_out, len(minibatch))
+                    loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
+                    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm))
+                    stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+                    if stepped:
+                        optimizer.step()
+                    optimizer.zero_grad()
+                    if stepped:
+                        grad_norms.append(grad_norm.item())
                     version += stepped
                     totals["nonfinite_skipped"] += not stepped  # NaN/inf: the weights and Adam's moments stay finite
                     for k in sums:
@@ -928,7 +944,8 @@ def main():
             valid = mask.bool()
             metrics = {
                 "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch])),
-                "charts/kl": kl.sum(1).mean().item(), "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
+                "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(), "charts/kl_penalty": kl.sum(1).mean().item(),
+                "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
                 "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0, "charts/carried_over": len(oppo.inflight),
                 "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)), "charts/carried_in_batch": sum(a > 0 for a in ages),
                 # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
@@ -943,7 +960,8 @@ def main():
                 "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
                 "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
-                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "losses/grad_norm": grad_norm, "charts/learning_rate": learning_rate,
+                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "charts/learning_rate": learning_rate,
+                "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
                 "time/round_seconds": time.time() - round_start, "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -30,7 +31,7 @@ ON_GPU = torch.cuda.is_available()
 
 @dataclass
 class Args:
-    exp_name: str = "rloo_kreuse"
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
     seed: int = 1
     """seed of the experiment"""
@@ -296,7 +297,7 @@ def ess(weights: torch.Tensor) -> float:
     return (weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())).item()
 
 
-# ALGO LOGIC: one K step's loss on a micro-batch (common.accumulate adds the micro-batches up to the batch's gradient)
+# ALGO LOGIC: one K step's loss on a micro-batch (main() adds the micro-batches up to the batch's gradient)
 @dataclass
 class Batch:
     """One sampling round on the learner: right-padded rows ([N, T]; `mask`, the logprobs and `tis`: [N, T - 1],
@@ -331,7 +332,7 @@ def learner_batch(samples, pad_token_id: int, device) -> Batch:
 
 def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, *, temperature: float, top_p: float, bf16: bool = False,
                      logprob_diff: bool = False, **hyperparameters):
-    """common.accumulate's loss_fn for one of the K steps: rloo_loss (Eq. 4) on the micro-batch's rows cut to their
+    """One micro-batch's loss for one of the K steps: rloo_loss (Eq. 4) on the micro-batch's rows cut to their
     width, under the sampler's processing (the logprob contract). Returns (its mean loss, its rows, outputs): the
     importance weights per row, the loss terms as their share of the batch mean, and with `logprob_diff` the sum of
     |learner - sampler| logprobs over its completion tokens."""
@@ -508,15 +509,15 @@ def main():
             batch.old_logp = batch.logprobs(policy, **no_grad) if recompute_old_logprobs else batch.sampler_logp
             batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, tis_level, args.tis_cap)
                                     if tis_on else (None, {}))
-            # k3 of the sampled responses: the KL(pi || pi_ref) we report, whatever the penalty's estimator
-            kl_value = kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item() if ref_policy is not None else math.nan
+            # charts/kl, the same in every script: k3 of the sampled responses (common.sampled_kl), whatever the penalty's estimator
+            kl_value = common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item() if ref_policy is not None else math.nan
             rewards_on_device = rewards.to(dist.device)
             shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
-            iw_means, ess_values, round_start_step, logprob_diff = [], [], step, float("nan")
+            iw_means, ess_values, grad_norms, round_start_step, logprob_diff = [], [], [], step, float("nan")
             for k_step in range(args.k):
                 # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
                 current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
@@ -525,16 +526,29 @@ def main():
                     common.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or "
                                             "--group-size 1)", no_signal, min(10, args.num_rounds))
                 # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
-                loss_fn = functools.partial(micro_batch_loss, policy, batch, logprob_diff=fresh and k_step == 0, **contract,
-                                            **hyperparameters)
-                loss, out = common.accumulate(loss_fn, batch.lengths, args.micro_batch_tokens, dist=dist)
+                # the update: each micro-batch's loss backpropagated with its share of the batch mean, so the gradients
+                # accumulate to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
+                loss, out = 0.0, {}
+                for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, dist=dist):
+                    mb_loss, size, mb_out = micro_batch_loss(policy, batch, mb, logprob_diff=fresh and k_step == 0, **contract,
+                                                             **hyperparameters)
+                    share = mb.weight * size / len(batch.lengths)  # (weight 0: a torchrun stand-in)
+                    (mb_loss * share).backward()
+                    loss = loss + mb_loss.detach() * share
+                    common.add_outputs(out, mb, mb_out, len(batch.lengths))
+                loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
+                grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+                stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+                if stepped:
+                    optimizer.step()
+                optimizer.zero_grad()
                 if fresh and k_step == 0:
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
-                grad_norm, stepped = common.optimizer_step(policy, optimizer, args.max_grad_norm, loss, dist)
-                if not stepped:  # a NaN/inf never reaches the weights (nor the sampler, nor a checkpoint): skip, count, go on
+                if not stepped:  # a NaN/inf never reaches the weights nor Adam (nor the sampler, nor a checkpoint): skip, count, go on
                     nonfinite_skipped += 1
                     continue
                 step += 1
+                grad_norms.append(grad_norm.item())
                 iw_means.append(out["w"].mean().item())
                 ess_values.append(ess(out["w"]))
             update_seconds = time.perf_counter() - update_start
@@ -553,7 +567,7 @@ def main():
                 "charts/episodes": (round_index + 1) * batch_size, "charts/ess": min(ess_values, default=float("nan")),
                 "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
                 "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
-                "losses/entropy": out["entropy"].item(), "losses/grad_norm": grad_norm,
+                "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
                 "time/generate_seconds": sample_seconds, "time/train_seconds": update_seconds, "time/push_seconds": push_seconds,
                 "charts/episodes_per_second": (round_index + 1 - start_round) * batch_size / max(timing["wall"] - resumed_wall, 1e-9),
                 "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),

@@ -253,6 +253,8 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
              checkpointing: bool = False, steps: int = 1, group: int = 2, tracker=None):
     """online_dpo_async.py at the paper's setting: 64 prompts x 2 samples, one pair per prompt, one DPO step a round
     (the second step: the next round, Adam's moments allocated)."""
+    import functools
+
     import online_dpo_async as dpo
 
     flags = ["--model", "qwen2.5-0.5b", "--autocast-bf16" if autocast else "--no-autocast-bf16",
@@ -268,9 +270,10 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
     processing = dict(temperature=args.temperature, top_p=args.top_p)
     for round_index in range(steps):
         ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, args.micro_batch_tokens, bf16=args.autocast_bf16, **processing).sum(1)
-        loss, _ = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen_rows, rejected_rows, ref_seq, beta=args.beta,
-                                   loss_type=args.loss_type, max_tokens=args.micro_batch_tokens, bf16=args.autocast_bf16,
-                                   sampler_logp=sampler_logp if round_index == 0 else None, **processing)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, ids, attn, cmask, chosen_rows=chosen_rows, rejected_rows=rejected_rows,
+                                    ref_seq=ref_seq, beta=args.beta, loss_type=args.loss_type, bf16=args.autocast_bf16,
+                                    sampler_logp=sampler_logp if round_index == 0 else None, **processing)
+        loss, _ = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen_rows, rejected_rows), args.micro_batch_tokens, rows_per_item=2)
         common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
     return dict(micro_batches=len(common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n, tokens=sum(lengths))

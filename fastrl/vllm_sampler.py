@@ -291,6 +291,17 @@ def sampler_peak_memory_mib() -> dict[str, float]:
     return memory
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    """The sampler's SIGTERM: the learner's close() when we did not answer "shutdown" in time (typically still
+    importing torch and vLLM on a busy machine, after a start-up check failed). Unlink the named semaphores this
+    process made before going: killed with them, the resource tracker that the learner shares would print a
+    "leaked semaphore objects" warning after the learner's one-line error."""
+    import multiprocessing.util
+
+    multiprocessing.util._run_finalizers(0)
+    os._exit(0)
+
+
 def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str | None, tmpdir: str) -> None:
     """Entry point of the spawned sampler process: owns an in-process vLLM engine and drives it
     step by step, so that commands (new requests, weight updates, pause) are applied between
@@ -300,6 +311,7 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
     get_file_store_init_method, that only a clean process-group teardown would delete)."""
     import tempfile
 
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # first: close() may stop us while we still import vLLM
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     os.environ.update(sampler_environment(cuda_device))
     for name, value in {**SAMPLER_ENV_DEFAULTS, "OMP_NUM_THREADS": str(config.threads), **log_environment(config.verbose)}.items():
@@ -664,6 +676,9 @@ class Sampler(WeightPusher):
             pass
         if self._outgoing is not None:
             self._outgoing.put(None)  # ends the sender thread
+        if self.process.is_alive():  # no answer to "shutdown" (still starting?): SIGTERM unlinks its semaphores first
+            self.process.terminate()
+            self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)

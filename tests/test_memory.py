@@ -65,7 +65,7 @@ def test_micro_batches_pack_by_length_within_the_token_budget():
         assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget for b in packed)
 
 
-DPO = dict(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9)  # dpo_backward's hyperparameters
+DPO = dict(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9)  # dpo_micro_batch's hyperparameters
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
@@ -88,7 +88,9 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
             assert len(common.micro_batches(pair_lengths, budget, rows_per_item=2)) == 3
         ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, budget, temperature=0.7, top_p=0.9).sum(1)
         policy.zero_grad()
-        loss, outputs = dpo.dpo_backward(policy, ids, attn, cmask, lengths, chosen, rejected, ref_seq, max_tokens=budget, **DPO)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, ids, attn, cmask, chosen_rows=chosen, rejected_rows=rejected, ref_seq=ref_seq,
+                                    **DPO)
+        loss, outputs = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen, rejected), budget, rows_per_item=2)
         results.append((ref_seq, loss, outputs["margins"], _grads(policy)))
     (ref_a, loss_a, margins_a, grads_a), (ref_b, loss_b, margins_b, grads_b) = results
     torch.testing.assert_close(ref_a, ref_b, atol=1e-5, rtol=0)
@@ -185,7 +187,7 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
 
 @pytest.mark.slow  # two fake-tensor DPO steps on the realistic fixture, ~5 s
 def test_dpo_peak_memory_is_flat_in_the_batch_at_a_fixed_token_budget(realistic_path):
-    """One real DPO learner step (reference forward, dpo_backward, clipping, Adam) on the realistic
+    """One real DPO learner step (reference forward, dpo_micro_batch's micro-batches, clipping, Adam) on the realistic
     fixture's architecture, sequences of 96 prompt + 160 response tokens: 16 then 32 pairs at a
     budget of 2048 tokens (4 pairs a micro-batch) move the peak by < 10%. Without a budget the peak
     grows with the batch (~2x here): the measurement sees what micro-batching saves."""
