@@ -191,8 +191,8 @@ PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, 
              max_prompt_tokens=256, eval_problems=50, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
 # --model smollm2 (SmolLM2-135M-Instruct on a CPU, docs/results.md): two-digit arithmetic, which it starts weak at, in rounds
 # of 64 episodes at a learning rate that shows the gain within minutes; no KL or entropy term (no reference forward)
-SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=20, learning_rate=1e-5, kl_coef=0.0, ent_coef=0.0,
-                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
+SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=12, learning_rate=2e-5, kl_coef=0.0, ent_coef=0.0,
+                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=50, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
