@@ -71,13 +71,26 @@ def tokenizer(tiny_path):
 
 
 @pytest.fixture(scope="session")
-def sampler(tiny_path):
-    """One real vLLM sampler process on the tiny model for the whole session."""
+def _session_sampler(tiny_path):
     import common
 
     s = common.start_sampler(tiny_path, placement="cpu", seed=0)
     yield s
     s.close()
+
+
+@pytest.fixture
+def sampler(_session_sampler, tiny_path):
+    """One real vLLM sampler process on the tiny model for the whole session, holding the tiny model's
+    own weights at the start of every test: a test that pushed other weights has them replaced after
+    it (which tests share a worker changes with the suite, so no test may depend on another's order)."""
+    import common
+
+    version = _session_sampler.version
+    yield _session_sampler
+    if _session_sampler.version != version:
+        _session_sampler.init_weight_sync(common.load_policy(tiny_path, "cpu"))
+        _session_sampler.push_weights(_session_sampler.version + 1)
 
 
 @pytest.fixture(scope="session")
