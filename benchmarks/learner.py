@@ -269,7 +269,8 @@ def plan_bytes(model, batch, args) -> tuple[int, int]:
     mbs = common.micro_batches(lengths, args.micro_batch_tokens)
     rows = max(len(r) for r in mbs)
     seq = max(lengths)
-    step = memory_plan.Step(rows, seq, (s.params,), micro_batches=len(mbs), top_p=args.top_p)
+    step = memory_plan.Step(rows, seq, (s.params,), micro_batches=len(mbs), top_p=args.top_p,
+                            completion_len=max(len(r) for r in batch[5]))
     whole = memory_plan.learner_bytes(s, step)
     return whole, whole - 3 * s.params * 4
 

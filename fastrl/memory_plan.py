@@ -69,7 +69,9 @@ MAX_SHARE = 0.9  # vLLM's own default utilization is 0.9
 MIN_SHARE = 0.05
 LOGIT_CHUNK_BYTES = 256 * 2**20  # common.LOGIT_CHUNK_BYTES: fp32 logits per chunk of positions
 # logit-chunk-sized tensors alive at the head's peak (measured on fake tensors): in the forward (logits, log-softmax;
-# top-p adds its sort's values and int64 indices, its cumsum and masks) and in the backward (the chunk recomputed, its grads)
+# top-p adds its sort's values and int64 indices, its cumsum and masks) and in the backward (the chunk recomputed, its grads).
+# top-p's are the worst case, kept on purpose: a chunk whose every nucleus reaches past the 4,096 candidates (a flat
+# distribution, e.g. a fresh model at T 1) is sorted whole (common._nucleus_excluded); a peaked one needs about the plain's
 HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p": 10}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what the plan reads from a script's Args: a copy must keep these fields (docs/methods.md, "What a copy must keep") ...
@@ -136,6 +138,7 @@ class Step:
     backward_models: int = 1  # models run forward and backward on each micro-batch (PPO: policy and critic)
     micro_batches: int = 1  # how many the step runs (from the second on, the gradients are alive throughout)
     top_p: float = 1.0  # the learner's nucleus (common.sampling_logits sorts the vocabulary when < 1)
+    completion_len: int | None = None  # the longest response: the vocabulary part runs on its positions only (None: seq_len)
 
 
 def layer_bytes(s: Shape, rows: int, seq_len: int, weight_bytes: int, autocast: bool) -> int:
@@ -148,11 +151,12 @@ def layer_bytes(s: Shape, rows: int, seq_len: int, weight_bytes: int, autocast: 
     return tokens * (2 * (4 * s.intermediate + 10 * s.hidden) + 8 * s.hidden)  # bf16 weights: a fused kernel, fp32 norms
 
 
-def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0) -> int:
-    """common.token_logprobs' vocabulary projection, a chunk of positions at a time: HEAD_CHUNKS of the
-    chunk's fp32 logits alive at once in the `phase` ("forward" or "backward"), and the backbone's last
-    hidden state with its gradient."""
-    chunk = max(min(LOGIT_CHUNK_BYTES, 4 * rows * seq_len * s.vocab), 4 * rows * s.vocab)  # at least one position
+def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0, completion_len: int | None = None) -> int:
+    """common.token_logprobs' vocabulary projection, on the completion's positions (rows x completion_len)
+    a chunk at a time: HEAD_CHUNKS of the chunk's fp32 logits alive at once in the `phase` ("forward" or
+    "backward"), and the backbone's last hidden state (every position) with its gradient."""
+    positions = rows * (completion_len or seq_len)
+    chunk = max(min(LOGIT_CHUNK_BYTES, 4 * positions * s.vocab), 4 * s.vocab)  # at least one position
     return HEAD_CHUNKS[phase + (" top-p" if top_p < 1 else "")] * chunk + 2 * 4 * rows * seq_len * s.hidden
 
 
@@ -171,8 +175,8 @@ def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool =
     kept = s.layers * step.rows * step.seq_len * s.hidden * (4 if autocast else w) if checkpointing else s.layers * layer
     kept *= step.backward_models
     cast_copies = 2 * trained if autocast and w == 4 else 0
-    head = max(cast_copies + head_bytes(s, step.rows, step.seq_len, "forward", step.top_p),
-               head_bytes(s, step.rows, step.seq_len, "backward", step.top_p))
+    head = max(cast_copies + head_bytes(s, step.rows, step.seq_len, "forward", step.top_p, step.completion_len),
+               head_bytes(s, step.rows, step.seq_len, "backward", step.top_p, step.completion_len))
     at_head = kept + head + (grads if step.micro_batches > 1 else 0)
     at_first_layer = grads + layer if checkpointing else 0
     prefill = step.kv_cache_bytes  # PPO's downstream prefill, before the update (no gradients, no activations kept)
@@ -194,17 +198,17 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
     if script == "rloo":
         n = args.num_prompts * args.group_size
         rows = rows_per_micro_batch(n, T, args.micro_batch_tokens)
-        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p), n
+        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p, completion_len=args.max_new_tokens), n
     if script == "dpo":
         n = getattr(args, "prompts_per_round", args.num_prompts) * args.group_size  # a round: --num-minibatches steps
         pairs = args.num_prompts  # a step: one pair per prompt of its minibatch
         rows = rows_per_micro_batch(2 * pairs, T, args.micro_batch_tokens, rows_per_item=2)
-        return Step(rows, T, (P,), (P,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows), top_p=args.top_p), n
+        return Step(rows, T, (P,), (P,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows), top_p=args.top_p, completion_len=args.max_new_tokens), n
     if script == "pipeline":
         n = args.train_batch_size
         rows = rows_per_micro_batch(n, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
         in_flight = args.gen_batch_size or (n if args.mode == "pipeline" else n * args.steps_per_rl_step)
-        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p), in_flight
+        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p, completion_len=args.max_new_tokens), in_flight
     if script == "ppo":
         n = args.batch_size + (max(args.delta, args.delta_max) if args.inter else 0)  # over-committed, Delta at its bound
         minibatch = args.batch_size // args.num_minibatches
@@ -214,7 +218,7 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
         kv_bytes = 2 if args.autocast_bf16 else DTYPE_BYTES[args.dtype]
         per_sequence = (2 + (1 if reward_model_bytes else 0)) * T * s.layers * 2 * s.kv_dim * kv_bytes
         return Step(rows, T, (P, s.critic_params), (P,), reward_model_bytes, n * per_sequence, (n - args.batch_size) * per_sequence,
-                    backward_models=2, micro_batches=math.ceil(minibatch / rows), top_p=args.top_p), n
+                    backward_models=2, micro_batches=math.ceil(minibatch / rows), top_p=args.top_p, completion_len=args.max_new_tokens), n
     raise ValueError(f"unknown script {script!r}")
 
 

@@ -8,6 +8,7 @@ never what they are, and they bound the peak memory.
   tensors (benchmarks/memory.py's tracker: no compute, the exact bytes of every live tensor), moves
   by less than 10% when the batch doubles at a fixed token budget; without the budget it doubles."""
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -488,3 +489,16 @@ def test_docs_memory_table_is_the_plan_the_code_prints():
                 assert cell.split("`")[1] in line and line.endswith(cell.split("`")[1]), (script, total_gb, line)
                 checked += 1
     assert checked == 8
+
+
+def test_the_vocabulary_part_is_planned_on_the_completions_positions_only():
+    """common.token_logprobs projects only the completion's positions onto the vocabulary: a plan for a 1,024-token
+    prompt and a 32-token answer counts 32 positions' logits (SmolLM2's 49,152 vocabulary: 16 rows x 32 x 4 bytes x V,
+    under the chunk cap), not 1,056; the backbone's hidden state still covers every position."""
+    s = memory_plan.Shape(params=135_000_000, critic_params=107_000_000, largest=28_311_552, layers=30, hidden=576, intermediate=1536, heads=9, kv_dim=192, vocab=49_152)
+    plain = memory_plan.head_bytes(s, rows=16, seq_len=1056, phase="forward", completion_len=32)
+    assert plain == 4 * (4 * 16 * 32 * s.vocab) + 2 * 4 * 16 * 1056 * s.hidden
+    assert memory_plan.head_bytes(s, rows=16, seq_len=1056, phase="forward") == \
+        4 * min(memory_plan.LOGIT_CHUNK_BYTES, 4 * 16 * 1056 * s.vocab) + 2 * 4 * 16 * 1056 * s.hidden
+    step = memory_plan.Step(16, 1056, (s.params,), top_p=0.95)
+    assert memory_plan.learner_bytes(s, dataclasses.replace(step, completion_len=32)) < memory_plan.learner_bytes(s, step)
