@@ -2,7 +2,9 @@
 weight-push speed for the tiny model and a ~50M-parameter random model against its floor (the same
 weights loaded into the same engine from the sampler's own memory: push_vs_floor) and a memory copy.
 
-    .venv/bin/python benchmarks/foundation.py
+    .venv/bin/python benchmarks/foundation.py                  # the tiny model; the push on a random 54M model
+    .venv/bin/python benchmarks/foundation.py --model smollm2 --num-prompts 32 --max-tokens 32 --repeats 5
+        # SmolLM2-135M-Instruct: its arithmetic prompts in its chat template, and the push of its own weights
 
 Everything is measured in one run; ratios are what to compare across machines."""
 
@@ -24,6 +26,7 @@ import tyro  # noqa: E402
 
 import common  # noqa: E402
 import tasks  # noqa: E402
+from fastrl import vllm_sampler  # noqa: E402
 from push_bandwidth import random_54m  # noqa: E402  (the same random model; the same environment defaults as above)
 
 
@@ -40,21 +43,25 @@ class Args:
     (consecutive calls on this machine differ by up to 20%: 7 pairs gave medians from 0.90 to 0.99)"""
     push_repeats: int = 5
     """timed weight pushes per model"""
+    model: str = "tiny"
+    """tiny (Countdown prompts; the push also on a random 54M model) or smollm2 (arithmetic prompts in the chat
+    template, as `--model smollm2` runs; the push of its 135M weights)"""
 
 
 def sampling(args):
     return dict(temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=0)
 
 
-def time_throughput(path, prompts, args):
+def time_throughput(path, prompts, args, max_model_len=None):
     """Our sampler process vs vLLM's `LLM` in this process (the same engine settings), timed
     alternately so that drift in the machine's speed hits both sides alike."""
     from vllm import LLM, SamplingParams
 
     ours, direct = [], []
-    with common.start_sampler(path, placement="cpu") as sampler:
-        llm = LLM(model=path, dtype="float32", enforce_eager=True, logprobs_mode="processed_logprobs",
-                  kv_cache_memory_bytes=256 * 2**20, max_num_seqs=256, enable_prefix_caching=False, seed=0)
+    with common.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
+        # vLLM alone with exactly our engine's settings (fp32, eager, the KV cache, no prefix caching, ...)
+        llm = LLM(**vllm_sampler.engine_settings(vllm_sampler.SamplerConfig(model=path, placement="cpu", max_model_len=max_model_len,
+                                                                            seed=0), "cpu"))
         params = SamplingParams(n=args.n, **sampling(args))
         requests = [{"prompt_token_ids": p} for p in prompts]
         sampler.generate(prompts, n=args.n, **sampling(args))  # warm-up both
@@ -70,7 +77,7 @@ def time_throughput(path, prompts, args):
     return statistics.median(ours), statistics.median(direct), [o / d for o, d in zip(ours, direct)]
 
 
-def time_push(path, args):
+def time_push(path, args, max_model_len=None):
     """Median seconds of a full push; of its floor, the sampler loading the same weights from its own
     memory the way a push loads them (vLLM's load_weights + the repack for the CPU GEMM, no transfer:
     Sampler.time_local_load); and of a plain memory copy of the same bytes (every parameter into a
@@ -80,7 +87,7 @@ def time_push(path, args):
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = [torch.empty_like(p) for p in model.parameters()]
     times, copy_times, floor_times = [], [], []
-    with common.start_sampler(path, placement="cpu") as sampler:
+    with common.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)  # warm-up, both
         sampler.time_local_load(path)
@@ -100,22 +107,32 @@ def time_push(path, args):
 def main():
     args = tyro.cli(Args)
     common.limit_cpu_threads()
-    tiny = str(common.tiny_model_path())
-    tokenizer = common.load_tokenizer(tiny)
-    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
-    prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]
+    path = str(common.resolve_model(args.model))
+    tokenizer = common.load_tokenizer(path)
+    if args.model == common.TINY:
+        task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
+        prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]
+    else:  # the prompts the scripts send for this model (its default task, in its chat template)
+        task = tasks.make_task("arithmetic", seed=0, tiny_prompts=False)
+        _, prompts, _ = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.num_prompts)],
+                                              max_prompt_tokens=1024, chat_template=True)
 
-    ours, direct, ratios = time_throughput(tiny, prompts, args)
-    push_tiny = time_push(tiny, args)
-    with tempfile.TemporaryDirectory() as tmp:
-        push_big = time_push(random_54m(tmp), args)
+    context = None if args.model == common.TINY else 256  # (SmolLM2's own 8,192 would not fit the CPU KV cache)
+    ours, direct, ratios = time_throughput(path, prompts, args, context)
+    push_tiny = time_push(path, args, context)
+    if args.model == common.TINY:
+        with tempfile.TemporaryDirectory() as tmp:
+            push_big = time_push(random_54m(tmp), args)
+    else:
+        push_big = push_tiny
 
     rows = [
         ("sampler throughput, ours (tok/s)", f"{ours:.0f}"),
         ("sampler throughput, vLLM direct (tok/s)", f"{direct:.0f}"),
         ("ours / direct (median of per-pair ratios)", f"{statistics.median(ratios):.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)})"),
-        (f"weight push, tiny ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
-        (f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s"),
+        (f"weight push, {args.model} ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
+        *([(f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s")]
+          if push_big is not push_tiny else []),
         ("memory copy of the same bytes", f"{push_big[3] * 1e3:.0f} ms"),
         ("floor: the sampler loading the same weights from its own memory (copy + repack)", f"{push_big[4] * 1e3:.0f} ms"),
         ("push / floor, per repeat", ", ".join(f"{r:.2f}" for r in push_big[5])),
