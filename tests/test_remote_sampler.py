@@ -39,7 +39,9 @@ def server(tiny_path):
     from vllm.utils.network_utils import get_open_port
 
     port, log = get_open_port(), str(WORK / "server.log")
-    process = remote_sampler.start_server(tiny_path, port, log_path=log, max_model_len=128, seed=0)
+    # load tracking: /load counts the generate calls the server has received (_submit_long waits for them)
+    process = remote_sampler.start_server(tiny_path, port, log_path=log, max_model_len=128, seed=0,
+                                          extra_args=("--enable-server-load-tracking",))
     url = f"http://127.0.0.1:{port}"
     try:
         remote_sampler.wait_ready(url, timeout=300, process=process, log_path=log)
@@ -101,16 +103,30 @@ def _submit_long(sampler, tokenizer, url):
     streamed. Returns all ids and the streamed ones."""
     prompts = _prompts(tokenizer, 64)
     sampler.pause()
+    received = _load(url)
     ids = sampler.submit(prompts[2:], n=4, max_tokens=110, ignore_eos=True, **SAMPLING)
     streamed = sampler.submit(prompts[:2], n=1, stream_every=2, max_tokens=110, ignore_eos=True, **SAMPLING)
     ids += streamed
-    time.sleep(1.0)  # the requests reach the engine (no gauge moves while it is paused)
+    # every call has reached the server before it resumes (no gauge moves while it is paused, and a fixed wait
+    # was too short under load: the calls of a loaded machine arrive over seconds)
+    _wait(lambda: _load(url) >= received + len(prompts), "the server did not receive the requests")
+    time.sleep(0.2)  # (the handler hands its request to the engine right after counting it)
     sampler.resume()
-    deadline = time.monotonic() + 30
-    while _counter(url, "vllm:num_requests_running") < 0.9 * len(ids):
-        assert time.monotonic() < deadline, "the requests did not start"
-        time.sleep(0.02)
+    _wait(lambda: _counter(url, "vllm:num_requests_running") >= 0.9 * len(ids), "the requests did not start")
     return ids, streamed
+
+
+def _load(url) -> int:
+    """Generate calls the server is handling (vLLM's /load, with --enable-server-load-tracking)."""
+    with urllib.request.urlopen(url + "/load", timeout=10) as response:
+        return json.loads(response.read())["server_load"]
+
+
+def _wait(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout  # generous: a loaded machine is slow, a stuck one still fails
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
 
 
 def _wait_all(sampler, ids, finals, timeout=120):
