@@ -429,6 +429,43 @@ def sample_metrics(samples, rewards, correct: float, mask, skipped: int, version
             "charts/lag_max": max(lags)}
 
 
+def round_metrics(samples, rewards, correct: float, batch: Batch, skipped: int, round_start_step: int, loss, out: dict,
+                  grad_norms: list, iw_means: list, ess_values: list, kl_value: float, logprob_diff: float, tis_stats: dict,
+                  nonfinite_skipped: int, seconds: tuple) -> dict:
+    """One round's metrics: its samples (sample_metrics), the last k-step's losses, the mean gradient norm and each
+    k-step's mean importance weight and ESS, charts/kl, the mismatch correction's statistics and the seconds of generating, training and pushing."""
+    metrics = sample_metrics(samples, rewards, correct, batch.mask, skipped, round_start_step) | {
+        "charts/ess": min(ess_values, default=float("nan")), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
+        "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
+        "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
+        **dict(zip(("time/generate_seconds", "time/train_seconds", "time/push_seconds"), seconds)),
+    }
+    if math.isfinite(logprob_diff):
+        metrics["charts/logprob_diff"] = logprob_diff
+    metrics |= {f"charts/tis_{k}": v for k, v in tis_stats.items()}  # charts/tis_max_ratio, charts/tis_truncated_fraction
+    metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
+    return metrics | {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
+
+
+def throughput(episodes: int, new_episodes: int, step: int, timing: dict, resumed_wall: float) -> dict:
+    """Episodes so far, and per second of this process's loop (new_episodes: since it started or resumed); the share
+    of the loop's time spent waiting for samples; optimizer steps per second."""
+    return {"charts/episodes": episodes, "charts/episodes_per_second": new_episodes / max(timing["wall"] - resumed_wall, 1e-9),
+            "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
+            "time/grad_steps_per_second": step / max(timing["wall"], 1e-9)}
+
+
+def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
+    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and one line per round."""
+    logger.log(step, metrics, echo=False)
+    progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(metrics["charts/accuracy"]), kl=metrics["charts/kl"])
+    iw_means = [v for k, v in metrics.items() if k.startswith("charts/iw_mean_k")]
+    progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
+                   f"acc {metrics['charts/accuracy']:.3f} kl {metrics['charts/kl']:.3f} ent {metrics['losses/entropy']:.3f} "
+                   f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess']:.2f} "
+                   f"sample {metrics['time/generate_seconds']:.2f}s update {metrics['time/train_seconds']:.2f}s")
+
+
 def report(logger, args: Args, step: int, timing: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The end of the run: its line of the paper's Table 2 and the held-out pass@k of Table 4."""
     wall, sample, update = timing["wall"], timing["sample"], timing["update"]
@@ -444,7 +481,6 @@ def main():
     checks.check_run_flags(args)
     tis_on = mismatch_correction_on(args)
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
-    tis_level = args.tis_level  # independent of --iw-level: the mismatch correction is not K-reuse's weight
     batch_size = args.num_prompts * args.group_size  # episodes per round
     run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
 
@@ -507,11 +543,10 @@ def main():
             batch.ref_logp = batch.logprobs(ref_policy, **no_grad) if ref_policy is not None else None
             # log pi_theta0: the learner's own recomputation (--tis on, --recompute-old-logprobs), or the sampler's logprobs
             batch.old_logp = batch.logprobs(policy, **no_grad) if recompute_old_logprobs else batch.sampler_logp
-            batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, tis_level, args.tis_cap)
+            batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level, args.tis_cap)
                                     if tis_on else (None, {}))
             # charts/kl, the same in every script: k3 of the sampled responses (common.sampled_kl), whatever the penalty's estimator
             kl_value = common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item() if ref_policy is not None else math.nan
-            rewards_on_device = rewards.to(dist.device)
             shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
 
@@ -521,11 +556,10 @@ def main():
             for k_step in range(args.k):
                 # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
                 current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
-                batch.advantages = shaped_advantages(rewards_on_device, current_logp, batch.ref_logp, batch.mask, **shaping)
+                batch.advantages = shaped_advantages(rewards.to(dist.device), current_logp, batch.ref_logp, batch.mask, **shaping)
                 if k_step == 0:
                     checks.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or "
                                             "--group-size 1)", no_signal, min(10, args.num_rounds))
-                # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
                 # the update: each micro-batch's loss backpropagated with its share of the batch mean, so the gradients
                 # accumulate to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
@@ -542,7 +576,7 @@ def main():
                 if stepped:
                     optimizer.step()
                 optimizer.zero_grad()
-                if fresh and k_step == 0:
+                if fresh and k_step == 0:  # |learner - sampler| logprobs, the first thing to look at when training goes wrong
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
                 if not stepped:  # a NaN/inf never reaches the weights nor Adam (nor the sampler, nor a checkpoint): skip, count, go on
                     nonfinite_skipped += 1
@@ -563,32 +597,15 @@ def main():
                 logger.snapshot(step, push_model)
             timing["wall"] = time.perf_counter() - loop_start
 
-            metrics = sample_metrics(samples, rewards, correct, batch.mask, skipped, round_start_step) | {
-                "charts/episodes": (round_index + 1) * batch_size, "charts/ess": min(ess_values, default=float("nan")),
-                "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
-                "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
-                "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
-                "time/generate_seconds": sample_seconds, "time/train_seconds": update_seconds, "time/push_seconds": push_seconds,
-                "charts/episodes_per_second": (round_index + 1 - start_round) * batch_size / max(timing["wall"] - resumed_wall, 1e-9),
-                "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
-                "time/grad_steps_per_second": step / max(timing["wall"], 1e-9),
-            }
-            if math.isfinite(logprob_diff):
-                metrics["charts/logprob_diff"] = logprob_diff
-                checks.warn_logprob_diff(logprob_diff, tis_on, warned)
-            metrics |= {f"charts/tis_{k}": v for k, v in tis_stats.items()}  # charts/tis_max_ratio, charts/tis_truncated_fraction
-            metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
-            metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
-            logger.log(step, metrics, echo=False)
-            progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(correct), kl=kl_value)
-            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} acc {correct:.3f} "
-                           f"kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} iw {' '.join(f'{w:.2f}' for w in iw_means)} "
-                           f"ess {metrics['charts/ess']:.2f} sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
+            metrics = round_metrics(samples, rewards, correct, batch, skipped, round_start_step, loss, out, grad_norms, iw_means, ess_values,
+                                    kl_value, logprob_diff, tis_stats, nonfinite_skipped, (sample_seconds, update_seconds, push_seconds))
+            metrics |= throughput((round_index + 1) * batch_size, (round_index + 1 - start_round) * batch_size, step, timing, resumed_wall)
+            checks.warn_logprob_diff(logprob_diff, tis_on, warned)  # (a NaN: not measured this round)
+            log_round(logger, progress, args, round_index, step, metrics)
 
-            last = round_index + 1 == args.num_rounds
-            if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
+            if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and round_index + 1 < args.num_rounds:
                 logger.log(step, evaluate())
-            if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
+            if round_index + 1 == args.num_rounds or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
                 runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                        rounds.position, dist=dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
                                        timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
