@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import common
 import tasks
-from fastrl import distributed, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fixed list (--eval-problems 0 = all of it)
 
@@ -78,7 +78,7 @@ class Args:
     # the method
     sync: bool = False
     """synchronous on-policy baseline: generate, then train (shorthand for --staleness 0)"""
-    staleness: Annotated[Literal[0, 1] | None, common.help_default("1; 0 under --sync")] = None
+    staleness: Annotated[Literal[0, 1] | None, checks.help_default("1; 0 under --sync")] = None
     """rounds the sampler generates ahead of the learner: 1 asynchronous (Algorithm 1), 0 synchronous"""
     group_size: int = 4
     """samples per prompt; chosen = best reward, rejected = worst [paper 2, gsm8k 4; tiny 4]"""
@@ -126,7 +126,7 @@ class Args:
     epoch. The countdown generators have no epochs: every position is a new problem"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
-    -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
+    -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
@@ -144,7 +144,7 @@ class Args:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 3e-6 rounds away
     on most weights"""
-    sampler_gpu_memory: Annotated[float | None, common.help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
+    sampler_gpu_memory: Annotated[float | None, checks.help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
     """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization)"""
 
     # evaluation, logging, checkpoints
@@ -152,8 +152,8 @@ class Args:
     """greedy: one greedy completion per problem (the paper's GSM8K pass@1); sample: as in training [gsm8k greedy; sample]"""
     eval_problems: int = 200
     """held-out problems; 0 = the whole test split of a fixed dataset (gsm8k, countdown-hub) [gsm8k 0; paper 50; tiny 200]"""
-    eval_samples: Annotated[int | None, common.help_default("1 under greedy decoding, 4 when sampling")] = None
-    """completions per held-out problem: pass@k for k = 1, 2, 4, ... up to it (common.eval_ks)"""
+    eval_samples: Annotated[int | None, checks.help_default("1 under greedy decoding, 4 when sampling")] = None
+    """completions per held-out problem: pass@k for k = 1, 2, 4, ... up to it (tasks.eval_ks)"""
     save_every: int = 0
     """checkpoint every N rounds (0: only at the end)"""
     keep_checkpoints: int = 1
@@ -199,9 +199,9 @@ class Args:
             (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
             (self.micro_batch_tokens >= 1, "--micro-batch-tokens", f"must be >= 1, got {self.micro_batch_tokens}"),
         ):
-            common.check_args(ok, flag, message)
-        common.check_sampler_urls(self.sampler_url)
-        common.check_run_flags(self)
+            checks.check_args(ok, flag, message)
+        checks.check_sampler_urls(self.sampler_url)
+        checks.check_run_flags(self)
 
 
 @dataclass
@@ -218,7 +218,7 @@ class GSM8KArgs(Args):
 
 
 GPU = torch.cuda.is_available()
-# the defaults that differ for a real model (common.parse_args applies them unless --model tiny); on a GPU a real
+# the defaults that differ for a real model (checks.parse_args applies them unless --model tiny); on a GPU a real
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
 PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, temperature=0.7, max_new_tokens=512,
              max_prompt_tokens=512, eval_problems=50, autocast_bf16=GPU, gradient_checkpointing=GPU)
@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     argv = sys.argv[1:] if argv is None else argv
     gsm8k = "gsm8k" in [a.split("=", 1)[1] for a in argv if a.startswith("--task=")] + [v for a, v in zip(argv, argv[1:]) if a == "--task"]
     paper = ({k: v for k, v in PAPER.items() if k not in GSM8KArgs.__annotations__} | GSM8K_PAPER) if gsm8k else PAPER
-    args = common.parse_args(GSM8KArgs if gsm8k else Args, argv, paper=paper, smollm2=SMOLLM2)
+    args = checks.parse_args(GSM8KArgs if gsm8k else Args, argv, paper=paper, smollm2=SMOLLM2)
     if args.staleness is None:
         args.staleness = 0 if args.sync else 1
     args.sync = args.staleness == 0
@@ -358,7 +358,7 @@ class Rounds:
             self.sampler_rng = self.sampler.rng_state()  # nothing generating: what this round draws from
         position = self.data_position
         indices = [train_index(position + i, self.train_size, a.seed, a.shuffle_train) for i in range(a.prompts_per_round)]
-        problems, prompts, skipped = common.encode_prompts(self.tokenizer, [self.task.problem("train", i) for i in indices],
+        problems, prompts, skipped = tasks.encode_prompts(self.tokenizer, [self.task.problem("train", i) for i in indices],
                                                            a.max_prompt_tokens, a.chat_template)
         self.data_position += a.prompts_per_round
         self.next_round += 1
@@ -399,7 +399,7 @@ class Rounds:
         sampling = dict(temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
         if a.eval_decoding == "greedy":
             sampling = dict(temperature=0.0, max_tokens=a.max_new_tokens)
-        return common.evaluate(self.sampler, self.task, self.tokenizer, a.eval_problems or None, a.eval_samples, a.max_prompt_tokens,
+        return tasks.evaluate(self.sampler, self.task, self.tokenizer, a.eval_problems or None, a.eval_samples, a.max_prompt_tokens,
                                a.chat_template, **sampling)
 
     def checkpoint_rng(self, last: bool):
@@ -436,38 +436,38 @@ def round_tensors(samples, pad_id: int, device):
 def main():
     args = parse_args()
     vllm_sampler.quiet_libraries(args.verbose)
-    run_name = common.run_name(args.exp_name, args.seed, args.resume)
+    run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, scores, logger, checkpoints)
-    model_path, args.sampler_gpu_memory = common.check_model(args, "dpo")  # the model fits the flags; on a GPU, the memory plan
+    model_path, args.sampler_gpu_memory = checks.check_model(args, "dpo", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = launch.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=args.sampler_gpu_memory, urls=args.sampler_url, verbose=args.verbose,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens, wait=False,
-                                   threads=common.sampler_threads(args.sampler_threads, overlapped=args.staleness > 0)) if dist.is_main else None
+                                   threads=launch.sampler_threads(args.sampler_threads, overlapped=args.staleness > 0)) if dist.is_main else None
     try:
-        common.set_seed(args.seed)
-        common.limit_cpu_threads()
-        tokenizer = common.load_tokenizer(model_path)
+        util.set_seed(args.seed)
+        launch.limit_cpu_threads()
+        tokenizer = util.load_tokenizer(model_path)
         policy, ref_policy, push_model, optimizer = load_models(model_path, args, dist)
-        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, gsm8k_match=args.gsm8k_match,
+        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, gsm8k_match=args.gsm8k_match,
                                reward=args.reward, prompt_field=args.prompt_field, answer_field=args.answer_field,
                                system_prompt=args.system_prompt)
-        common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+        tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
         # rank 0 scores and hands every rank the rewards (the pairs must be the same on every rank): only it needs the reward model
-        reward_model = common.RewardModel(args.reward_model, device=str(dist.device)) if args.reward_model and dist.is_main else None
-        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        reward_model = tasks.RewardModel(args.reward_model, device=str(dist.device)) if args.reward_model and dist.is_main else None
+        logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
         start_round, data_position, step, sampler_rng, warned, no_signal = 0, 0, 0, None, [], {}
         totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
         if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
+            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
             start_round, data_position, step, sampler_rng = state["round"], state["data_position"], state["step"], state.get("sampler_rng")
             totals |= state["totals"]
             distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
             print(f"resumed from {args.resume}: round {start_round}, step {step}")
         if dist.is_main:
-            common.connect_weights(sampler, push_model, version=step)
-        mismatch_expected = common.mismatch_correction("auto", args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
+            launch.connect_weights(sampler, push_model, version=step)
+        mismatch_expected = checks.mismatch_correction("auto", args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
         rounds = Rounds(sampler, task, tokenizer, reward_model, args, dist, data_position, start_round, sampler_rng)
 
         eval_start = rounds.evaluate()
@@ -479,16 +479,16 @@ def main():
         if args.staleness:
             rounds.submit()  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
         loop_start = time.time() - totals["wall"]
-        progress = common.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
+        progress = util.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
         for round_index in range(start_round, args.num_rounds):
             last = round_index + 1 == args.num_rounds
             round_start = train_start = time.time()
             samples, problems = batch["samples"], batch["problems"]
             if round_index == start_round:  # what the sampler really sees (e.g. the chat template) and answers
                 print(f"example: {tokenizer.decode(samples[0].prompt_token_ids)!r} -> {samples[0].text!r}")
-            common.learner_threads(sampler)  # every core with --sync; one while the next batch generates
+            launch.learner_threads(sampler)  # every core with --sync; one while the next batch generates
             if args.sync:
-                common.check_sampler_version(samples, step)  # on-policy: generated by the weights the learner holds
+                checks.check_sampler_version(samples, step)  # on-policy: generated by the weights the learner holds
             lags = [step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]  # per token
             # fresh: the learner still holds this batch's sampling weights (sync: always; async: round 1, or after one without a step)
             fresh = all(s.version_min == s.version_max == step for s in samples)
@@ -499,7 +499,7 @@ def main():
             # ALGO LOGIC: pairs, the best and worst of each prompt's group; the reference's sequence logprobs
             rewards = rounds.rewards(batch)
             chosen, rejected, keep = select_pairs(rewards)
-            common.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
+            checks.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
             ref_logp = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
@@ -584,7 +584,7 @@ def main():
             }
             if diff_tokens:
                 metrics["charts/logprob_diff"] = diff_sum / diff_tokens
-                common.warn_logprob_diff(metrics["charts/logprob_diff"], mismatch_expected, warned)
+                checks.warn_logprob_diff(metrics["charts/logprob_diff"], mismatch_expected, warned)
             logger.log(step, metrics, echo=False)
             progress.update(1, step=step, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], dpo_acc=metrics["losses/dpo_accuracy"])
             progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
@@ -595,7 +595,7 @@ def main():
                 batch = following
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 # the data position of the first round not trained on yet: a round in flight is generated again on resume
-                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                        rounds.data_position if last else batch["position"], dist=dist, hf_model=push_model,
                                        tokenizer=tokenizer, round=round_index + 1, totals=totals, keep=args.keep_checkpoints,
                                        sampler_rng=rounds.checkpoint_rng(last))
@@ -604,7 +604,7 @@ def main():
         progress.close()
         eval_end = rounds.evaluate()
         logger.log(step, eval_end)
-        memory = common.peak_memory_mib(sampler)
+        memory = launch.peak_memory_mib(sampler)
     finally:
         if sampler is not None:
             sampler.close()

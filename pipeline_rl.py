@@ -42,7 +42,7 @@ import torch
 
 import common
 import tasks
-from fastrl import distributed, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Args:
     """the paper's G (conventional mode only; not the group size): optimizer steps per RL step, on B*G sequences generated at once"""
     train_batch_size: int = 64
     """B: sequences per optimizer step (a multiple of --group-size)"""
-    gen_batch_size: Annotated[int | None, common.help_default("B; conventional: B*G")] = None
+    gen_batch_size: Annotated[int | None, checks.help_default("B; conventional: B*G")] = None
     """H: sequences the sampler decodes at once (vLLM's max_num_seqs). Pipeline mode keeps H in flight (Algorithm 2, lines
     6-7). Section 4 ("Configuring PipelineRL") says to use the smallest H that produces enough training data: a larger H
     raises the generation latency t_gen and with it the lag, g_max = ceil(t_gen / t_train), and buys throughput only while
@@ -121,12 +121,12 @@ class Args:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
     on most weights"""
-    sampler_gpu_memory: Annotated[float | None, common.help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
+    sampler_gpu_memory: Annotated[float | None, checks.help_default("sized by the memory plan; under torchrun 0.3 beside the learner, 0.85 alone")] = None
     """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization)"""
     tis_cap: float = 5.0
     """c: token importance weights pi/mu are truncated at c (Eq. 5; the paper clamps at 5, Section 5). mu is the sampler's
     logprob by design (the logprob contract), so the same weight also corrects the training-inference mismatch"""
-    ess_threshold: Annotated[float | None, common.help_default("0.5; conventional: 0")] = None
+    ess_threshold: Annotated[float | None, checks.help_default("0.5; conventional: 0")] = None
     """skip a step whose batch ESS (Eq. 6) is below this and wait for a batch from the current weights (0: never). The guard
     is Algorithm 2's (lines 20-23; the paper gives no value); Algorithm 1 (Conventional RL) has none, so conventional mode
     runs without one unless this is set (then a skipped batch is dropped)"""
@@ -154,7 +154,7 @@ class Args:
     """prompt budget: longer prompts are skipped and counted [paper 512; tiny 64]"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
-    -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
+    -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
     long_tail: float = 0.0
@@ -214,13 +214,13 @@ class Args:
             ("--save-every", self.save_every >= 0, f"must be >= 0, got {self.save_every}"),
             ("--snapshot-every", self.snapshot_every >= 0, f"must be >= 0, got {self.snapshot_every}"),
         ]:
-            common.check_args(ok, flag, problem)
-        common.check_sampler_urls(self.sampler_url)
-        common.check_run_flags(self)
+            checks.check_args(ok, flag, problem)
+        checks.check_sampler_urls(self.sampler_url)
+        checks.check_run_flags(self)
 
 
 GPU = torch.cuda.is_available()
-# the defaults that differ for a real model (common.parse_args applies them unless --model tiny); on a GPU a real
+# the defaults that differ for a real model (checks.parse_args applies them unless --model tiny); on a GPU a real
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
 PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
              gradient_checkpointing=GPU)
@@ -443,7 +443,7 @@ class Actor:
         while len(keys) < count:
             key = self.data_position
             self.data_position += 1
-            _, ids, too_long = common.encode_prompts(self.tokenizer, [self.task.problem("train", key)], args.max_prompt_tokens,
+            _, ids, too_long = tasks.encode_prompts(self.tokenizer, [self.task.problem("train", key)], args.max_prompt_tokens,
                                                      args.chat_template)
             if too_long:  # longer than the context: counted in the log, not sent
                 self.totals["skipped_prompts"] += 1
@@ -545,7 +545,7 @@ def skip_metrics(stats: dict, totals: dict) -> dict:
 def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The run's summary: speed, ESS, lag, skips, and the held-out evaluation before and after."""
     label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
-    rows = common.read_metrics(logger.dir)
+    rows = runlog.read_metrics(logger.dir)
     ess_values = [r["charts/ess"] for r in rows if "charts/ess" in r and math.isfinite(r["charts/ess"])]  # every batch, skipped too
     lags = [r["charts/lag_mean"] for r in rows if "losses/loss" in r]  # the trained steps'
     logger.report(step, f"{label}: {args.num_steps} steps of {args.train_batch_size} sequences",
@@ -557,25 +557,25 @@ def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_e
 
 
 def main():
-    args = mode_defaults(common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
+    args = mode_defaults(checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
-    run_name = common.run_name(args.exp_name, args.seed, args.resume)
+    run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
-    model_path, args.sampler_gpu_memory = common.check_model(args, "pipeline")  # the model fits the flags; on a GPU, the memory plan
+    model_path, args.sampler_gpu_memory = checks.check_model(args, "pipeline", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = launch.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=args.sampler_gpu_memory,
                                    max_model_len=args.max_prompt_tokens + args.max_new_tokens, max_num_seqs=args.gen_batch_size,
                                    urls=args.sampler_url, verbose=args.verbose, wait=False,
-                                   threads=common.sampler_threads(args.sampler_threads, overlapped=args.mode == "pipeline"),
+                                   threads=launch.sampler_threads(args.sampler_threads, overlapped=args.mode == "pipeline"),
                                    ) if dist.is_main else None
     try:
-        common.set_seed(args.seed)
-        common.limit_cpu_threads()
-        tokenizer = common.load_tokenizer(model_path)
-        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
+        util.set_seed(args.seed)
+        launch.limit_cpu_threads()
+        tokenizer = util.load_tokenizer(model_path)
+        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
                                prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
-        common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+        tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
         policy = common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype))
         if args.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -586,22 +586,22 @@ def main():
         policy = distributed.shard(policy, dist)
         ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
         optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
         shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
 
         step, data_position = 0, 0
         totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
         if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
+            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
             step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
             distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
             print(f"resumed from {args.resume}: step {step}")
-        example = common.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
+        example = tasks.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
         if example:
             print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
         if dist.is_main:  # pipeline mode pushes from a thread: the trainer goes on with the next batch while the sampler loads
-            common.connect_weights(sampler, push_model, version=step, background_push=args.mode == "pipeline" and args.background_push)
+            launch.connect_weights(sampler, push_model, version=step, background_push=args.mode == "pipeline" and args.background_push)
         actor = Actor(sampler, task, tokenizer, args, data_position, totals) if dist.is_main else None
         nonfinite_in_a_row, no_signal = 0, {}  # no_signal: warn_no_learning's counts
         gathered_step = step  # the step whose weights push_model holds (under torchrun it is gathered, not the policy itself)
@@ -613,11 +613,11 @@ def main():
             problems = [task.problem("train", key) for key, _ in batch]
             samples = [c for _, g in batch for c in g]
             rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
-            common.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
+            launch.learner_threads(sampler)  # every core in Conventional RL's training phase; one beside the pipeline's sampler
             stats = train_step(policy, ref_policy, optimizer, samples, rewards, step, args, tokenizer.pad_token_id, dist)
             patience = min(10, args.num_steps)
-            common.warn_no_learning(stats["advantages"], "every advantage is 0 (each prompt's rewards tie, or --group-size 1)", no_signal, patience)
-            common.warn_no_learning(stats["outcome"] == "trained", "no optimizer step (the ESS guard or a non-finite loss skipped it)", no_signal,
+            checks.warn_no_learning(stats["advantages"], "every advantage is 0 (each prompt's rewards tie, or --group-size 1)", no_signal, patience)
+            checks.warn_no_learning(stats["outcome"] == "trained", "no optimizer step (the ESS guard or a non-finite loss skipped it)", no_signal,
                                     patience)
             stats["accuracy"] = float(np.mean([task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]))
             return stats
@@ -667,12 +667,12 @@ def main():
                     logger.snapshot(step, push_model)
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):  # (every rank; rank 0 writes)
                 gather()
-                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                        actor.data_position if actor else data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer,
                                        totals=totals, keep=args.keep_checkpoints)
 
         def evaluate():
-            return common.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+            return tasks.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                    args.chat_template, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
         eval_start = evaluate() if dist.is_main else {}
@@ -680,7 +680,7 @@ def main():
         if dist.is_main and args.snapshot_every and step == 0:
             logger.snapshot(step, push_model)  # time 0 of the learning curve
         loop_start = time.time() - totals["wall"]
-        progress = common.Progress(args.num_steps, "train", unit="step", initial=step, show=dist.is_main)
+        progress = util.Progress(args.num_steps, "train", unit="step", initial=step, show=dist.is_main)
         while step < args.num_steps:
             if args.mode == "pipeline":
                 # ALGO LOGIC: PipelineRL (Algorithm 2): the actor keeps H sequences in flight; the trainer takes the B oldest
@@ -715,7 +715,7 @@ def main():
         progress.close()
         eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
-        memory = common.peak_memory_mib(sampler)
+        memory = launch.peak_memory_mib(sampler)
     finally:
         if sampler is not None:
             sampler.close()

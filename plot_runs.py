@@ -3,7 +3,7 @@
     python plot_runs.py runs/dpo_bench_sync__1__* runs/dpo_bench_async__1__* --x wall
     python plot_runs.py runs/ksweep_k1__* runs/ksweep_k4__* --x samples --metrics charts/reward eval/pass@1 --smooth 5
 
-Each run directory holds the metrics.jsonl that common.RunLogger writes: one JSON object per
+Each run directory holds the metrics.jsonl that runlog.RunLogger writes: one JSON object per
 log call with "step", "wall" and the metrics of that call. Training rows and eval rows are
 separate rows, so a metric's curve uses only the rows that have a finite value for it.
 
@@ -29,7 +29,7 @@ import tyro
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-import common
+from fastrl import runlog
 
 COUNTER = "charts/episodes"  # the cumulative sample counter every script logs
 X_LABELS = dict(wall="wall-clock seconds since run start", step="learner step", samples="training samples (cumulative)")
@@ -115,7 +115,7 @@ def plot(run_dirs, metrics, x="wall", out="plot.png", labels=None, smooth=1) -> 
     # ---- read every run; then every (metric, run) series ----
     runs = []
     for run_dir in run_dirs:
-        rows = common.read_metrics(run_dir)
+        rows = runlog.read_metrics(run_dir)
         runs.append((rows, x_axis(rows, x, run_dir)))
     data = {metric: [(label, *series(rows, xs, metric)) for label, (rows, xs) in zip(labels, runs)] for metric in metrics}
     for metric, lines in data.items():

@@ -61,7 +61,7 @@ from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
 import tasks
-from fastrl import distributed, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 ON_GPU = torch.cuda.is_available()
 
@@ -111,7 +111,7 @@ class Args:
     in bf16 an Adam step of lr 3e-6 rounds away on most weights. The reward model keeps its checkpoint's dtype"""
     chat_template: bool = False
     """wrap each prompt as a user turn in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a
-    name ending in -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
+    name ending in -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
 
@@ -256,8 +256,8 @@ class Args:
             (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
             (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
         ]:
-            common.check_args(ok, flag, message)
-        common.check_sampler_urls(self.sampler_url)
+            checks.check_args(ok, flag, message)
+        checks.check_sampler_urls(self.sampler_url)
 
 
 # a real model's defaults (the paper's and TRL's), where they differ from the tiny model's above
@@ -547,7 +547,7 @@ class OPPOBuffer:
         Prompts longer than --max-prompt-tokens are not sent: returns how many were skipped."""
         args, keys = self.args, list(keys)
         candidates = [self.task.problem("train", k) for k in keys]
-        problems, prompts, skipped = common.encode_prompts(self.tokenizer, candidates, args.max_prompt_tokens, chat_template=args.chat_template)
+        problems, prompts, skipped = tasks.encode_prompts(self.tokenizer, candidates, args.max_prompt_tokens, chat_template=args.chat_template)
         kept = {id(p) for p in problems}
         keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
         per_prompt = [{} for _ in prompts]
@@ -686,12 +686,12 @@ def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str |
     checkpoint's dtype."""
     policy = common.load_policy(model_path, device, dtype=dtype)
     critic_path = critic_model or reward_model or model_path  # a reward model already reads whole responses into one score
-    critic = common.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path, num_labels=1,
+    critic = util.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path, num_labels=1,
                             flag="--critic-model" if critic_model else "--reward-model" if reward_model else "--model", dtype=dtype).to(device)
     ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
     rm = None
     if reward_model:
-        rm = common.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1, dtype="auto")
+        rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1, dtype="auto")
         rm = rm.to(device).eval().requires_grad_(False)
     return policy, critic, ref_policy, rm
 
@@ -717,20 +717,20 @@ def load_task(args: Args, model_path: str):
     """The tokenizer and the task, with the checks that read the tokenizer (while the sampler starts; a failure closes it):
     the reward and critic models on the policy's tokenizer (the downstream models read the actor's token ids as they
     stream), prompts that fit --max-prompt-tokens."""
-    tokenizer = common.load_tokenizer(model_path)
+    tokenizer = util.load_tokenizer(model_path)
     for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
-        common.check_args(path is None or common.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
+        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
                           "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward, prompt_field=args.prompt_field,
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward, prompt_field=args.prompt_field,
                            answer_field=args.answer_field, system_prompt=args.system_prompt)
-    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     return tokenizer, task
 
 
 def report(logger, args: Args, step: int, wall: float, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The end of the run: its line of the paper's Figure 6 (seconds per round, by stage), pass@k and peak memory."""
     label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
-    rows = [r for r in common.read_metrics(logger.dir) if "time/round_seconds" in r]
+    rows = [r for r in runlog.read_metrics(logger.dir) if "time/round_seconds" in r]
     mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
     logger.report(step, f"{label}: {args.num_rounds} rounds of {args.batch_size} sequences, {args.num_ppo_epochs} epochs x "
                   f"{args.num_minibatches} minibatches (seconds per round)",
@@ -750,33 +750,33 @@ def scheduled_learning_rate(learning_rate: float, schedule: str, iteration: int,
 
 
 def main():
-    args = common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
+    args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
-    common.check_run_flags(args)
+    checks.check_run_flags(args)
     B = args.batch_size
     delta, max_delta = (args.delta, args.delta_max) if args.inter else (0, 0)
     eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
     # old logprobs at the learner's precision whenever the sampler's differs; the sampler's enter only the correction
-    tis_on = common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
-    run_name = common.run_name(args.exp_name, args.seed, args.resume)
+    tis_on = checks.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
+    run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
 
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, OPPO buffer, logger, checkpoints)
     # intra prefills the streamed chunks on rank 0 while it generates; a sharded model's forward needs every rank
-    distributed.from_main(lambda: common.check_args(not (args.intra and dist.enabled), "--intra",
+    distributed.from_main(lambda: checks.check_args(not (args.intra and dist.enabled), "--intra",
                                                     "the intra-step overlap runs on one process only; under torchrun add --no-intra"), dist)
     distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", dist)
-    model_path, sampler_gpu_memory = common.check_model(args, "ppo")  # the model fits the flags; on a GPU, the memory plan
+    model_path, sampler_gpu_memory = checks.check_model(args, "ppo", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = launch.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
                                    max_num_seqs=B + max_delta, urls=args.sampler_url, verbose=args.verbose, wait=False,
-                                   threads=common.sampler_threads(args.sampler_threads, overlapped=args.intra)) if dist.is_main else None
+                                   threads=launch.sampler_threads(args.sampler_threads, overlapped=args.intra)) if dist.is_main else None
     try:
-        common.set_seed(args.seed)
-        common.limit_cpu_threads()
+        util.set_seed(args.seed)
+        launch.limit_cpu_threads()
         tokenizer, task = load_task(args, model_path)
         policy, downstream, push_model, learner, optimizer = load_learner(args, model_path, dist)
-        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
         rounds, version, data_position, carried_keys, reward_history = 0, 0, 0, [], []
         (chunk, candidates), trial_seconds = chunk_sizes(args), {}  # trial_seconds: the chunk tuner's timings
@@ -784,7 +784,7 @@ def main():
         # without inter, the sampler's generators between rounds (for an exact resume); the logprob_diff warning, once
         sampler_rng, warned, no_signal = None, [], {}  # no_signal: warn_no_learning's counts
         if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = common.load_checkpoint(args.resume, learner, optimizer, dist=dist,
+            state = runlog.load_checkpoint(args.resume, learner, optimizer, dist=dist,
                                            required=("round", "totals", "delta", "chunk", "reward_history", "carried_keys"))
             distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
             rounds, version, data_position, sampler_rng = state["round"], state["step"], state["data_position"], state.get("sampler_rng")
@@ -792,12 +792,12 @@ def main():
             delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
             print(f"resumed from {args.resume}: round {rounds}, {len(carried_keys)} unfinished prompts resubmitted")
         if dist.is_main:
-            common.connect_weights(sampler, push_model, version=version)
+            launch.connect_weights(sampler, push_model, version=version)
         pushed_version = version  # what the sampler holds
         oppo = OPPOBuffer(sampler, task, tokenizer, downstream, args, chunk)
         processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
         hyperparameters = dict(clip_coef=args.clip_coef, vf_clip=args.vf_clip, vf_coef=args.vf_coef, bf16=args.autocast_bf16, **processing)
-        evaluate = functools.partial(common.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+        evaluate = functools.partial(tasks.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                      chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
 
         eval_start = evaluate() if dist.is_main else {}
@@ -809,7 +809,7 @@ def main():
         if dist.is_main:
             totals["skipped_prompts"] += oppo.admit(carried_keys, rounds)  # a resumed run continues the prompts that were in flight
         loop_start = time.time() - totals["wall"]
-        progress = common.Progress(args.num_rounds, "train", unit="round", initial=rounds, show=dist.is_main)
+        progress = util.Progress(args.num_rounds, "train", unit="round", initial=rounds, show=dist.is_main)
         while rounds < args.num_rounds:
             round_start = time.time()
             batch, unfinished, generate_seconds, hidden_score = None, 0, 0.0, 0.0
@@ -829,7 +829,7 @@ def main():
                 for r in oppo.inflight.values():  # the critic changed in the last update: carried sequences re-prefill it
                     r.prefix["critic"] = Prefix()  # (reference and reward model are frozen, their caches stay valid)
                 # ALGO LOGIC: Stage 2, generate until B sequences have finished; intra: score the chunks meanwhile
-                common.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
+                launch.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
                 while len(oppo.finished) < B:
                     oppo.receive(timeout=0.0 if args.intra else 0.05)
                     if args.intra:
@@ -845,7 +845,7 @@ def main():
                 batch = oppo.take(B)
             batch = distributed.broadcast(batch, dist)  # every rank trains on the batch
             # ALGO LOGIC: Stage 3, score what is left (intra: the last chunks; otherwise all), then PPO
-            common.learner_threads(sampler)  # every core: the sampler is paused (carried sequences) or done
+            launch.learner_threads(sampler)  # every core: the sampler is paused (carried sequences) or done
             score_start = time.time()
             mine = oppo.score_batch(batch, dist)
             exposed_score = time.time() - score_start
@@ -853,12 +853,12 @@ def main():
             scores, ref_logp, values = read_scores(batch, downstream, task, mine, dist)
             no_eos = torch.tensor([r.final.finish_reason != "stop" for r in batch], dtype=torch.float32)
             scores = scores - eos_penalty * no_eos
-            common.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same: the reward tells none apart",
+            checks.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same: the reward tells none apart",
                                     no_signal, min(10, args.num_rounds))
             lengths = [len(r.response) for r in batch]
             mask, sampler_logp, fresh = sampler_rows(batch, version)
             if not args.inter:  # plain PPO and intra alone: every token by the weights the learner holds
-                common.check_sampler_version([r.final for r in batch], version)
+                checks.check_sampler_version([r.final for r in batch], version)
             lags = [version - v for r in batch for v, s, e in r.final.versions for _ in range(e - s)]  # before this round's updates
             data = learner_batch(batch, tokenizer.pad_token_id, dist.device)
             old_logp, weights, tis = sampler_logp, None, {}  # same precision on both sides: the sampler's logprobs are the learner's
@@ -967,7 +967,7 @@ def main():
                 "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
                 **({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]} if tis_on else {}),
             }
-            common.warn_logprob_diff(metrics["charts/logprob_diff"], tis_on, warned)
+            checks.warn_logprob_diff(metrics["charts/logprob_diff"], tis_on, warned)
             logger.log(version, metrics, echo=False)
             progress.update(1, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], kl=metrics["charts/kl"], delta=delta)
             if rounds == 1:  # what the model really sees (chat template, special tokens) and writes
@@ -980,7 +980,7 @@ def main():
             if dist.is_main and args.snapshot_every and rounds % args.snapshot_every == 0:
                 logger.snapshot(version, push_model)
             if rounds == args.num_rounds or (args.save_every and rounds % args.save_every == 0):  # (every rank; rank 0 writes)
-                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version, data_position,
+                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version, data_position,
                                        dist=dist, hf_model=push_model, tokenizer=tokenizer, round=rounds, totals=totals, delta=delta, chunk=chunk,
                                        reward_history=reward_history, carried_keys=[r.key for r in oppo.inflight.values()],
                                        keep=args.keep_checkpoints,  # without inter nothing is in flight: what the next round draws from
@@ -991,7 +991,7 @@ def main():
             sampler.abort(list(sampler.pending))
             eval_end = evaluate()
         logger.log(version, eval_end)
-        memory = common.peak_memory_mib(sampler)
+        memory = launch.peak_memory_mib(sampler)
     finally:
         if sampler is not None:
             sampler.close()

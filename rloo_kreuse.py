@@ -24,7 +24,7 @@ import torch
 
 import common
 import tasks
-from fastrl import distributed, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 ON_GPU = torch.cuda.is_available()
 
@@ -116,7 +116,7 @@ class Args:
     --iw-level K-reuse's own weights use"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
-    -Instruct, -it or -Chat: common.instruct_model), off otherwise"""
+    -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""
     system_prompt: str | None = None
     """the system turn under --chat-template, instead of the task's own ("" for none)"""
     overlap: bool = False
@@ -182,8 +182,8 @@ class Args:
             (self.sampler_threads >= 0, "--sampler-threads", f"must be >= 0, got {self.sampler_threads}"),
             (self.eval_samples >= 1 and self.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1"),
         ]:
-            common.check_args(ok, flag, message)
-        common.check_sampler_urls(self.sampler_url)
+            checks.check_args(ok, flag, message)
+        checks.check_sampler_urls(self.sampler_url)
 
 
 # a real model's defaults (the paper's v3 setup), where they differ from the tiny model's above
@@ -362,7 +362,7 @@ class Rounds:
         """Send the next --num-prompts problems, --group-size samples each; returns what collect() waits for."""
         a = self.args
         problems = [self.task.problem("train", self.position + i) for i in range(a.num_prompts)]
-        problems, prompts, skipped = common.encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
+        problems, prompts, skipped = tasks.encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
         self.position += a.num_prompts
         ids = self.sampler.submit(prompts, n=a.group_size, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
         return problems, ids, skipped, time.perf_counter()
@@ -376,20 +376,20 @@ class Rounds:
 def mismatch_correction_on(args: Args) -> bool:
     """--tis: whether the sampler's logprobs enter only the truncated IS weight (pi_theta0 is then the learner's)."""
     learner_bf16 = args.autocast_bf16 or args.dtype == "bfloat16"
-    differs = common.mismatch_correction("auto", args.sampler_dtype, args.placement, learner_bf16)
+    differs = checks.mismatch_correction("auto", args.sampler_dtype, args.placement, learner_bf16)
     if args.overlap and args.tis == "auto" and differs:
         print("note: --overlap with a sampler whose precision differs from the learner's: log pi_theta0 is the sampler's "
               "(the learner no longer holds the sampling weights), so K-reuse's weights include the mismatch")
-    return not args.overlap and common.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
+    return not args.overlap and checks.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
 
 
 def load_task(args: Args, model_path: str):
     """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
     while the sampler starts, and a failure closes it)."""
-    tokenizer = common.load_tokenizer(model_path)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == common.TINY, reward=args.reward,
+    tokenizer = util.load_tokenizer(model_path)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
                            prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
-    common.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     return tokenizer, task
 
 
@@ -414,7 +414,7 @@ def resume(args: Args, policy, optimizer, push_model, dist):
     Adam and the RNGs, and return (round, data position, step, timing, the sampler's generators); a new run starts at 0."""
     if not args.resume:
         return 0, 0, 0, dict(sample=0.0, update=0.0, wall=0.0), None
-    state = common.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "timing"))
+    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "timing"))
     distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
     print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
     return state["round"], state["data_position"], state["step"], state["timing"], state.get("sampler_rng")
@@ -429,6 +429,43 @@ def sample_metrics(samples, rewards, correct: float, mask, skipped: int, version
             "charts/lag_max": max(lags)}
 
 
+def round_metrics(samples, rewards, correct: float, batch: Batch, skipped: int, round_start_step: int, loss, out: dict,
+                  grad_norms: list, iw_means: list, ess_values: list, kl_value: float, logprob_diff: float, tis_stats: dict,
+                  nonfinite_skipped: int, seconds: tuple) -> dict:
+    """One round's metrics: its samples (sample_metrics), the last k-step's losses, the mean gradient norm and each
+    k-step's mean importance weight and ESS, charts/kl, the mismatch correction's statistics and the seconds of generating, training and pushing."""
+    metrics = sample_metrics(samples, rewards, correct, batch.mask, skipped, round_start_step) | {
+        "charts/ess": min(ess_values, default=float("nan")), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
+        "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
+        "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
+        **dict(zip(("time/generate_seconds", "time/train_seconds", "time/push_seconds"), seconds)),
+    }
+    if math.isfinite(logprob_diff):
+        metrics["charts/logprob_diff"] = logprob_diff
+    metrics |= {f"charts/tis_{k}": v for k, v in tis_stats.items()}  # charts/tis_max_ratio, charts/tis_truncated_fraction
+    metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
+    return metrics | {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
+
+
+def throughput(episodes: int, new_episodes: int, step: int, timing: dict, resumed_wall: float) -> dict:
+    """Episodes so far, and per second of this process's loop (new_episodes: since it started or resumed); the share
+    of the loop's time spent waiting for samples; optimizer steps per second."""
+    return {"charts/episodes": episodes, "charts/episodes_per_second": new_episodes / max(timing["wall"] - resumed_wall, 1e-9),
+            "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
+            "time/grad_steps_per_second": step / max(timing["wall"], 1e-9)}
+
+
+def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
+    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and one line per round."""
+    logger.log(step, metrics, echo=False)
+    progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(metrics["charts/accuracy"]), kl=metrics["charts/kl"])
+    iw_means = [v for k, v in metrics.items() if k.startswith("charts/iw_mean_k")]
+    progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
+                   f"acc {metrics['charts/accuracy']:.3f} kl {metrics['charts/kl']:.3f} ent {metrics['losses/entropy']:.3f} "
+                   f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess']:.2f} "
+                   f"sample {metrics['time/generate_seconds']:.2f}s update {metrics['time/train_seconds']:.2f}s")
+
+
 def report(logger, args: Args, step: int, timing: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The end of the run: its line of the paper's Table 2 and the held-out pass@k of Table 4."""
     wall, sample, update = timing["wall"], timing["sample"], timing["update"]
@@ -439,37 +476,36 @@ def report(logger, args: Args, step: int, timing: dict, eval_start: dict, eval_e
 
 
 def main():
-    args = common.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
+    args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
-    common.check_run_flags(args)
+    checks.check_run_flags(args)
     tis_on = mismatch_correction_on(args)
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
-    tis_level = args.tis_level  # independent of --iw-level: the mismatch correction is not K-reuse's weight
     batch_size = args.num_prompts * args.group_size  # episodes per round
-    run_name = common.run_name(args.exp_name, args.seed, args.resume)
+    run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
 
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
-    model_path, sampler_gpu_memory = common.check_model(args, "rloo")  # the model fits the flags; on a GPU, the memory plan
+    model_path, sampler_gpu_memory = checks.check_model(args, "rloo", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
-    sampler = common.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+    sampler = launch.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                   urls=args.sampler_url, threads=common.sampler_threads(args.sampler_threads, overlapped=args.overlap),
+                                   urls=args.sampler_url, threads=launch.sampler_threads(args.sampler_threads, overlapped=args.overlap),
                                    verbose=args.verbose, wait=False) if dist.is_main else None
     try:
-        common.set_seed(args.seed)
-        common.limit_cpu_threads()
+        util.set_seed(args.seed)
+        launch.limit_cpu_threads()
         tokenizer, task = load_task(args, model_path)
         policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
-        logger = common.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
+        logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
         # sampler_rng: the sampler's generators between two rounds, so a resumed synchronous run samples as an uninterrupted one
         start_round, data_position, step, timing, sampler_rng = resume(args, policy, optimizer, push_model, dist)
         nonfinite_skipped, warned, no_signal = 0, [], {}  # warned: the logprob_diff warning, once; no_signal: warn_no_learning's
         if dist.is_main:
-            common.connect_weights(sampler, push_model, version=step)
+            launch.connect_weights(sampler, push_model, version=step)
         rounds = Rounds(sampler, task, tokenizer, args, data_position)
         # pass@k on the held-out split, sampling as in training (Table 4 protocol)
-        evaluate = functools.partial(common.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples,
+        evaluate = functools.partial(tasks.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples,
                                      args.max_prompt_tokens, args.chat_template, temperature=args.temperature, top_p=args.top_p,
                                      max_tokens=args.max_new_tokens)
         # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
@@ -485,12 +521,12 @@ def main():
             sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
         pending = rounds.submit() if dist.is_main else None
         loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
-        progress = common.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
+        progress = util.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
         for round_index in range(start_round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start = time.perf_counter()
             problems, samples, skipped, generated_in = distributed.broadcast(rounds.collect(pending) if dist.is_main else None, dist)
-            common.check_sampler_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or one round behind
+            checks.check_sampler_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or one round behind
             if dist.is_main and not args.overlap and hasattr(sampler, "rng_state"):
                 sampler_rng = sampler.rng_state()  # nothing generating now: what the next round will draw from
             sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
@@ -499,7 +535,7 @@ def main():
                 pending = rounds.submit()  # generated with the current weights while we update
 
             update_start = time.perf_counter()
-            common.learner_threads(sampler)  # every core in a synchronous round; one while the next round generates
+            launch.learner_threads(sampler)  # every core in a synchronous round; one while the next round generates
             # ALGO LOGIC: rewards, pi_theta0 and pi_ref of the sampled tokens, leave-one-out advantages
             rewards = torch.tensor([task.reward(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
@@ -507,11 +543,10 @@ def main():
             batch.ref_logp = batch.logprobs(ref_policy, **no_grad) if ref_policy is not None else None
             # log pi_theta0: the learner's own recomputation (--tis on, --recompute-old-logprobs), or the sampler's logprobs
             batch.old_logp = batch.logprobs(policy, **no_grad) if recompute_old_logprobs else batch.sampler_logp
-            batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, tis_level, args.tis_cap)
+            batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level, args.tis_cap)
                                     if tis_on else (None, {}))
             # charts/kl, the same in every script: k3 of the sampled responses (common.sampled_kl), whatever the penalty's estimator
             kl_value = common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item() if ref_policy is not None else math.nan
-            rewards_on_device = rewards.to(dist.device)
             shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
 
@@ -521,11 +556,10 @@ def main():
             for k_step in range(args.k):
                 # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
                 current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
-                batch.advantages = shaped_advantages(rewards_on_device, current_logp, batch.ref_logp, batch.mask, **shaping)
+                batch.advantages = shaped_advantages(rewards.to(dist.device), current_logp, batch.ref_logp, batch.mask, **shaping)
                 if k_step == 0:
-                    common.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or "
+                    checks.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or "
                                             "--group-size 1)", no_signal, min(10, args.num_rounds))
-                # k-step 1 on fresh weights: |learner - sampler| logprobs, the first thing to look at when training goes wrong
                 # the update: each micro-batch's loss backpropagated with its share of the batch mean, so the gradients
                 # accumulate to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
@@ -542,7 +576,7 @@ def main():
                 if stepped:
                     optimizer.step()
                 optimizer.zero_grad()
-                if fresh and k_step == 0:
+                if fresh and k_step == 0:  # |learner - sampler| logprobs, the first thing to look at when training goes wrong
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
                 if not stepped:  # a NaN/inf never reaches the weights nor Adam (nor the sampler, nor a checkpoint): skip, count, go on
                     nonfinite_skipped += 1
@@ -563,40 +597,23 @@ def main():
                 logger.snapshot(step, push_model)
             timing["wall"] = time.perf_counter() - loop_start
 
-            metrics = sample_metrics(samples, rewards, correct, batch.mask, skipped, round_start_step) | {
-                "charts/episodes": (round_index + 1) * batch_size, "charts/ess": min(ess_values, default=float("nan")),
-                "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
-                "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
-                "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
-                "time/generate_seconds": sample_seconds, "time/train_seconds": update_seconds, "time/push_seconds": push_seconds,
-                "charts/episodes_per_second": (round_index + 1 - start_round) * batch_size / max(timing["wall"] - resumed_wall, 1e-9),
-                "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
-                "time/grad_steps_per_second": step / max(timing["wall"], 1e-9),
-            }
-            if math.isfinite(logprob_diff):
-                metrics["charts/logprob_diff"] = logprob_diff
-                common.warn_logprob_diff(logprob_diff, tis_on, warned)
-            metrics |= {f"charts/tis_{k}": v for k, v in tis_stats.items()}  # charts/tis_max_ratio, charts/tis_truncated_fraction
-            metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
-            metrics |= {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
-            logger.log(step, metrics, echo=False)
-            progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(correct), kl=kl_value)
-            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} acc {correct:.3f} "
-                           f"kl {kl_value:.3f} ent {metrics['losses/entropy']:.3f} iw {' '.join(f'{w:.2f}' for w in iw_means)} "
-                           f"ess {metrics['charts/ess']:.2f} sample {sample_seconds:.2f}s update {update_seconds:.2f}s")
+            metrics = round_metrics(samples, rewards, correct, batch, skipped, round_start_step, loss, out, grad_norms, iw_means, ess_values,
+                                    kl_value, logprob_diff, tis_stats, nonfinite_skipped, (sample_seconds, update_seconds, push_seconds))
+            metrics |= throughput((round_index + 1) * batch_size, (round_index + 1 - start_round) * batch_size, step, timing, resumed_wall)
+            checks.warn_logprob_diff(logprob_diff, tis_on, warned)  # (a NaN: not measured this round)
+            log_round(logger, progress, args, round_index, step, metrics)
 
-            last = round_index + 1 == args.num_rounds
-            if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and not last:
+            if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and round_index + 1 < args.num_rounds:
                 logger.log(step, evaluate())
-            if last or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
-                common.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
+            if round_index + 1 == args.num_rounds or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
+                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
                                        rounds.position, dist=dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
                                        timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
 
         progress.close()
         eval_end = evaluate() if dist.is_main else {}
         logger.log(step, eval_end)
-        memory = common.peak_memory_mib(sampler)
+        memory = launch.peak_memory_mib(sampler)
     finally:
         if sampler is not None:
             sampler.close()

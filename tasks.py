@@ -1,4 +1,6 @@
-"""Tasks and rewards: what the model is asked and how an answer is scored.
+"""Tasks and rewards: what the model is asked and how an answer is scored; the prompts' tokens
+(encode_prompts, in a chat template or not), a reward model's scores (RewardModel) and held-out
+pass@k (evaluate).
 
 - Countdown (TinyZero's task): reach a target with + - * / using each given number once; the
   answer is the last <answer>...</answer>; 1 if right, 0.1 if well-formed but wrong, 0 if absent.
@@ -27,14 +29,20 @@ import ast
 import dataclasses
 import hashlib
 import json
+import math
 import random
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from fastrl.util import Progress, load_hf, load_tokenizer
+
+if TYPE_CHECKING:  # annotations only
+    from fastrl.vllm_sampler import Completion, Sampler
 
 COUNTDOWN_FORMAT_SCORE = 0.1  # TinyZero: a well-formed but wrong answer
 HELD_OUT_SEED = 0  # the test split's seed, whatever --seed is (0: the split the tests and the tiny model's checks always used)
@@ -154,7 +162,7 @@ class Problem:
     target: int = 0
     answer: str = ""  # a known solution (Countdown) or the reference answer (GSM8K)
     steps: list[str] = field(default_factory=list)  # Countdown: the known solution's steps, "a*b=c"
-    # under --chat-template (common.encode_prompts): the system turn, the user turn (empty: the prompt) and the start of
+    # under --chat-template (tasks.encode_prompts): the system turn, the user turn (empty: the prompt) and the start of
     # the assistant's reply that the model continues (empty: none)
     system: str = ""
     user: str = ""
@@ -563,3 +571,104 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
     raise SystemExit(f"error: --task: unknown task {name!r}: one of {', '.join(BUILT_IN)}, a .jsonl file or hf:DATASET")
 
 
+# --------------------------------------------------------------------------------------
+# Prompts, the reward model and held-out evaluation
+# --------------------------------------------------------------------------------------
+
+
+class RewardModel:
+    """Any HF AutoModelForSequenceClassification with num_labels=1, scored in batches."""
+
+    def __init__(self, path: str, device: str = "cpu", batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification
+
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()  # pad: EOS if none
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device, self.batch_size = device, batch_size
+
+    def conversations(self, problems: list[Problem], completions: list[str]) -> list[str]:
+        """What the reward model reads: the exchange in its own chat template when its tokenizer has one
+        (the user turn, and the reply with the start the task gave it), else the prompt and the completion."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            return [p.prompt + c for p, c in zip(problems, completions)]
+        return [self.tokenizer.apply_chat_template([{"role": "user", "content": p.user or p.prompt},
+                                                    {"role": "assistant", "content": p.assistant_start + c}], tokenize=False)
+                for p, c in zip(problems, completions)]
+
+    def score(self, texts: list[str]) -> list[float]:
+        import torch
+
+        scores: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True, truncation=True)
+            with torch.no_grad():
+                logits = self.model(**batch.to(self.device)).logits
+            scores += logits[:, 0].float().tolist()
+        return scores
+
+
+def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
+                   chat_template: bool = False) -> tuple[list[Problem], list[list[int]], int]:
+    """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`.
+    `chat_template` (instruct models): the problem's system turn (if any) and user turn (its `user`,
+    else its prompt) in the tokenizer's chat template with the assistant's generation prompt, then the
+    start of the assistant's reply the task gives (TinyZero's instruct setting: "Let me solve this step
+    by step.\n<think>"), which the model continues. Returns the kept problems, their token ids and how
+    many were skipped (log it)."""
+    kept, ids = [], []
+    for problem in problems:
+        if chat_template:
+            messages = [{"role": "system", "content": problem.system}] if problem.system else []
+            messages.append({"role": "user", "content": problem.user or problem.prompt})
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + problem.assistant_start
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has its own special tokens
+        else:
+            tokens = tokenizer(problem.prompt, add_special_tokens=True)["input_ids"]
+        if len(tokens) <= max_prompt_tokens:
+            kept.append(problem)
+            ids.append(list(tokens))
+    return kept, ids, len(problems) - len(kept)
+
+
+def check_prompts_fit(tokenizer, task, max_prompt_tokens: int, chat_template: bool = False, sample: int = 64) -> None:
+    """Stop with one line when none of the first `sample` training prompts fits the prompt budget:
+    every round would skip all of its prompts (a silent loop or an empty batch otherwise)."""
+    problems = [task.problem("train", i) for i in range(sample)]
+    kept, ids, _ = encode_prompts(tokenizer, problems, max_prompt_tokens, chat_template)
+    if not kept:
+        shortest = min(len(encode_prompts(tokenizer, [p], 10**9, chat_template)[1][0]) for p in problems)
+        raise SystemExit(f"error: --model/--task: every prompt is longer than the prompt budget of {max_prompt_tokens} tokens "
+                         f"(the shortest of the first {sample} has {shortest}); use a model with a longer context or shorter prompts")
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    return 1.0 if num_samples - num_correct < k else 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+
+
+def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, samples_per_problem: int, max_prompt_tokens: int,
+             chat_template: bool = False, **sampling) -> dict[str, float]:
+    """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems` held-out
+    problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
+    weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
+    progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
+    if num_problems is None:
+        num_problems = len(task.test)
+    problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)], max_prompt_tokens,
+                                          chat_template)
+    ids = sampler.submit(prompts, n=samples_per_problem, **sampling)
+    samples: list[Completion] = []
+    with Progress(len(ids), "eval", unit="sample", leave=False) as progress:
+        for start in range(0, len(ids), part := max(1, math.ceil(len(ids) / 20))):
+            samples += sampler.wait_for(ids[start:start + part])
+            progress.update(len(ids[start:start + part]))
+    correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
+               for i, p in enumerate(problems)]
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in eval_ks(samples_per_problem)} | {
+        "eval/problems": float(len(correct)), "eval/samples": float(samples_per_problem)}
+
+
+def eval_ks(samples_per_problem: int) -> list[int]:
+    """The k of pass@k that n samples per problem allow: the powers of two up to n, and n itself (n = 6: 1, 2, 4, 6)."""
+    return sorted({2**i for i in range(samples_per_problem.bit_length())} | {samples_per_problem})

@@ -17,7 +17,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+from fastrl import launch, runlog  # noqa: E402
 
 
 @dataclass
@@ -36,7 +36,7 @@ def run(mode: str, args: Args) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rows = common.read_metrics(run_dir)
+    rows = runlog.read_metrics(run_dir)
     rounds = [r for r in rows if "time/step_seconds" in r][:-1]  # the last round has no next generation
     accuracy = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
     return dict(mode=mode, step=np.mean([r["time/step_seconds"] for r in rounds]), G=np.mean([r["time/generate_seconds"] for r in rounds]),
@@ -59,7 +59,7 @@ def main():
     saved = sync["step"] - asyn["step"]
     print(f"\nasync saves {saved:.3f} s per round of an ideal {ideal:.3f} s ({100 * saved / ideal:.0f}%; target >= 80%)")
     print(f"generation is {100 * sync['G'] / sync['step']:.0f}% of a synchronous round")
-    # last: against the best baseline, --sync, whose sampler and learner each use every core in turn (common.sampler_threads)
+    # last: against the best baseline, --sync, whose sampler and learner each use every core in turn (launch.sampler_threads)
     print(f"speed-up against the best baseline at equal hardware (--sync, every core in turn): async {sync['step'] / asyn['step']:.2f}x "
           f"per round (ideal {sync['step'] / max(sync['G'], sync['T']):.2f}x: perfect overlap, from the sync run's phase times)")
 

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import common  # noqa: E402
+from fastrl import checks, launch, util
 import tasks  # noqa: E402
 from fastrl import vllm_sampler  # noqa: E402
 from push_bandwidth import random_54m  # noqa: E402  (the same random model; the same environment defaults as above)
@@ -58,7 +59,7 @@ def time_throughput(path, prompts, args, max_model_len=None):
     from vllm import LLM, SamplingParams
 
     ours, direct = [], []
-    with common.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
+    with launch.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
         # vLLM alone with exactly our engine's settings (fp32, eager, the KV cache, no prefix caching, ...)
         llm = LLM(**vllm_sampler.engine_settings(vllm_sampler.SamplerConfig(model=path, placement="cpu", max_model_len=max_model_len,
                                                                             seed=0), "cpu"))
@@ -87,7 +88,7 @@ def time_push(path, args, max_model_len=None):
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = [torch.empty_like(p) for p in model.parameters()]
     times, copy_times, floor_times = [], [], []
-    with common.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
+    with launch.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)  # warm-up, both
         sampler.time_local_load(path)
@@ -106,21 +107,21 @@ def time_push(path, args, max_model_len=None):
 
 def main():
     args = tyro.cli(Args)
-    common.limit_cpu_threads()
+    launch.limit_cpu_threads()
     path = str(common.resolve_model(args.model))
-    tokenizer = common.load_tokenizer(path)
-    if args.model == common.TINY:
+    tokenizer = util.load_tokenizer(path)
+    if args.model == checks.TINY:
         task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
         prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(args.num_prompts)]
     else:  # the prompts the scripts send for this model (its default task, in its chat template)
         task = tasks.make_task("arithmetic", seed=0, tiny_prompts=False)
-        _, prompts, _ = common.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.num_prompts)],
+        _, prompts, _ = tasks.encode_prompts(tokenizer, [task.problem("test", i) for i in range(args.num_prompts)],
                                               max_prompt_tokens=1024, chat_template=True)
 
-    context = None if args.model == common.TINY else 256  # (SmolLM2's own 8,192 would not fit the CPU KV cache)
+    context = None if args.model == checks.TINY else 256  # (SmolLM2's own 8,192 would not fit the CPU KV cache)
     ours, direct, ratios = time_throughput(path, prompts, args, context)
     push_tiny = time_push(path, args, context)
-    if args.model == common.TINY:
+    if args.model == checks.TINY:
         with tempfile.TemporaryDirectory() as tmp:
             push_big = time_push(random_54m(tmp), args)
     else:

@@ -59,6 +59,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from fastrl import checks, launch, util
 import tasks  # noqa: E402
 
 # script, flags every arm shares, and per arm: (flags, rounds between snapshots ~ every 4-5 s on 2 cores)
@@ -94,7 +95,7 @@ PAPERS = {
 }
 # each comparison's baseline arms: the others are compared with the best of them (the shortest mean time to
 # target); every arm runs on the same 2 cores, a synchronous one with its sampler and learner each on every core
-# in turn (common.sampler_threads), so no baseline leaves a core idle
+# in turn (launch.sampler_threads), so no baseline leaves a core idle
 BASELINES = {"rloo": ["K=1"], "rloo-overlap": ["K=4"], "dpo": ["sync"], "pipeline": ["Conventional G=1", "Conventional G=4"],
              "ppo": ["plain PPO"]}
 WORKLOADS = {
@@ -173,14 +174,14 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
     if any({k: s.get(k) for k in keys} != first for s in settings):
         raise SystemExit("error: the runs differ in model, task or sampling settings; they cannot share one evaluation")
     model_path = common.resolve_model(first["model"], first["task"])
-    tokenizer = common.load_tokenizer(model_path)
-    task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == common.TINY)  # the held-out split is fixed
+    tokenizer = util.load_tokenizer(model_path)
+    task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == checks.TINY)  # the held-out split is fixed
     policy = common.load_policy(model_path, "cpu")
     sampling = dict(temperature=first["temperature"], top_p=first["top_p"], max_tokens=first["max_new_tokens"])
     # the prompt budget where the script has it as a flag; else whatever fits the model's context with the response cap
     max_prompt_tokens = first["max_prompt_tokens"] or policy.config.max_position_embeddings - first["max_new_tokens"]
     curves, version = {}, 0
-    with common.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
+    with launch.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
                                     max_model_len=max_prompt_tokens + first["max_new_tokens"]) as sampler:
         for run_dir in run_dirs:
             snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")), key=lambda s: s["step"])
@@ -190,7 +191,7 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
                 policy.load_state_dict(snap["model"])
                 version += 1
                 sampler.push_weights(version)
-                scores = common.evaluate(sampler, task, tokenizer, eval_problems, eval_samples, max_prompt_tokens,
+                scores = tasks.evaluate(sampler, task, tokenizer, eval_problems, eval_samples, max_prompt_tokens,
                                          first["chat_template"], **sampling)
                 curve.append((snap["wall"] - snapshots[0]["wall"], scores["eval/pass@1"]))
             curves[run_dir] = curve
@@ -272,9 +273,9 @@ def main():
     script, shared, arms = PAPERS[args.paper]
     if args.arms is not None:
         unknown = [a for a in args.arms if a not in arms]
-        common.check_args(not unknown, "--arms", f"unknown arm(s) {unknown}; this paper's: {list(arms)}")
+        checks.check_args(not unknown, "--arms", f"unknown arm(s) {unknown}; this paper's: {list(arms)}")
         arms = {a: arms[a] for a in args.arms}
-    common.check_args(args.seconds > 0 and args.eval_problems >= 1 and args.eval_samples >= 1,
+    checks.check_args(args.seconds > 0 and args.eval_problems >= 1 and args.eval_samples >= 1,
                       "--seconds/--eval-problems/--eval-samples", "must be > 0")
     start = time.perf_counter()
     (ROOT / "runs").mkdir(exist_ok=True)

@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from fastrl import launch
 from fastrl import vllm_sampler  # noqa: E402
 
 GB = 1e9
@@ -393,7 +394,7 @@ def main():
 
     args = tyro.cli(Args)
     config = qwen25_05b_config(args.num_layers)
-    common.limit_cpu_threads()
+    launch.limit_cpu_threads()
     start = time.time()
     rows = []
     for script in args.scripts:

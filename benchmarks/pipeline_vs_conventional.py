@@ -25,7 +25,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+from fastrl import runlog  # noqa: E402
 
 
 @dataclass
@@ -51,7 +51,7 @@ def run(mode: str, args: Args) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    metrics = common.read_metrics(run_dir)
+    metrics = runlog.read_metrics(run_dir)
     rows = [r for r in metrics if "losses/loss" in r]  # the optimizer steps (a batch the ESS guard skipped logs charts/ess only)
     return dict(mode=mode, rows=rows, sps=rows[-1]["charts/episodes_per_second"], tps=rows[-1]["charts/tokens_per_second"],
                 wait=np.mean([r["time/learner_wait_seconds"] for r in rows]), busy=np.mean([r["time/train_seconds"] + r.get("time/push_seconds", 0.0) for r in rows]),

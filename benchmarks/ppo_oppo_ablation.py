@@ -22,7 +22,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+from fastrl import launch, runlog  # noqa: E402
 
 # the papers' regime: rounds of 4 responses with a longer forced tail (scale 8: median 18 tokens), so that a round waits on its
 # longest answer while scoring and training stay small: generation measured 71-73% of a plain PPO round on 2 cores (batch 32 at
@@ -54,7 +54,7 @@ def run(label: str, args: Args) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rows = [r for r in common.read_metrics(run_dir) if "time/round_seconds" in r]
+    rows = [r for r in runlog.read_metrics(run_dir) if "time/round_seconds" in r]
     mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
     return dict(label=label, dir=run_dir, round=mean("time/round_seconds"), generate=mean("time/generate_seconds"),
                 exposed=mean("time/score_exposed_seconds"), hidden=mean("time/score_hidden_seconds"), train=mean("time/train_seconds"),
@@ -87,7 +87,7 @@ def main():
         plot_runs.plot(dirs, ["charts/reward"], x="step", out=ROOT / out.with_name(out.stem + "_steps.png"), labels=labels, smooth=5)
         plot_runs.plot(dirs, ["charts/reward"], x="wall", out=ROOT / out, labels=labels, smooth=5)
         print(f"reward curves: {out} (wall-clock), {out.with_name(out.stem + '_steps.png')} (optimizer steps)")
-    # last: against the best baseline, plain PPO, whose sampler and learner each use every core in turn (common.sampler_threads);
+    # last: against the best baseline, plain PPO, whose sampler and learner each use every core in turn (launch.sampler_threads);
     # the ideal hides all generation behind the rest of the round, or the rest behind generation
     rest = plain["round"] - plain["generate"]
     print(f"speed-up against the best baseline at equal hardware (plain PPO, every core in turn): OPPO {plain['round'] / oppo['round']:.2f}x "

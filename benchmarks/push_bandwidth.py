@@ -27,6 +27,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from fastrl import launch, util
 from fastrl import vllm_sampler  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def random_54m(directory) -> str:
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
                          tie_word_embeddings=True, torch_dtype="float32")
     Qwen2ForCausalLM(config).save_pretrained(directory)
-    common.load_tokenizer(str(common.tiny_model_path())).save_pretrained(directory)
+    util.load_tokenizer(str(common.tiny_model_path())).save_pretrained(directory)
     return str(directory)
 
 
@@ -68,7 +69,7 @@ def measure_push(path: str, backend: str = "shm", repeats: int = 7) -> dict:
     saved = os.environ.get("FASTRL_CPU_WEIGHT_BACKEND")
     os.environ["FASTRL_CPU_WEIGHT_BACKEND"] = backend  # read by the sampler at start and by init_weight_sync
     try:
-        sampler = common.start_sampler(path, placement="cpu", weights=model)
+        sampler = launch.start_sampler(path, placement="cpu", weights=model)
     finally:
         if saved is None:
             os.environ.pop("FASTRL_CPU_WEIGHT_BACKEND")
@@ -116,7 +117,7 @@ def main() -> None:
 
     args = tyro.cli(Args)
     started = time.time()
-    common.limit_cpu_threads()
+    launch.limit_cpu_threads()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or random_54m(tmp)
         results = [measure_push(path, backend, args.repeats) for backend in args.backends]

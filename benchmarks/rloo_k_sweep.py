@@ -6,7 +6,7 @@ prompts, same number of sampling rounds), plus K=4 with --overlap, all in one ru
 Reports wall / sample / update seconds, sample %, gradient steps per second, the measured
 grad-steps/s ratio K vs K=1 and the ideal K*(S+U)/(S+K*U) from the K run's own per-round
 sample time S and per-step update time U (update seconds / K); last, the largest K against the
-baseline K=1, whose sampler and learner each use every core in turn (common.sampler_threads).
+baseline K=1, whose sampler and learner each use every core in turn (launch.sampler_threads).
 `--regime`: the papers' regime, where generation is most of a synchronous round (REGIME)."""
 
 import subprocess
@@ -19,7 +19,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+from fastrl import launch, runlog  # noqa: E402
 
 
 # the papers' regime: generation >= 70% of a synchronous round on 2 cores (docs/results.md "The papers' regime")
@@ -50,7 +50,7 @@ def run(k: int, args: Args, overlap: bool = False) -> dict:
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
-    rounds = [r for r in common.read_metrics(run_dir) if "time/generate_seconds" in r]
+    rounds = [r for r in runlog.read_metrics(run_dir) if "time/generate_seconds" in r]
     sample = sum(r["time/generate_seconds"] for r in rounds)
     update = sum(r["time/train_seconds"] for r in rounds)
     wall = rounds[-1]["step"] / rounds[-1]["time/grad_steps_per_second"]  # the training loop, no start-up or eval

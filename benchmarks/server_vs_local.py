@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import common  # noqa: E402
+from fastrl import launch, util
 from fastrl import remote_sampler  # noqa: E402
 import tasks  # noqa: E402
 
@@ -61,7 +62,7 @@ def main():
     began = time.time()
     torch.set_num_threads(1)
     path = str(common.tiny_model_path())
-    tokenizer = common.load_tokenizer(path)
+    tokenizer = util.load_tokenizer(path)
     task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(args.prompts)]
     model = common.load_policy(path, "cpu")
@@ -73,8 +74,8 @@ def main():
     local = remote = None
     try:
         remote_sampler.wait_ready(url, process=server)
-        local = common.start_sampler(path, placement="cpu", seed=0, max_model_len=128, weights=model)
-        remote = common.start_sampler(path, urls=[url], weights=model)
+        local = launch.start_sampler(path, placement="cpu", seed=0, max_model_len=128, weights=model)
+        remote = launch.start_sampler(path, urls=[url], weights=model)
         arms = {"local": local, "server": remote}
         times: dict[str, list[float]] = {"local": [], "server": []}
         pushes: dict[str, list[float]] = {"local": [], "server": []}

@@ -41,7 +41,7 @@ says rank 0; a collective that one rank skips hangs the others):
   pushes `push_model` (what `sampler.init_weight_sync` was given). One process: push_model IS the
   policy and gather_into does nothing.
 - Checkpoints: `save_checkpoint(path, model, optimizer, step, data_position, d, hf_model=push_model,
-  ...)` on every rank; rank 0 writes common.save_checkpoint's format with the full (unsharded) model
+  ...)` on every rank; rank 0 writes runlog.save_checkpoint's format with the full (unsharded) model
   and optimizer state, exactly what one process writes (optimizer state keyed by parameter index).
   `state = load_checkpoint(path, model, optimizer, d, required=...)` on every rank: rank 0 reads and
   checks the file, every rank gets its shards, and the returned dict (step, data_position, the
@@ -490,7 +490,7 @@ def _fit_problem(expected: dict[str, tuple], model_state: dict) -> str | None:
 
 
 def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict | None, d: Dist | None = None) -> None:
-    """Load {"model": ..., "optimizer": ...} (state_for_checkpoint's / common.save_checkpoint's format:
+    """Load {"model": ..., "optimizer": ...} (state_for_checkpoint's / runlog.save_checkpoint's format:
     full tensors, optimizer keyed by index) given on rank 0 (None elsewhere): every rank takes part
     and gets its shards (broadcast from rank 0 one tensor at a time). One process: load_state_dict."""
     d = _d(d)
@@ -521,7 +521,7 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, s
 
 
 class _StateOf:
-    """Stands in for a module or optimizer in common.save_checkpoint / common.load_checkpoint: its
+    """Stands in for a module or optimizer in runlog.save_checkpoint / runlog.load_checkpoint: its
     state_dict() is the given (full) one; load_state_dict keeps what it is given."""
 
     def __init__(self, state=None):
@@ -536,7 +536,7 @@ class _StateOf:
 
 def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, write, d: Dist | None = None) -> None:
     """`write(model, optimizer)` once, on rank 0, with the full (unsharded) state: objects whose
-    state_dict() is what one process would have (common.save_checkpoint passes its own writer). Every
+    state_dict() is what one process would have (runlog.save_checkpoint passes its own writer). Every
     rank takes part; the file exists on every rank on return. One process: write(model, optimizer)."""
     d = _d(d)
     if not d.enabled:
@@ -549,7 +549,7 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, write
 
 
 def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, read, d: Dist | None = None) -> dict:
-    """`read(model, optimizer)` (common.load_checkpoint's reader of `path`) on rank 0, into full-state
+    """`read(model, optimizer)` (runlog.load_checkpoint's reader of `path`) on rank 0, into full-state
     holders; a one-line error stops every rank. Every rank then gets its shards of the model and
     optimizer and the returned state (step, data_position, the extras; no model/optimizer/rng).
     Reads checkpoints written by one process or by several alike. One process: read(model, optimizer)."""

@@ -48,7 +48,7 @@ config alone (issue 28, item 1).
 
 When the sum does not fit, the run stops in one line naming the flags that would make it fit
 (refusal). Everything here is a pure function of numbers (the line, the sizing, the refusal), so it
-is tested on CPU with hand-made cards; common.memory_plan is the one call a script makes, on a GPU
+is tested on CPU with hand-made cards; checks.memory_plan is the one call a script makes, on a GPU
 only. Not modelled: several learner ranks (torchrun: the plan is skipped), a remote sampler's GPUs.
 """
 

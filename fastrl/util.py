@@ -1,6 +1,5 @@
 """Plumbing the scripts share that is not the method: loading from the Hub with a one-line error,
-the cache directory, atomic file replacement, and progress a person can read (`Progress`).
-common.py re-exports what a script calls."""
+the cache directory, atomic file replacement, seeding, and progress a person can read (`Progress`)."""
 
 from __future__ import annotations
 

@@ -101,7 +101,7 @@ class SamplerConfig:
     in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
     verbose: bool = False  # vLLM's and torch's start-up warnings and vLLM's load bar (--verbose); errors show either way
     threads: int = 1  # CPU: torch threads of the engine, fixed at its start (vllm/v1/worker/cpu_worker.py:139-145 makes
-    # torch.set_num_threads a no-op afterwards); common.sampler_threads chooses it from the schedule
+    # torch.set_num_threads a no-op afterwards); launch.sampler_threads chooses it from the schedule
 
 
 def sampler_cuda_device(placement: str, visible: str | None, device_count: int) -> str | None:

@@ -59,6 +59,7 @@ def _slow_tests_are_marked(request, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_path():
     import common
+    from fastrl import launch, runlog, util
 
     return str(common.tiny_model_path())
 
@@ -66,15 +67,17 @@ def tiny_path():
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
     import common
+    from fastrl import launch, runlog, util
 
-    return common.load_tokenizer(tiny_path)
+    return util.load_tokenizer(tiny_path)
 
 
 @pytest.fixture(scope="session")
 def _session_sampler(tiny_path):
     import common
+    from fastrl import launch, runlog, util
 
-    s = common.start_sampler(tiny_path, placement="cpu", seed=0)
+    s = launch.start_sampler(tiny_path, placement="cpu", seed=0)
     yield s
     s.close()
 
@@ -85,6 +88,7 @@ def sampler(_session_sampler, tiny_path):
     own weights at the start of every test: a test that pushed other weights has them replaced after
     it (which tests share a worker changes with the suite, so no test may depend on another's order)."""
     import common
+    from fastrl import launch, runlog, util
 
     version = _session_sampler.version
     yield _session_sampler
@@ -109,11 +113,12 @@ def error_before_start(monkeypatch):
     loading a model or starting a sampler. (A command line costs ~4 s of imports each; every
     script also has one test of the real command line.)"""
     import common
+    from fastrl import launch, runlog, util
 
     def never(*args, **kwargs):
         raise AssertionError("got past the argument checks")
 
-    monkeypatch.setattr(common, "start_sampler", never)
+    monkeypatch.setattr(launch, "start_sampler", never)
     monkeypatch.setattr(common, "load_policy", never)
 
     def run(script, *flags) -> str:
@@ -135,14 +140,15 @@ def tiny_reward_model(tiny_path, tmp_path_factory):
     from transformers import AutoModelForSequenceClassification
 
     import common
+    from fastrl import launch, runlog, util
 
     torch.manual_seed(3)
-    model = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
+    model = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
     with torch.no_grad():
         model.score.weight.normal_(0, 1.0)
     path = tmp_path_factory.mktemp("tiny_rm")
     model.save_pretrained(path)
-    common.load_tokenizer(tiny_path).save_pretrained(path)
+    util.load_tokenizer(tiny_path).save_pretrained(path)
     return str(path)
 
 
@@ -154,12 +160,13 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
     import sys
 
     import common
+    from fastrl import launch, runlog, util
     from fastrl import vllm_sampler
 
     class Started(Exception):
         pass
 
-    seen, loggers, logger_init = {}, [], common.RunLogger.__init__
+    seen, loggers, logger_init = {}, [], runlog.RunLogger.__init__
 
     def start_sampler(*args, **kwargs):
         seen.update(kwargs)
@@ -169,9 +176,9 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
         logger_init(self, *args, **kwargs)
         loggers.append(self)
 
-    monkeypatch.setattr(common, "start_sampler", start_sampler)
+    monkeypatch.setattr(launch, "start_sampler", start_sampler)
     monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)  # (this process's filters stay as pytest set them)
-    monkeypatch.setattr(common.RunLogger, "__init__", keep_logger)
+    monkeypatch.setattr(runlog.RunLogger, "__init__", keep_logger)
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
     monkeypatch.chdir(tmp_path)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import common
+from fastrl import util
 import tasks
 from fastrl import tiny_model
 
@@ -85,7 +86,7 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        common.set_seed(config.seed)
+        util.set_seed(config.seed)
         task = tasks.make_task("countdown", seed=config.seed, tiny_prompts=False)
         tokenizer = build_tokenizer(config, task)
         model = Qwen2ForCausalLM(Qwen2Config(
@@ -113,12 +114,12 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
             model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)  # a bf16 checkpoint, as on the Hub
             tokenizer.save_pretrained(tmp)
 
-        common.replace_atomically(write, out_dir)
+        util.replace_atomically(write, out_dir)
     finally:
         torch.set_num_threads(threads)
     return out_dir
 
 
 def realistic_model_path(config: RealisticConfig = RealisticConfig(), log=print) -> Path:
-    return tiny_model.cached_build(common.CACHE_DIR / f"realistic-qwen2-{config.key()}",
+    return tiny_model.cached_build(util.CACHE_DIR / f"realistic-qwen2-{config.key()}",
                                lambda path: build_realistic_model(path, config, log=log))

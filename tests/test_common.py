@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import common
+from fastrl import checks, launch, runlog, util
+import tasks
 
 
 def test_pad_and_token_logprobs_match_a_manual_forward(tiny_path):
@@ -35,12 +37,12 @@ def test_run_logger_writes_jsonl_tensorboard_and_args(tmp_path):
         lr: float = 1e-3
         k: int = 2
 
-    logger = common.RunLogger("unit", Args(), root=str(tmp_path))
+    logger = runlog.RunLogger("unit", Args(), root=str(tmp_path))
     logger.log(1, {"charts/reward": 0.5, "losses/loss": torch.tensor(2.0)})
     logger.log(2, {"charts/reward": 0.7})
     logger.close()
     run = tmp_path / "unit"
-    rows = common.read_metrics(run)
+    rows = runlog.read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["losses/loss"] == 2.0 and rows[1]["charts/reward"] == 0.7
     assert json.loads((run / "args.json").read_text()) == {"lr": 1e-3, "k": 2}
     assert any(p.name.startswith("events.out.tfevents") for p in run.iterdir())
@@ -52,24 +54,24 @@ def test_checkpoint_roundtrip_restores_model_optimizer_rng_and_position(tmp_path
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(3, 4)).sum().backward()
     optimizer.step()
-    common.set_seed(7)
-    common.save_checkpoint(tmp_path / "checkpoint.pt", model, optimizer, step=5, data_position=40, extra_thing=3)
+    util.set_seed(7)
+    runlog.save_checkpoint(tmp_path / "checkpoint.pt", model, optimizer, step=5, data_position=40, extra_thing=3)
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     saved = {k: v.clone() for k, v in model.state_dict().items()}
 
     fresh = torch.nn.Linear(4, 2)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    state = common.load_checkpoint(tmp_path, fresh, fresh_opt)
+    state = runlog.load_checkpoint(tmp_path, fresh, fresh_opt)
     assert (state["step"], state["data_position"], state["extra_thing"]) == (5, 40, 3)
     assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
     assert fresh_opt.state_dict()["state"][0]["step"] == 1
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     with pytest.raises(SystemExit, match="--resume"):
-        common.load_checkpoint(tmp_path / "nowhere", fresh, fresh_opt)
+        runlog.load_checkpoint(tmp_path / "nowhere", fresh, fresh_opt)
 
 
 def test_mismatch_correction_is_on_by_default_exactly_when_the_precisions_differ():
-    on = common.mismatch_correction
+    on = checks.mismatch_correction
     assert not on("auto", "auto", "cpu", False) and not on("auto", "float32", "colocate", False)  # fp32 sampler, fp32 learner
     assert on("auto", "auto", "colocate", False) and on("auto", "auto", "separate", False)  # a GPU sampler is bf16 by default
     assert on("auto", "bfloat16", "cpu", False) and on("auto", "float16", "cpu", False)
@@ -86,14 +88,14 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
     run.mkdir()
     saved = dataclasses.asdict(rloo.Args(k=8, top_p=0.9, num_rounds=10, group_size=4, sampler_url=["http://a"]))
     (run / "args.json").write_text(json.dumps(saved))
-    args = common.parse_args(rloo.Args, ["--resume", str(run)])
+    args = checks.parse_args(rloo.Args, ["--resume", str(run)])
     assert (args.k, args.top_p, args.group_size, args.sampler_url) == (8, 0.9, 4, ["http://a"])  # forgetting --k 8 keeps K=8
-    assert common.parse_args(rloo.Args, ["--resume", str(run), "--num-rounds", "20", "--k", "8"]).num_rounds == 20
+    assert checks.parse_args(rloo.Args, ["--resume", str(run), "--num-rounds", "20", "--k", "8"]).num_rounds == 20
     with pytest.raises(SystemExit) as refused:
-        common.parse_args(rloo.Args, ["--resume", str(run), "--k", "4"])
+        checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4"])
     assert str(refused.value).startswith("error: --k 4 (saved: 8): differs from the run being resumed") and "\n" not in str(refused.value)
-    assert common.parse_args(rloo.Args, ["--resume", str(run), "--k", "4", "--resume-changes"]).k == 4
-    assert common.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
+    assert checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4", "--resume-changes"]).k == 4
+    assert checks.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
 
 
 @pytest.mark.slow
@@ -104,10 +106,10 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     fake = SimpleNamespace(init=lambda **kw: inits.append(kw), finish=lambda: None, util=SimpleNamespace(generate_id=lambda: "abc123"))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     args = SimpleNamespace(resume=None, seed=1)
-    first = common.RunLogger("run", args, track=True, root=str(tmp_path))
+    first = runlog.RunLogger("run", args, track=True, root=str(tmp_path))
     first.close()
     fake.util.generate_id = lambda: "another"
-    again = common.RunLogger("run", SimpleNamespace(resume=str(first.dir), seed=1), track=True, root=str(tmp_path / "elsewhere"))
+    again = runlog.RunLogger("run", SimpleNamespace(resume=str(first.dir), seed=1), track=True, root=str(tmp_path / "elsewhere"))
     again.close()
     assert again.dir == first.dir and [kw["id"] for kw in inits] == ["abc123", "abc123"] and inits[1]["resume"] == "allow"
 
@@ -116,21 +118,21 @@ def test_a_sampler_at_the_wrong_version_is_one_line():
     from types import SimpleNamespace
 
     done = [SimpleNamespace(versions=[(3, 0, 5)]), SimpleNamespace(versions=[(3, 0, 2), (4, 2, 6)])]
-    common.check_sampler_version(done, 4, max_lag=1)  # within the lag the method allows
+    checks.check_sampler_version(done, 4, max_lag=1)  # within the lag the method allows
     with pytest.raises(SystemExit) as stale:
-        common.check_sampler_version(done, 4)
+        checks.check_sampler_version(done, 4)
     assert str(stale.value).startswith("error: the sampler generated this batch with policy version(s) [3, 4], the method expects version 4")
     with pytest.raises(SystemExit):
-        common.check_sampler_version(done, 2, max_lag=5)  # ahead of the learner
+        checks.check_sampler_version(done, 2, max_lag=5)  # ahead of the learner
 
 
 def test_logprob_diff_beyond_the_precisions_warns_once(capsys):
     warned = []
-    common.warn_logprob_diff(2e-7, False, warned)
-    common.warn_logprob_diff(3e-3, True, warned)  # a bf16 sampler's size
+    checks.warn_logprob_diff(2e-7, False, warned)
+    checks.warn_logprob_diff(3e-3, True, warned)  # a bf16 sampler's size
     assert capsys.readouterr().out == ""
-    common.warn_logprob_diff(3e-2, False, warned)
-    common.warn_logprob_diff(7e-2, False, warned)
+    checks.warn_logprob_diff(3e-2, False, warned)
+    checks.warn_logprob_diff(7e-2, False, warned)
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("warning: charts/logprob_diff 0.03 on fresh weights")
 
@@ -144,19 +146,19 @@ def test_keep_checkpoints_keeps_the_latest_n_and_each_resumes_its_run(tmp_path):
     model, run = torch.nn.Linear(2, 2), tmp_path / "run"
     optimizer = torch.optim.Adam(model.parameters())
     for step in (2, 4, 6):
-        common.save_checkpoint(run / "checkpoint.pt", model, optimizer, step, data_position=step, keep=2)
+        runlog.save_checkpoint(run / "checkpoint.pt", model, optimizer, step, data_position=step, keep=2)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4.pt", "6.pt"]
-    assert common.checkpoint_state(run / "checkpoints" / "4.pt")["step"] == 4 and common.checkpoint_state(run)["step"] == 6
-    assert common.run_dir_of(str(run / "checkpoints" / "4.pt")) == run and common.run_dir_of(str(run / "checkpoint.pt")) == run
+    assert runlog.checkpoint_state(run / "checkpoints" / "4.pt")["step"] == 4 and runlog.checkpoint_state(run)["step"] == 6
+    assert checks.run_dir_of(str(run / "checkpoints" / "4.pt")) == run and checks.run_dir_of(str(run / "checkpoint.pt")) == run
     (run / "args.json").write_text(json.dumps(dataclasses.asdict(rloo.Args(k=8))))
-    assert common.parse_args(rloo.Args, ["--resume", str(run / "checkpoints" / "4.pt")]).k == 8  # the run's own flags
-    common.save_checkpoint(tmp_path / "one" / "checkpoint.pt", model, optimizer, 1, data_position=1)
+    assert checks.parse_args(rloo.Args, ["--resume", str(run / "checkpoints" / "4.pt")]).k == 8  # the run's own flags
+    runlog.save_checkpoint(tmp_path / "one" / "checkpoint.pt", model, optimizer, 1, data_position=1)
     assert not (tmp_path / "one" / "checkpoints").exists()  # the default keeps the latest only
 
 
 def test_check_args_names_the_flag():
     with pytest.raises(SystemExit, match="--k"):
-        common.check_args(0 >= 1, "--k", "must be >= 1")
+        checks.check_args(0 >= 1, "--k", "must be >= 1")
 
 
 @pytest.mark.parametrize("temperature, top_p, top_k", [(0.8, 0.95, 0), (1.0, 0.5, 0), (0.7, 1.0, 5), (1.3, 0.9, 20), (0.8, 1.0, 1)])
@@ -219,17 +221,17 @@ def test_learner_threads_take_every_core_only_while_the_sampler_is_idle(monkeypa
         cases = [(set(), False, cores), ({"7"}, False, 1), ({"7"}, True, cores), (set(), True, cores)]
         for pending, paused, expected in cases:  # (requests generating, paused) -> threads
             sampler.pending, sampler.paused = pending, paused
-            assert common.learner_threads(sampler) == expected == torch.get_num_threads()
+            assert launch.learner_threads(sampler) == expected == torch.get_num_threads()
         monkeypatch.setenv("OMP_NUM_THREADS", "1")  # an explicit budget is kept as it is
         torch.set_num_threads(1)
         sampler.pending, sampler.paused = set(), False
-        assert common.learner_threads(sampler) == 1 == torch.get_num_threads()
+        assert launch.learner_threads(sampler) == 1 == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
 
 
 def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, capsys):
-    logger = common.RunLogger("report__1__1", SimpleNamespace(resume=None), root=str(tmp_path))
+    logger = runlog.RunLogger("report__1__1", SimpleNamespace(resume=None), root=str(tmp_path))
     try:
         text = logger.report(3, "RLOO K=2", {"K": "2", "wall (s)": 123.456, "grad steps/s": 0.5},
                              {"eval/pass@1": 0.25, "eval/pass@4": 0.5}, {"eval/pass@1": 0.375, "eval/pass@4": 0.625},
@@ -240,19 +242,19 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
     assert "| model | pass@1 | pass@4 |" in text and "| start | 0.250 | 0.500 |" in text and "| end | 0.375 | 0.625 |" in text
     assert "peak memory: learner 512 MiB, sampler 900 MiB" in text
     assert (logger.dir / "summary.md").read_text() == text and text in capsys.readouterr().out
-    last = common.read_metrics(logger.dir)[-1]
+    last = runlog.read_metrics(logger.dir)[-1]
     assert last["eval/pass@1_gain"] == pytest.approx(0.125) and last["memory/sampler_peak_mib"] == 900.0
 
 
 def test_the_report_says_in_two_lines_what_happened():
     start = {"eval/pass@1": 0.40, "eval/pass@16": 0.90, "eval/problems": 200.0}
-    sharpened = common.what_happened(start, {"eval/pass@1": 0.52, "eval/pass@16": 0.70, "eval/problems": 200.0}, 1.2)
+    sharpened = runlog.what_happened(start, {"eval/pass@1": 0.52, "eval/pass@16": 0.70, "eval/problems": 200.0}, 1.2)
     assert sharpened[0] == ("what happened: held-out pass@1 0.400 -> 0.520, up (+-0.069 is two standard errors over 200 problems)")
     assert sharpened[1].startswith("pass@16 0.900 -> 0.700: the policy sharpened") and sharpened[1].endswith("KL to the reference 1.200 nats")
-    noise = common.what_happened(start, {"eval/pass@1": 0.43, "eval/pass@16": 0.91, "eval/problems": 200.0}, None)
+    noise = runlog.what_happened(start, {"eval/pass@1": 0.43, "eval/pass@16": 0.91, "eval/problems": 200.0}, None)
     assert "within the evaluation's noise" in noise[0] and noise[1] == "pass@16 0.900 -> 0.910"
-    assert "down" in common.what_happened(start, {"eval/pass@1": 0.2, "eval/pass@16": 0.5, "eval/problems": 200.0}, 0.1)[0]
-    assert len(common.what_happened({"eval/pass@1": 0.3}, {"eval/pass@1": 0.5}, 0.0)) == 2  # greedy: pass@1 only, no count
+    assert "down" in runlog.what_happened(start, {"eval/pass@1": 0.2, "eval/pass@16": 0.5, "eval/problems": 200.0}, 0.1)[0]
+    assert len(runlog.what_happened({"eval/pass@1": 0.3}, {"eval/pass@1": 0.5}, 0.0)) == 2  # greedy: pass@1 only, no count
 
 
 
@@ -263,25 +265,25 @@ def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic
     replaces the system turn; the base prompt is untouched without the template."""
     import tasks
 
-    tokenizer = common.load_tokenizer(realistic_path)
+    tokenizer = util.load_tokenizer(realistic_path)
     task = tasks.make_task("countdown", seed=1, tiny_prompts=False)
     problem = task.problem("train", 0)
-    _, ids, _ = common.encode_prompts(tokenizer, [problem], 4096, chat_template=True)
+    _, ids, _ = tasks.encode_prompts(tokenizer, [problem], 4096, chat_template=True)
     text = tokenizer.decode(ids[0])
     assert text.startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n{problem.user}<|im_end|>\n")
     assert text.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
     assert "User:" not in text and "Assistant:" not in text  # the base prompt's own turns are not stranded in the user turn
     custom = tasks.make_task("countdown", seed=1, tiny_prompts=False, system_prompt="Be brief.")
-    _, ids, _ = common.encode_prompts(tokenizer, [custom.problem("train", 0)], 4096, chat_template=True)
+    _, ids, _ = tasks.encode_prompts(tokenizer, [custom.problem("train", 0)], 4096, chat_template=True)
     assert tokenizer.decode(ids[0]).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     none = tasks.make_task("countdown", seed=1, tiny_prompts=False, system_prompt="")
-    _, ids, _ = common.encode_prompts(tokenizer, [none.problem("train", 0)], 4096, chat_template=True)
+    _, ids, _ = tasks.encode_prompts(tokenizer, [none.problem("train", 0)], 4096, chat_template=True)
     assert "Be brief" not in tokenizer.decode(ids[0]) and tasks.CHAT_SYSTEM not in tokenizer.decode(ids[0])
-    _, ids, _ = common.encode_prompts(tokenizer, [problem], 4096, chat_template=False)
+    _, ids, _ = tasks.encode_prompts(tokenizer, [problem], 4096, chat_template=False)
     assert tokenizer.decode(ids[0]) == problem.prompt
 
     # a reward model with a chat template reads the exchange in it
-    scorer = common.RewardModel.__new__(common.RewardModel)
+    scorer = tasks.RewardModel.__new__(tasks.RewardModel)
     scorer.tokenizer = tokenizer
     [read] = scorer.conversations([problem], [" 3*4 </think> <answer>12</answer>"])
     assert f"<|im_start|>user\n{problem.user}<|im_end|>" in read
@@ -296,7 +298,7 @@ def test_progress_on_a_terminal_draws_a_bar_with_lines_above_it(monkeypatch, cap
     bar_stream = io.StringIO()
     monkeypatch.setattr(sys, "stderr", bar_stream)
     stdout = sys.stdout
-    with common.Progress(4, "train", unit="round", terminal=True) as progress:
+    with util.Progress(4, "train", unit="round", terminal=True) as progress:
         assert sys.stdout is not stdout  # the bar's line writer
         progress.update(1, reward=0.25, step=2)
         progress.write("round 1/4 step 2: reward 0.250")
@@ -311,14 +313,14 @@ def test_progress_on_a_terminal_draws_a_bar_with_lines_above_it(monkeypatch, cap
 def test_progress_off_a_terminal_prints_plain_lines_with_the_time_left(capsys):
     """Not a terminal (here: captured): no bar, no control characters; written lines keep their text
     with the time appended, and a quiet stretch gets a plain line every `every` seconds."""
-    assert not common.on_terminal()  # pytest captures stdout
-    with common.Progress(10, "eval", unit="sample", initial=2, every=0.0) as progress:
+    assert not util.on_terminal()  # pytest captures stdout
+    with util.Progress(10, "eval", unit="sample", initial=2, every=0.0) as progress:
         progress.update(3, reward=0.5)
         progress.write("round 1/3 step 6: reward 0.500")
         progress.update(5)  # the last: no line (the caller prints the result)
-    with common.Progress(10, "eval", unit="sample", every=3600.0) as quiet:
+    with util.Progress(10, "eval", unit="sample", every=3600.0) as quiet:
         quiet.update(4)
-    with common.Progress(10, "eval", unit="sample", every=0.0, show=False) as other_rank:
+    with util.Progress(10, "eval", unit="sample", every=0.0, show=False) as other_rank:
         other_rank.update(4)
         other_rank.write("as it is")
     lines = capsys.readouterr().out.splitlines()
@@ -417,35 +419,35 @@ def test_parse_args_takes_the_paper_defaults_for_a_real_model_and_the_tiny_ones_
         resume: str | None = None
 
     paper = dict(group_size=2)
-    assert common.parse_args(Args, [], paper=paper).group_size == 8
-    assert common.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
-    assert common.parse_args(Args, ["--model=Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
-    assert common.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B", "--group-size", "4"], paper=paper).group_size == 4
+    assert checks.parse_args(Args, [], paper=paper).group_size == 8
+    assert checks.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
+    assert checks.parse_args(Args, ["--model=Qwen/Qwen2.5-0.5B"], paper=paper).group_size == 2
+    assert checks.parse_args(Args, ["--model", "Qwen/Qwen2.5-0.5B", "--group-size", "4"], paper=paper).group_size == 4
 
 
 def test_sampler_threads_take_every_core_when_the_schedule_takes_turns_and_half_when_it_overlaps(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert common.sampler_threads(0, overlapped=False) == 8
-    assert common.sampler_threads(0, overlapped=True) == 4
-    assert common.sampler_threads(3, overlapped=False) == 3  # --sampler-threads
+    assert launch.sampler_threads(0, overlapped=False) == 8
+    assert launch.sampler_threads(0, overlapped=True) == 4
+    assert launch.sampler_threads(3, overlapped=False) == 3  # --sampler-threads
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert common.sampler_threads(0, overlapped=True) == 1
+    assert launch.sampler_threads(0, overlapped=True) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a fixed budget
-    assert common.sampler_threads(0, overlapped=False) == 2
+    assert launch.sampler_threads(0, overlapped=False) == 2
 
 
 def test_chat_template_check_reads_the_model_files(tiny_path, realistic_path, tmp_path):
     """--chat-template is checked before the sampler starts, from a local model's files (no transformers import):
     the tiny model has no template, the realistic fixture saves chat_template.jinja, an older save keeps it in
     tokenizer_config.json; the same tokenizers loaded agree."""
-    common.check_chat_template(tiny_path, False)
+    checks.check_chat_template(tiny_path, False)
     with pytest.raises(SystemExit, match="^error: --chat-template: "):
-        common.check_chat_template(tiny_path, True)
-    common.check_chat_template(realistic_path, True)
+        checks.check_chat_template(tiny_path, True)
+    checks.check_chat_template(realistic_path, True)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    common.check_chat_template(str(tmp_path), True)
-    assert not common.load_tokenizer(tiny_path).chat_template and common.load_tokenizer(realistic_path).chat_template
+    checks.check_chat_template(str(tmp_path), True)
+    assert not util.load_tokenizer(tiny_path).chat_template and util.load_tokenizer(realistic_path).chat_template
 
 
 def test_an_nvidia_driver_older_than_torchs_cuda_is_one_line_at_start(monkeypatch, tmp_path):
@@ -457,19 +459,19 @@ def test_an_nvidia_driver_older_than_torchs_cuda_is_one_line_at_start(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     version_file.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs-builder@U16)\n")
-    assert common.nvidia_driver_version() == "570.86.15"
+    assert checks.nvidia_driver_version() == "570.86.15"
     with pytest.raises(SystemExit) as refused:
-        common.check_nvidia_driver()
+        checks.check_nvidia_driver()
     message = str(refused.value)
     assert message.startswith("error: NVIDIA driver 570.86.15 is older than CUDA 13.0") and "580" in message and "\n" not in message
     version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:34 UTC 2025\n")
-    assert common.nvidia_driver_version() == "580.65.06"
-    common.check_nvidia_driver()  # new enough: whatever hides the GPU, it is not the driver's age
+    assert checks.nvidia_driver_version() == "580.65.06"
+    checks.check_nvidia_driver()  # new enough: whatever hides the GPU, it is not the driver's age
     monkeypatch.setattr(torch.version, "cuda", None)  # the CPU build
     version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  470.1  \n")
-    common.check_nvidia_driver()
+    checks.check_nvidia_driver()
     version_file.unlink()
-    assert common.nvidia_driver_version() is None
+    assert checks.nvidia_driver_version() is None
 
 
 def test_nucleus_without_a_sort_is_the_sorts_set_bit_for_bit():

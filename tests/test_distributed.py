@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+from fastrl import runlog, util
 from fastrl import distributed  # noqa: E402
 
 STEPS = (7, 1, 5)  # global batch sizes of the training steps; then one step of RESUMED_STEP after a resume
@@ -44,12 +45,13 @@ def _models(tiny_path: str, d: distributed.Dist):
     """Policy (tiny, tied embeddings), critic (its backbone + a value head) as a PPO learner, the
     sampler's copy, fused AdamW over both; sharded under torchrun."""
     import common
+    from fastrl import runlog, util
     from transformers import AutoModelForSequenceClassification
 
     policy = common.load_policy(tiny_path, d.device)
     policy.gradient_checkpointing_enable()
     policy.train()
-    critic = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).to(d.device)
+    critic = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).to(d.device)
     with torch.no_grad():  # the value head, the same everywhere
         critic.score.weight.copy_(torch.randn(critic.score.weight.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
     push_model = distributed.push_copy(policy, d)
@@ -74,6 +76,7 @@ def _chunked_head():
     """common.token_logprobs' memory-saving path (backbone, then lm_head per chunk) also for FSDP
     modules, which common may send through the root's forward instead: shard() supports both."""
     import common
+    from fastrl import runlog, util
 
     original = common._backbone_and_head
     common._backbone_and_head = lambda model: (model.get_decoder(), model.get_output_embeddings())
@@ -88,6 +91,7 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
     rank on its micro-batches): a policy-gradient term (token_logprobs) and a value loss (critic backbone
     + score), both normalised by the GLOBAL number of completion tokens."""
     import common
+    from fastrl import runlog, util
 
     policy, critic = learner["policy"], learner["critic"]
     prompts, completions, advantages, returns = _batch(n, seed, policy.config.vocab_size)
@@ -128,12 +132,12 @@ def scenario(tiny_path: str, out: Path, other_checkpoint: Path | None, d: distri
     if d.is_main:
         torch.save(push_model.state_dict(), out / "push.pt")
         (out / "log.json").write_text(json.dumps(log))
-    common.save_checkpoint(out / "checkpoint.pt", learner, optimizer, step=len(STEPS), data_position=sum(STEPS), dist=d,
+    runlog.save_checkpoint(out / "checkpoint.pt", learner, optimizer, step=len(STEPS), data_position=sum(STEPS), dist=d,
                                 round=len(STEPS))
     if other_checkpoint is None:
         return
     learner, push_model, optimizer = _models(tiny_path, d)
-    state = common.load_checkpoint(other_checkpoint, learner, optimizer, dist=d, required=("round",))
+    state = runlog.load_checkpoint(other_checkpoint, learner, optimizer, dist=d, required=("round",))
     saved = distributed.state_for_checkpoint(learner, optimizer, d)
     if d.is_main:
         torch.save({**saved, "scalars": {k: state[k] for k in ("step", "data_position", "round")}}, out / "resumed.pt")
@@ -142,7 +146,7 @@ def scenario(tiny_path: str, out: Path, other_checkpoint: Path | None, d: distri
     if d.is_main:
         torch.save(saved, out / "after.pt")
     try:  # a bad --resume: one line on rank 0, every rank stops (none waits in a collective)
-        common.load_checkpoint(out / "missing.pt", learner, optimizer, dist=d)
+        runlog.load_checkpoint(out / "missing.pt", learner, optimizer, dist=d)
         outcome = "loaded"
     except SystemExit as e:
         outcome = e.code
@@ -187,7 +191,7 @@ def runs(tiny_path, tmp_path_factory):
         assert result.returncode == 0, result.stderr[-3000:]
         # and one process resumes the 2-rank checkpoint (the other direction), then takes the same step
         learner, _, optimizer = _models(tiny_path, distributed.Dist())
-        state = common.load_checkpoint(two / "checkpoint.pt", learner, optimizer, dist=distributed.Dist(), required=("round",))
+        state = runlog.load_checkpoint(two / "checkpoint.pt", learner, optimizer, dist=distributed.Dist(), required=("round",))
         assert (state["step"], state["data_position"], state["round"]) == (len(STEPS), sum(STEPS), len(STEPS))
         torch.save(distributed.state_for_checkpoint(learner, optimizer, distributed.Dist()), one / "resumed.pt")
         _train_step(learner, optimizer, RESUMED_STEP, 99, distributed.Dist())
@@ -283,6 +287,7 @@ def test_shares_cover_every_item_once_contiguously(n, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_micro_batches_same_count_on_every_rank(world):
     import common
+    from fastrl import runlog, util
 
     lengths = [5, 9, 3, 12, 7, 4, 11]
     plan = common.micro_batches(lengths, 20)
@@ -298,6 +303,7 @@ def test_micro_batches_same_count_on_every_rank(world):
 
 def test_one_process_is_the_plain_learner(tiny_path):
     import common
+    from fastrl import runlog, util
 
     d = distributed.Dist()
     assert distributed.init() == d and not d.enabled and d.is_main  # no torchrun: no process group

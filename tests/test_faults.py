@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common
+from fastrl import launch, runlog, util
 import tasks
 from fastrl import vllm_sampler
 
@@ -32,21 +33,21 @@ class _Args:
 
 
 def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path):
-    first = common.RunLogger("same__1__1700000000", _Args(lr=1.0), root=str(tmp_path))
-    second = common.RunLogger("same__1__1700000000", _Args(lr=2.0), root=str(tmp_path))
+    first = runlog.RunLogger("same__1__1700000000", _Args(lr=1.0), root=str(tmp_path))
+    second = runlog.RunLogger("same__1__1700000000", _Args(lr=2.0), root=str(tmp_path))
     first.log(1, {"charts/reward": 1.0}, echo=False)
     second.log(1, {"charts/reward": 2.0}, echo=False)
     second.close()
     first.close()
     assert first.dir != second.dir and second.dir.name == "same__1__1700000000-1"
-    assert [r["charts/reward"] for r in common.read_metrics(first.dir)] == [1.0]
-    assert [r["charts/reward"] for r in common.read_metrics(second.dir)] == [2.0]
+    assert [r["charts/reward"] for r in runlog.read_metrics(first.dir)] == [1.0]
+    assert [r["charts/reward"] for r in runlog.read_metrics(second.dir)] == [2.0]
     assert '"lr": 1.0' in (first.dir / "args.json").read_text() and '"lr": 2.0' in (second.dir / "args.json").read_text()
 
 
 def _tiny_checkpoint(path):
     model = torch.nn.Linear(3, 2)
-    common.save_checkpoint(path, model, torch.optim.Adam(model.parameters()), 3, 7, totals={"wall": 1.0})
+    runlog.save_checkpoint(path, model, torch.optim.Adam(model.parameters()), 3, 7, totals={"wall": 1.0})
     return model
 
 
@@ -57,7 +58,7 @@ def test_checkpoint_round_trip_restores_rng_and_plain_data(tmp_path):
 
     model = _tiny_checkpoint(tmp_path / "checkpoint.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
-    state = common.load_checkpoint(tmp_path, model, torch.optim.Adam(model.parameters()), required=("totals",))
+    state = runlog.load_checkpoint(tmp_path, model, torch.optim.Adam(model.parameters()), required=("totals",))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
     assert (state["step"], state["data_position"], state["totals"]) == (3, 7, {"wall": 1.0})
     assert not list(tmp_path.glob("*.tmp*"))  # no temporary left behind
@@ -118,7 +119,7 @@ def test_weight_sync_listens_on_loopback_only(tiny_path, monkeypatch):
     which listens nowhere: gloo is chosen here.)"""
     monkeypatch.setenv("FASTRL_CPU_WEIGHT_BACKEND", "gloo")  # the sampler process inherits it
     model = common.load_policy(tiny_path, "cpu")
-    with common.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
+    with launch.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
         sampler.init_weight_sync(model)
         pids = [os.getpid(), sampler.process.pid]
         listening = [c for pid in pids for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
@@ -145,7 +146,7 @@ def _stopped_sampler_is_an_error_in_seconds(sampler, action):
 
 @pytest.mark.slow
 def test_stopped_sampler_during_generation(tiny_path, tokenizer):
-    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler = launch.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     prompts = _prompts(tokenizer, 64)
     ids = sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
     time.sleep(0.3)
@@ -155,7 +156,7 @@ def test_stopped_sampler_during_generation(tiny_path, tokenizer):
 @pytest.mark.slow
 def test_stopped_sampler_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
-    sampler = common.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
+    sampler = launch.start_sampler(tiny_path, placement="cpu", silence_timeout=5)
     sampler.init_weight_sync(model)
     _stopped_sampler_is_an_error_in_seconds(sampler, lambda: sampler.push_weights(1))
 
@@ -187,6 +188,8 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
         import os, sys, threading, time
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        from fastrl import launch, runlog, util
+        import tasks
         from fastrl import vllm_sampler
         if __name__ == "__main__":
             s = vllm_sampler.Sampler(vllm_sampler.SamplerConfig(model={tiny_path!r}, placement="cpu"))
@@ -208,7 +211,7 @@ def test_learner_killed_while_the_engine_is_built_takes_the_sampler_down(tiny_pa
 
 @pytest.mark.slow
 def test_killed_sampler_reports_its_exit_code_and_leaves_no_temporary_files(tiny_path, tokenizer):
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = launch.start_sampler(tiny_path, placement="cpu")
     tmpdir = Path(sampler.tmpdir)
     assert list(tmpdir.glob("vllm_dist_*"))  # vLLM's rendezvous file, which a killed process cannot delete
     os.kill(sampler.process.pid, signal.SIGKILL)
@@ -227,6 +230,8 @@ def test_two_runs_building_a_model_build_it_once(tmp_path):
         from pathlib import Path
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        from fastrl import launch, runlog, util
+        import tasks
         from fastrl import tiny_model
 
         def build(path):
@@ -236,7 +241,7 @@ def test_two_runs_building_a_model_build_it_once(tmp_path):
                 (tmp / "config.json").write_text("{{}}")
             with open({str(tmp_path / "builds")!r}, "a") as f:
                 f.write("built\\n")
-            common.replace_atomically(write, path)
+            util.replace_atomically(write, path)
 
         print(tiny_model.cached_build(Path({str(tmp_path / "cache" / "model")!r}), build))
     """)
@@ -253,8 +258,10 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        from fastrl import launch, runlog, util
+        import tasks
         if __name__ == "__main__":
-            common.start_sampler({tiny_path!r}, placement="cpu").close()
+            launch.start_sampler({tiny_path!r}, placement="cpu").close()
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "leaked semaphore" not in out.stderr, out.stderr[-2000:]
@@ -270,7 +277,7 @@ def test_prompts_all_too_long_is_one_clear_line():
 @pytest.mark.slow
 def test_sampler_killed_during_a_push(tiny_path):
     model = common.load_policy(tiny_path, "cpu")
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = launch.start_sampler(tiny_path, placement="cpu")
     sampler.init_weight_sync(model)
     real_update = sampler.update_weights
 

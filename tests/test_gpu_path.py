@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import common
+from fastrl import checks, launch, runlog, util
 import tasks
 from fastrl import vllm_sampler
 from fastrl import weight_sync
@@ -310,7 +311,7 @@ def test_gpu_background_transfer_runs_off_the_default_stream():
 def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
     """A NCCL broadcast to a dead peer never returns; the watchdog must not wait for it. Here the
     transfer is a stand-in that never returns, and the sampler is killed meanwhile."""
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = launch.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
 
     def stuck_transfer():
@@ -326,7 +327,7 @@ def test_watchdog_turns_a_dead_sampler_mid_transfer_into_an_error(tiny_path):
 
 def _push_then_compare(placement, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cuda")
-    with common.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
+    with launch.start_sampler(tiny_path, placement=placement, dtype="float32") as sampler:
         sampler.init_weight_sync(model)
         with torch.no_grad():
             for p in model.parameters():
@@ -344,7 +345,7 @@ def _push_then_compare(placement, tiny_path, tokenizer):
         assert (learner - behaviour)[mask].abs().mean() < 1e-3 and {s.version_max for s in samples} == {1}
         # the GPU path is the CPU one (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
         assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "top_k_top_p": "pytorch"}
-        memory = common.peak_memory_mib(sampler)  # the sampler's GPU peak beside the learner's
+        memory = launch.peak_memory_mib(sampler)  # the sampler's GPU peak beside the learner's
         assert memory["sampler_gpu"] > 0 and memory["learner_gpu"] > 0 and memory["sampler"] > 0
 
 
@@ -374,7 +375,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # against the checkpoint's weights instead of the pushed ones (a push that did not land) 0.80 mean, 2.97 max;
 # the learner without the nucleus (top-p ignored: the kept mass is ~0.95 on a random model) 0.051 on every token.
 # The mean bound, 5e-2, is the one the scripts hold charts/logprob_diff to with a bf16 side
-# (common.warn_logprob_diff): 3x the measured noise, 16x below a stale push.
+# (checks.warn_logprob_diff): 3x the measured noise, 16x below a stale push.
 BF16_MEAN_TOL = 5e-2
 BF16_MAX_TOL = 0.5  # one token's worst case: 7x the measured noise; a stale or garbled push reaches several nats
 PERTURB = 0.01  # added to every weight before a push (Qwen's weights: std 0.02): far from the checkpoint, not bf16-representable
@@ -451,7 +452,7 @@ def _push_cast_then_compare(placement: str, path: str):
             p.add_(PERTURB * torch.randn_like(p))
     embedding = model.get_input_embeddings().weight
     assert not torch.equal(embedding, embedding.to(torch.bfloat16).float())  # the push must round: fp32 values bf16 cannot hold
-    with common.start_sampler(path, placement=placement, max_model_len=1024) as sampler:  # dtype auto: bf16 on a GPU
+    with launch.start_sampler(path, placement=placement, max_model_len=1024) as sampler:  # dtype auto: bf16 on a GPU
         assert sampler.weight_dtype() == torch.bfloat16
         sampler.init_weight_sync(model)
         sizes = [math.prod(m.shape) * m.dtype.itemsize for m in weight_sync.sampler_source(model, torch.bfloat16).metadata()]
@@ -490,13 +491,13 @@ def test_gpu_in_flight_update_labels_versions(realistic_path):
     and the tokens streamed back before the push are all in the old one. Long generations (ignore_eos,
     up to the realistic model's 1024-token context) and the push sent once every request has streamed
     its first chunk (so generation is under way); retried with the next version if a push still missed."""
-    tokenizer = common.load_tokenizer(realistic_path)
+    tokenizer = util.load_tokenizer(realistic_path)
     model = common.load_policy(realistic_path, "cuda")
     task = tasks.make_task("countdown", seed=0, tiny_prompts=False)
     prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(32)]
     max_tokens = 1024 - max(map(len, prompts)) - 1
     split = []
-    with common.start_sampler(realistic_path, placement="colocate", max_model_len=1024) as sampler:
+    with launch.start_sampler(realistic_path, placement="colocate", max_model_len=1024) as sampler:
         sampler.init_weight_sync(model)
         for version in range(1, 6):
             ids = sampler.submit(prompts, n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, stream_every=8)
@@ -549,7 +550,7 @@ def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_pat
         torch.cuda.synchronize()  # the step is over on the device, not only queued
 
     in_flight_at_return, steps_during_push = 0, 0
-    with common.start_sampler(qwen05_path, placement="colocate", max_model_len=1024) as sampler:
+    with launch.start_sampler(qwen05_path, placement="colocate", max_model_len=1024) as sampler:
         sampler.init_weight_sync(model, background=True)
         train_step()
         for version in range(1, 5):
@@ -606,7 +607,7 @@ def test_gpu_script_end_to_end(script, flags, trained_key, realistic_path, tmp_p
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     [run_dir] = (tmp_path / "runs").glob(f"{exp}__*")
-    rows = [r for r in common.read_metrics(run_dir) if trained_key in r]
+    rows = [r for r in runlog.read_metrics(run_dir) if trained_key in r]
     assert len(rows) == 2, rows
     diffs = [r["charts/logprob_diff"] for r in rows if isinstance(r.get("charts/logprob_diff"), float) and math.isfinite(r["charts/logprob_diff"])]
     assert diffs and max(diffs) <= BF16_MEAN_TOL, diffs

@@ -111,11 +111,12 @@ def test_every_readme_command_needs_only_what_its_setup_installs():
     """A script's real-model defaults once needed a package that `setup.sh gpu` never installed (datasets, for the
     paper's countdown-hub), and the canonical command stopped at its first line. Each command the README and docs give
     after a setup is parsed as its script parses it; every package the run will import beyond the core dependencies
-    (common.optional_modules) must be in the extras that this setup installs."""
+    (checks.optional_modules) must be in the extras that this setup installs."""
     import importlib
     import tomllib
 
-    import common
+    import tasks
+    from fastrl import checks
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     name = lambda requirement: re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")  # noqa: E731
@@ -127,11 +128,11 @@ def test_every_readme_command_needs_only_what_its_setup_installs():
             continue
         module = importlib.import_module(script)
         args = (module.parse_args(flags) if hasattr(module, "parse_args")
-                else common.parse_args(module.Args, flags, paper=module.PAPER, smollm2=module.SMOLLM2))
+                else checks.parse_args(module.Args, flags, paper=module.PAPER, smollm2=module.SMOLLM2))
         installed = {name(r) for r in project["dependencies"]}
         for extra in [target, *filter(None, extras.split(","))]:
             installed |= {name(r) for r in project["optional-dependencies"][extra]}
-        missing = set(common.optional_modules(args)) - installed
+        missing = set(checks.optional_modules(args, tasks.HUB_TASKS)) - installed
         assert not missing, f"{doc}: `setup.sh {target} {extras}` then {script}.py {' '.join(flags)} needs {missing}"
 
 

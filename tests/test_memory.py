@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 import common
+from fastrl import checks, util
 import online_dpo_async as dpo
 import ppo_oppo as po
 import rloo_kreuse as rloo
@@ -150,7 +151,7 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
 
     torch.manual_seed(0)
     policy = common.load_policy(tiny_path, "cpu")
-    critic = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
+    critic = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
     prompts, responses, *_ = _batch(policy.config.vocab_size, [(6, 9), (4, 3), (7, 20), (5, 11), (3, 5), (8, 2)], seed=2)
     batch = [po.Rollout(str(i), i, None, p, 0, response=r) for i, (p, r) in enumerate(zip(prompts, responses))]
     B, T = len(batch), max(map(len, responses))
@@ -420,7 +421,7 @@ def test_transfer_is_the_packed_buffer_and_a_background_snapshot():
 def test_memory_plan_on_cpu_prints_nothing_and_changes_nothing(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = _paper_args("rloo", 256, 512, False, False, sampler_gpu_memory=0.5)
-    assert common.memory_plan(args, "/nonexistent", "rloo") == 0.5
+    assert checks.memory_plan(args, "/nonexistent", "rloo") == 0.5
     assert capsys.readouterr().out == ""
 
 
@@ -467,7 +468,7 @@ def test_every_suggested_command_line_parses_in_every_script(monkeypatch):
         shared = {line for lines in suggested.values() for line in lines if not any(b in line for b in batch_flags)}
         for line in sorted(own | shared):
             argv = shlex.split(line)
-            args = common.parse_args(module.Args, ["--model", "Qwen/Qwen2.5-0.5B", *argv], paper=module.PAPER)
+            args = checks.parse_args(module.Args, ["--model", "Qwen/Qwen2.5-0.5B", *argv], paper=module.PAPER)
             for name in ("gradient_checkpointing", "autocast_bf16"):
                 flag = "--" + name.replace("_", "-")
                 if flag in argv or "--no-" + flag[2:] in argv:

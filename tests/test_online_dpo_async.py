@@ -18,6 +18,8 @@ import pytest
 import torch
 
 import common
+from fastrl import checks, runlog
+import tasks
 import online_dpo_async as dpo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +219,7 @@ def test_a_bad_choice_is_refused_on_the_command_line():
 
 def _check_rounds(run_dir, mode, minibatches, num_prompts):
     """A short run's rounds: the lag of each batch from the sampler's versions, the pairs, the KL."""
-    rounds = [r for r in common.read_metrics(run_dir) if "charts/lag_min" in r]
+    rounds = [r for r in runlog.read_metrics(run_dir) if "charts/lag_min" in r]
     assert len(rounds) == 3 and (run_dir / "checkpoint.pt").exists()
     lags = [(r["charts/lag_min"], r["charts/lag_max"]) for r in rounds]
     steps = [0] + [r["step"] for r in rounds]
@@ -268,7 +270,7 @@ def test_sync_resume_is_exact(tmp_path, sync_run):
     run = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_resume", "--num-rounds", "2", cwd=tmp_path), tmp_path)
     _run_dir(_run("--resume", str(run), "--num-rounds", "3", cwd=tmp_path), tmp_path)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
-    rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in common.read_metrics(d) if "charts/reward" in r] for d in (sync_run, run)]
+    rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(d) if "charts/reward" in r] for d in (sync_run, run)]
     assert len(rounds[0]) == len(rounds[1]) == 3 and rounds[0] == rounds[1]
 
 
@@ -280,7 +282,7 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     flags = [f for f in SYNC if f != "--sync"]
     sync_dir = sync_run
     lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path), tmp_path)
-    sync_rows, lag0_rows = common.read_metrics(sync_dir), common.read_metrics(lag0_dir)
+    sync_rows, lag0_rows = runlog.read_metrics(sync_dir), runlog.read_metrics(lag0_dir)
     assert len(sync_rows) == len(lag0_rows) == 6  # eval, 3 rounds, eval, the end-of-run report
     assert sum(r.get("charts/pairs", 0) for r in sync_rows) > 0 and all(r.get("charts/lag_max", 0) == 0 for r in lag0_rows)
     for a, b in zip(sync_rows, lag0_rows):
@@ -307,9 +309,10 @@ def _run_gsm8k_local(*flags, cwd):
         sys.path.insert(0, {str(ROOT)!r})
         import online_dpo_async as dpo
         import common
+        from fastrl import checks, runlog
         import tasks
         tasks._load_hub_dataset = lambda *args, **kwargs: {GSM8K_LOCAL!r}
-        common.optional_modules = lambda args: {{}}  # the local data stands in for the Hub's: no datasets package needed
+        checks.optional_modules = lambda args, hub_tasks: {{}}  # the local data stands in for the Hub's: no datasets package needed
         read = dpo.train_index
         def spy(position, *args):
             index = read(position, *args)
@@ -347,7 +350,7 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     assert all(sorted(e) == list(range(8)) for e in epochs) and epochs[0] != epochs[1] and list(range(8)) not in epochs
     question = lambda index: GSM8K_LOCAL["train"][index]["question"]  # noqa: E731
     assert epochs[0][0] != 0 and "Problem:\\n" + question(epochs[0][0]) in out.stdout.split("example: ")[1].splitlines()[0]
-    evals = [r for r in common.read_metrics(run_dir) if "eval/pass@1" in r]
+    evals = [r for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r]
     assert len(evals) == 2  # the whole (local) test split, greedy, before and after
 
     saved_step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]  # 0 if every pair of both rounds tied
@@ -382,7 +385,7 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     run_dir = _run_dir(out, tmp_path)
-    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    rounds = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     # every minibatch that holds a pair attempts a step (2 minibatches: min(pairs, 2) a round); all are skipped
     attempted = [sum(min(r["charts/pairs"], 2) for r in rounds[: i + 1]) for i in range(3)]
     assert [r["charts/nonfinite_skipped"] for r in rounds] == attempted and attempted[-1] >= 1
@@ -415,7 +418,7 @@ def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, ex
     assert (args["temperature"], args["top_p"]) == ((0.7, 1.0) if "--top-p" not in extra else (0.7, 0.9))
     if "--chat-template" in extra:  # the prompt went through the ChatML template
         assert "<|im_start|>user\\n" in out.stdout.split("example: ")[1].splitlines()[0]
-    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    rounds = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert len(rounds) == 2 and abs(rounds[0]["charts/kl"]) < 1e-3
     diffs = [r["charts/logprob_diff"] for r in rounds if "charts/logprob_diff" in r]
     assert diffs and all(d <= 1e-4 for d in diffs)
@@ -436,7 +439,7 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     out = subprocess.run([*torchrun, str(ROOT / "online_dpo_async.py"), *SYNC], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     runs = {"two": _run_dir(out, tmp_path), "one": sync_run}
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
-    rows = {k: [r for r in common.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
+    rows = {k: [r for r in runlog.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] and rows["one"][-1]["step"] >= 1
     for key in ("charts/reward", "charts/pairs", "charts/kl", "losses/loss", "losses/logits_margin", "losses/dpo_accuracy",
                 "losses/grad_norm"):
@@ -456,7 +459,7 @@ def test_tldr_format_jsonl_with_a_reward_model(tmp_path, tiny_reward_model):
     (tmp_path / "tldr.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "completion": p.answer}) + "\n" for p in problems))
     out = _run("--task", "tldr.jsonl", "--answer-field", "completion", "--reward-model", tiny_reward_model, "--sync",
                "--num-rounds", "2", "--group-size", "2", *SMALL, cwd=tmp_path)
-    rounds = [r for r in common.read_metrics(_run_dir(out, tmp_path)) if "charts/rewards_chosen" in r]
+    rounds = [r for r in runlog.read_metrics(_run_dir(out, tmp_path)) if "charts/rewards_chosen" in r]
     assert rounds and all(r["charts/rewards_margin"] > 0 for r in rounds)  # best minus worst of each kept pair
     scores = {round(r["charts/rewards_chosen"], 6) for r in rounds} | {round(r["charts/rewards_rejected"], 6) for r in rounds}
     assert not scores <= {0.0, 1.0, 0.1, -1.0}  # the reward model's scores, not a verifier's

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import common
+from fastrl import checks, runlog
 import tasks
 from fastrl import vllm_sampler
 import pipeline_rl as prl
@@ -64,10 +65,10 @@ def test_defaults_follow_the_paper():
     old = prl.mode_defaults(prl.Args(mode="conventional", gen_batch_size=256, ess_threshold=0.5, loss_norm="token"))
     assert (old.gen_batch_size, old.ess_threshold, old.loss_norm) == (256, 0.5, "token")
     # a real model: the paper's defaults (PAPER), what --help shows with --model given; a flag given stays
-    real = prl.mode_defaults(common.parse_args(prl.Args, ["--model", "some/model"], paper=prl.PAPER))
+    real = prl.mode_defaults(checks.parse_args(prl.Args, ["--model", "some/model"], paper=prl.PAPER))
     assert (real.num_steps, real.learning_rate, real.max_new_tokens, real.max_prompt_tokens) == (1000, 1e-6, 1024, 512)
-    assert common.parse_args(prl.Args, ["--model", "some/model", "--num-steps", "7"], paper=prl.PAPER).num_steps == 7
-    assert common.parse_args(prl.Args, [], paper=prl.PAPER).num_steps == 120
+    assert checks.parse_args(prl.Args, ["--model", "some/model", "--num-steps", "7"], paper=prl.PAPER).num_steps == 7
+    assert checks.parse_args(prl.Args, [], paper=prl.PAPER).num_steps == 120
 
 
 def test_flags_are_checked_where_they_are_declared_and_help_shows_real_defaults(capsys, monkeypatch):
@@ -81,7 +82,7 @@ def test_flags_are_checked_where_they_are_declared_and_help_shows_real_defaults(
     monkeypatch.setenv("COLUMNS", "200")
     for argv, steps in [([], 120), (["--model", "Qwen/Qwen2.5-0.5B"], 1000)]:
         with pytest.raises(SystemExit):
-            common.parse_args(prl.Args, [*argv, "--help"], paper=prl.PAPER)
+            checks.parse_args(prl.Args, [*argv, "--help"], paper=prl.PAPER)
         out = " ".join(capsys.readouterr().out.replace("│", " ").split())
         assert f"optimizer steps [paper 1000; tiny 120] (default: {steps})" in out
         assert "(default: B; conventional: B*G)" in out and "(default: 0.5; conventional: 0)" in out
@@ -329,7 +330,7 @@ def _run(*flags, timeout=600):
 def _rows(out):
     """The run directory and its trained steps' rows (a skipped batch's row has charts/ess but no losses)."""
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    return run_dir, [r for r in common.read_metrics(run_dir) if "losses/loss" in r]
+    return run_dir, [r for r in runlog.read_metrics(run_dir) if "losses/loss" in r]
 
 
 SMALL = ["--num-steps", "4", "--train-batch-size", "16", "--eval-problems", "8", "--eval-samples", "2"]
@@ -382,10 +383,10 @@ def test_ess_guard_skips_stale_batches():
     assert json.loads((run_dir / "args.json").read_text())["gen_batch_size"] == 16
     assert all(r["charts/ess"] >= 0.9999 for r in rows)  # only (near) on-policy batches were trained on
     assert rows[-1]["charts/skipped_steps"] > 0  # after each in-flight push the stale batches were skipped
-    skips = [r for r in common.read_metrics(run_dir) if "charts/ess" in r and "losses/loss" not in r]
+    skips = [r for r in runlog.read_metrics(run_dir) if "charts/ess" in r and "losses/loss" not in r]
     assert [r["charts/skipped_steps"] for r in skips] == list(range(1, int(rows[-1]["charts/skipped_steps"]) + 1))
     assert all(r["charts/ess"] < 0.9999 and r["charts/lag_max"] >= 1 for r in skips)
-    assert len([r for r in common.read_metrics(run_dir) if "charts/ess" in r]) == len(rows) + len(skips)
+    assert len([r for r in runlog.read_metrics(run_dir) if "charts/ess" in r]) == len(rows) + len(skips)
 
 
 # --max-lag 0 on a fixed seed: the run that both the Conventional-RL parity test and the torchrun
@@ -418,7 +419,7 @@ def test_zero_lag_pipeline_reproduces_conventional_g1(zero_lag_pipeline):
         for key in ["charts/reward", "charts/accuracy", "charts/response_length", "charts/episodes", "charts/ess", "charts/logprob_diff",
                     "charts/tis_max_ratio", "losses/loss", "losses/pg", "losses/grad_norm"]:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
-    evals = [[r["eval/pass@1"] for r in common.read_metrics(d) if "eval/pass@1" in r] for d in (_rows(pipeline)[0], _rows(conventional)[0])]
+    evals = [[r["eval/pass@1"] for r in runlog.read_metrics(d) if "eval/pass@1" in r] for d in (_rows(pipeline)[0], _rows(conventional)[0])]
     assert evals[0] == evals[1]
     # and Conventional RL stopped after 2 steps, resumed to 3, is the straight run, row for row (a seed per prompt)
     stopped = _run("--exp-name", "pytest_prl_stopped", "--mode", "conventional", "--steps-per-rl-step", "1", *flags[:1], "2", *flags[2:])
@@ -457,7 +458,7 @@ def test_nonfinite_step_is_skipped_counted_and_never_pushed():
     run_dir, rows = _rows(out)
     assert [line for line in out.stdout.splitlines() if line.startswith("PUSH")] == ["PUSH 1", "PUSH 2"]
     assert [r["step"] for r in rows] == [1, 2] and [r["charts/nonfinite_skipped"] for r in rows] == [1, 1]
-    skip_rows = [r for r in common.read_metrics(run_dir) if "losses/loss" not in r and "charts/nonfinite_skipped" in r]
+    skip_rows = [r for r in runlog.read_metrics(run_dir) if "losses/loss" not in r and "charts/nonfinite_skipped" in r]
     assert [(r["step"], r["charts/nonfinite_skipped"]) for r in skip_rows] == [(0, 1)]
     assert skip_rows[0]["charts/ess"] == pytest.approx(1.0, abs=1e-3)  # its ESS is logged too (the loss was poisoned, not the data)
 
@@ -508,7 +509,7 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
     learner is, so the comparison uses the strictly on-policy pipeline (the same batches whatever
     the speed, as in test_zero_lag_pipeline_reproduces_conventional_g1); every batch is then
     generated by the weights last pushed, so charts/logprob_diff checks each push of the gathered
-    weights. Resuming under torchrun (common.load_checkpoint) is rloo_kreuse.py's test's: a third launch here
+    weights. Resuming under torchrun (runlog.load_checkpoint) is rloo_kreuse.py's test's: a third launch here
     would test the same helper."""
     from safetensors.torch import load_file
 
@@ -518,7 +519,7 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
     assert out.returncode == 0, out.stderr[-3000:]
     runs = {"two": tmp_path / out.stdout.split("run directory: ")[1].split()[0], "one": _rows(zero_lag_pipeline)[0]}
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
-    rows = {k: [r for r in common.read_metrics(d) if "losses/loss" in r] for k, d in runs.items()}
+    rows = {k: [r for r in runlog.read_metrics(d) if "losses/loss" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [1, 2, 3]
     for key in ("charts/reward", "charts/ess", "charts/tis_max_ratio", "losses/loss", "losses/pg", "losses/grad_norm"):
         assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key
@@ -529,9 +530,9 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
 def test_a_real_model_gets_the_papers_one_or_zero_reward():
     """Sec. 5: "reward 1 to any generated sequence with the correct answer and 0 otherwise": a real model's default;
     Countdown's 0.1 for a well-formed wrong answer stays the tiny model's (and --no-binary-reward's)."""
-    real = common.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=prl.PAPER)
-    tiny = common.parse_args(prl.Args, [], paper=prl.PAPER)
-    kept = common.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--no-binary-reward"], paper=prl.PAPER)
+    real = checks.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=prl.PAPER)
+    tiny = checks.parse_args(prl.Args, [], paper=prl.PAPER)
+    kept = checks.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--no-binary-reward"], paper=prl.PAPER)
     assert (real.binary_reward, tiny.binary_reward, kept.binary_reward) == (True, False, False)
     task = tasks.make_task("countdown", 1, tiny_prompts=False)
     problem = task.problem("train", 0)

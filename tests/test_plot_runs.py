@@ -1,4 +1,4 @@
-"""plot_runs.py on small runs written in common.RunLogger's format (rows copied from real runs)."""
+"""plot_runs.py on small runs written in runlog.RunLogger's format (rows copied from real runs)."""
 
 import json
 import math

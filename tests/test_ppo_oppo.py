@@ -16,13 +16,14 @@ import torch
 from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
 
 import common
+from fastrl import checks, runlog, util
 import ppo_oppo as po
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, tiny_reward_model):
-    rm_score = common.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
+    rm_score = util.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
     _, critic, _, rm = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
     assert torch.equal(critic.score.weight, rm_score) and critic.score.weight.data_ptr() != rm.score.weight.data_ptr()
     _, critic, _, _ = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model, critic_model=tiny_path)
@@ -38,9 +39,9 @@ def test_chunked_prefill_equals_full_forward(tiny_path, tokenizer, tiny_reward_m
     batched with other sequences. Values, reference logprobs and RM scores must equal one full
     forward of the whole padded batch (the reference's under the sampler's temperature and top-p)."""
     torch.manual_seed(0)
-    critic = common.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).eval()
+    critic = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).eval()
     ref = common.load_policy(tiny_path, "cpu").eval()
-    rm = common.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).eval()
+    rm = util.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).eval()
     rm.config.pad_token_id = tokenizer.pad_token_id
     models = dict(critic=critic, ref=ref, rm=rm)
     prompts = [tokenizer(p)["input_ids"] for p in ("1 2 3->6:", "4 5 9->20:", "7 8 9->56:")]
@@ -149,7 +150,7 @@ def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_pa
     transformers scores the rightmost non-pad token, so a response that ends in EOS is scored at
     the token before. The streamed, chunked score must equal transformers' logits for the same ids:
     alone, in a right-padded and in a left-padded batch."""
-    tokenizer = common.load_tokenizer(realistic_path)
+    tokenizer = util.load_tokenizer(realistic_path)
     pad = eos = tokenizer.eos_token_id
     assert tokenizer.pad_token_id == eos
     torch.manual_seed(0)
@@ -254,8 +255,8 @@ def test_a_nonfinite_loss_or_gradient_never_reaches_the_weights_nor_adam():
 def test_flags_take_the_paper_defaults_for_a_real_model_and_are_checked_where_declared():
     """--help and a run show the defaults of the model given: the tiny model's, or the paper's for a real one (the
     prompt budget included); each bad value stops in one line naming its flag, before anything starts."""
-    tiny = common.parse_args(po.Args, [], paper=po.PAPER)
-    real = common.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
+    tiny = checks.parse_args(po.Args, [], paper=po.PAPER)
+    real = checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
     assert (tiny.num_rounds, tiny.batch_size, tiny.max_prompt_tokens, tiny.max_new_tokens) == (60, 64, 32, 32)
     assert (real.num_rounds, real.batch_size, real.max_prompt_tokens, real.max_new_tokens) == (1000, 112, 512, 1024)
     assert po.chunk_sizes(tiny) == (8, (4, 8, 16)) and po.chunk_sizes(real) == (256, (128, 256, 512))
@@ -263,7 +264,7 @@ def test_flags_take_the_paper_defaults_for_a_real_model_and_are_checked_where_de
                         (["--chunk-candidates", "1", "2", "3", "--chunk-tune-every", "3"], "--chunk-tune-every"),
                         (["--top-p", "0"], "--top-p"), (["--sampler-url", "http://host:8000"], "--sampler-url")):
         with pytest.raises(SystemExit) as stop:
-            common.parse_args(po.Args, flags, paper=po.PAPER)
+            checks.parse_args(po.Args, flags, paper=po.PAPER)
         assert str(stop.value.code).startswith(f"error: {flag}:") and "\n" not in str(stop.value.code), flags
 
 
@@ -311,7 +312,7 @@ def _run(tmp_path, *flags, expect_ok=True):
 
 def _metrics(tmp_path, exp_name):
     [run] = (tmp_path / "runs").glob(f"{exp_name}__*")
-    return run, [r for r in common.read_metrics(run) if "time/round_seconds" in r]
+    return run, [r for r in runlog.read_metrics(run) if "time/round_seconds" in r]
 
 
 @pytest.mark.slow
@@ -350,7 +351,7 @@ def test_reward_model_run_and_resume(tmp_path, tiny_reward_model):
     run, rows = _metrics(tmp_path, "rm")
     assert len(rows) == 2
     _run(tmp_path, "--reward-model", tiny_reward_model, "--num-rounds", "3", "--resume", str(run))
-    rows = [r for r in common.read_metrics(run) if "time/round_seconds" in r]
+    rows = [r for r in runlog.read_metrics(run) if "time/round_seconds" in r]
     assert len(rows) == 3 and rows[-1]["step"] == 3 * 2  # round 3 of 2 epochs x 1 minibatch
     state = torch.load(run / "checkpoint.pt", weights_only=False)
     assert state["round"] == 3 and "critic.score.weight" in state["model"]
@@ -382,7 +383,7 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
-    rows = {k: [r for r in common.read_metrics(d) if "time/round_seconds" in r] for k, d in runs.items()}
+    rows = {k: [r for r in runlog.read_metrics(d) if "time/round_seconds" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]  # 2 epochs x 1 minibatch
     for key in ("charts/reward", "charts/kl", "charts/explained_variance", "charts/tis_max_ratio", "losses/policy", "losses/value",
                 "losses/approx_kl", "losses/entropy", "losses/grad_norm"):
@@ -500,9 +501,9 @@ def test_realistic_model_chat_template_and_bf16_sampler_by_default(tmp_path, rea
 def test_learning_rate_decays_linearly_for_a_real_model_as_trl():
     """TRL's PPOTrainer (OPPO's base): a linear schedule to 0 over its batches, stepped once per batch; a real model
     gets it, the tiny model and --lr-schedule constant a constant rate."""
-    real = common.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
-    assert (real.lr_schedule, common.parse_args(po.Args, [], paper=po.PAPER).lr_schedule) == ("linear", "constant")
-    assert common.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--lr-schedule", "constant"], paper=po.PAPER).lr_schedule == "constant"
+    real = checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
+    assert (real.lr_schedule, checks.parse_args(po.Args, [], paper=po.PAPER).lr_schedule) == ("linear", "constant")
+    assert checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--lr-schedule", "constant"], paper=po.PAPER).lr_schedule == "constant"
     rates = [po.scheduled_learning_rate(3e-6, "linear", i, 4) for i in range(4)]
     assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
     # HF's get_linear_schedule_with_warmup (TRL's lr_scheduler_type "linear"), stepped once per iteration

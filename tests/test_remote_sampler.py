@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import common
+from fastrl import launch, runlog
 from fastrl import remote_sampler
 import tasks
 from fastrl.vllm_sampler import SamplerError
@@ -268,13 +269,13 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
 
 @pytest.mark.slow
 def test_a_script_trains_through_sampler_url(server_url):
-    """`--sampler-url`: rloo_kreuse.py samples from the server (common.start_sampler(urls=...)),
+    """`--sampler-url`: rloo_kreuse.py samples from the server (launch.start_sampler(urls=...)),
     pushes every round, and the server's logprobs stay the learner's."""
     out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--sampler-url", server_url, "--exp-name", "pytest_remote",
                           "--k", "2", "--num-rounds", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8",
                           "--eval-samples", "2"], cwd=WORK, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = common.read_metrics(WORK / out.stdout.split("run directory: ")[1].split()[0])
+    rows = runlog.read_metrics(WORK / out.stdout.split("run directory: ")[1].split()[0])
     rounds = [r for r in rows if "charts/reward" in r]
     assert [r["step"] for r in rounds] == [2, 4]
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rounds)  # the server samples with the pushed weights

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+from fastrl import checks, launch, runlog, util
 import rloo_kreuse as rloo
 import tasks
 
@@ -68,8 +69,8 @@ def test_rloo_loss_by_hand():
 def test_ess_and_pass_at_k():
     assert rloo.ess(torch.ones(8)) == pytest.approx(1.0)
     assert rloo.ess(torch.tensor([1.0, 0.0, 0.0, 0.0])) == pytest.approx(0.25)
-    assert common.pass_at_k(16, 0, 1) == 0 and common.pass_at_k(16, 16, 4) == 1
-    assert common.pass_at_k(4, 1, 1) == pytest.approx(0.25) and common.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert tasks.pass_at_k(16, 0, 1) == 0 and tasks.pass_at_k(16, 16, 4) == 1
+    assert tasks.pass_at_k(4, 1, 1) == pytest.approx(0.25) and tasks.pass_at_k(4, 1, 2) == pytest.approx(0.5)
 
 
 @pytest.mark.slow
@@ -121,7 +122,7 @@ def test_two_rounds_from_the_command_line_then_resume():
     out = _run(*flags, "--num-rounds", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    rows = common.read_metrics(run_dir)
+    rows = runlog.read_metrics(run_dir)
     rounds = [r for r in rows if "charts/reward" in r]
     assert [r["step"] for r in rounds] == [2, 4]
     for r in rounds:
@@ -147,8 +148,8 @@ def test_two_rounds_from_the_command_line_then_resume():
     # and exactly as it was: the same seed run for 3 rounds without a stop gives the same round 3, row for row
     straight = _run(*flags, "--num-rounds", "3")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    straight_rows = [r for r in common.read_metrics(WORK / straight.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
-    resumed_rows = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    straight_rows = [r for r in runlog.read_metrics(WORK / straight.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
+    resumed_rows = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert len(straight_rows) == len(resumed_rows) == 3
     for a, b in zip(straight_rows, resumed_rows):
         assert {k: v for k, v in a.items() if not k.startswith(("time/", "wall")) and "per_second" not in k} == \
@@ -159,8 +160,8 @@ def test_two_rounds_from_the_command_line_then_resume():
 
     saved = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert all(torch.equal(saved.state_dict()[k], v) for k, v in state["model"].items() if k in saved.state_dict())
-    with common.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
-        tokenizer = common.load_tokenizer(str(run_dir / "model"))
+    with launch.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
+        tokenizer = util.load_tokenizer(str(run_dir / "model"))
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
 
 
@@ -188,7 +189,7 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
                           "--num-prompts", "4", "--group-size", "2", "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    rounds = [r for r in common.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
+    rounds = [r for r in runlog.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
     assert len(rounds) == 2 and (tmp_path / "calls").read_text() == "x" * 16  # 2 rounds x 4 prompts x 2 samples
     assert all(r["charts/reward"] < 1.0 and 0.0 <= r["charts/accuracy"] <= 1.0 for r in rounds)
 
@@ -201,7 +202,7 @@ def test_overlap_mode_runs_one_round_off_policy():
                "--overlap", "--eval-problems", "8", "--eval-samples", "2", "--snapshot-every", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    lags = [r["charts/lag_mean"] for r in common.read_metrics(run_dir) if "charts/lag_mean" in r]
+    lags = [r["charts/lag_mean"] for r in runlog.read_metrics(run_dir) if "charts/lag_mean" in r]
     assert lags[0] == 0 and all(lag == 2 for lag in lags[1:])  # round r+1 was generated before round r's K=2 steps
     snapshots = [torch.load(run_dir / "snapshots" / f"{step}.pt", weights_only=True) for step in (0, 2, 4, 6)]
     assert [s["step"] for s in snapshots] == [0, 2, 4, 6] and all(a["wall"] < b["wall"] for a, b in zip(snapshots, snapshots[1:]))
@@ -222,7 +223,7 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
     loads = []
     real_load = common.load_policy
     monkeypatch.setattr(common, "load_policy", lambda *a, **k: loads.append(a) or real_load(*a, **k))
-    monkeypatch.setattr(common, "start_sampler", lambda *a, **k: SimpleNamespace(close=lambda: None))  # no process
+    monkeypatch.setattr(launch, "start_sampler", lambda *a, **k: SimpleNamespace(close=lambda: None))  # no process
 
     def stop(*a, **k):
         raise _Loaded
@@ -267,12 +268,12 @@ def test_flag_checks_live_with_the_flags(fields, flag):
 
 
 def test_a_real_model_gets_the_papers_defaults_and_tiny_its_own():
-    paper = common.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo.PAPER)
-    tiny = common.parse_args(rloo.Args, [], paper=rloo.PAPER)
+    paper = checks.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo.PAPER)
+    tiny = checks.parse_args(rloo.Args, [], paper=rloo.PAPER)
     assert (paper.task, paper.group_size, paper.num_prompts, paper.num_rounds, paper.learning_rate, paper.ent_coef,
             paper.max_new_tokens) == ("countdown-hub", 2, 4, 250, 1e-6, 0.05, 512)
     assert (tiny.task, tiny.group_size, tiny.num_prompts, tiny.ent_coef, tiny.kl_coef) == ("countdown", 8, 32, 0.01, 0.01)
-    assert common.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--num-prompts", "8"], paper=rloo.PAPER).num_prompts == 8
+    assert checks.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--num-prompts", "8"], paper=rloo.PAPER).num_prompts == 8
 
 
 @pytest.mark.slow  # main() up to the parser
@@ -460,7 +461,7 @@ def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     args = json.loads((run_dir / "args.json").read_text())
     assert (args["temperature"], args["top_p"], args["max_new_tokens"], args["tis"]) == (0.8, 0.95, 48, "auto")
-    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    rounds = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert len(rounds) == 2
     for r in rounds:
         assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-6)
@@ -511,7 +512,7 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=WORK, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    rounds = [r for r in common.read_metrics(run_dir) if "charts/reward" in r]
+    rounds = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert [r["charts/nonfinite_skipped"] for r in rounds] == [2, 4] and [r["step"] for r in rounds] == [0, 0]
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
     initial = common.load_policy(tiny_path, "cpu").state_dict()
@@ -536,7 +537,7 @@ def test_two_torchrun_ranks_train_as_one_process_and_resume():
         assert out.returncode == 0, out.stderr[-3000:]
         runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
-    rows = {k: [r for r in common.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
+    rows = {k: [r for r in runlog.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]
     for key in ("charts/reward", "losses/loss", "losses/pg", "losses/grad_norm", "charts/kl", "charts/ess"):
         assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import common
+from fastrl import launch
 from fastrl import shm_transfer
 import tasks
 from fastrl import vllm_sampler
@@ -146,7 +147,7 @@ def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
     gc.collect()
     mapped_before = _mapped()
     model = common.load_policy(tiny_path, "cpu")
-    sampler = common.start_sampler(tiny_path, placement="cpu", seed=0)
+    sampler = launch.start_sampler(tiny_path, placement="cpu", seed=0)
     try:
         sampler.init_weight_sync(model)
         sampler.push_weights(1)
@@ -173,9 +174,11 @@ def test_a_killed_learner_leaves_no_shared_memory(tiny_path, tmp_path):
         import os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        from fastrl import launch
+        import tasks
         if __name__ == "__main__":  # the sampler is spawned: it imports this file
             model = common.load_policy({tiny_path!r}, "cpu")
-            sampler = common.start_sampler({tiny_path!r}, placement="cpu", seed=0)
+            sampler = launch.start_sampler({tiny_path!r}, placement="cpu", seed=0)
             sampler.init_weight_sync(model)
             sampler.push_weights(1)
             maps = open(f"/proc/{{sampler.process.pid}}/maps").read()

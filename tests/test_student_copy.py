@@ -86,6 +86,7 @@ import dataclasses  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import common  # noqa: E402
+from fastrl import checks, runlog  # noqa: E402
 from fastrl.vllm_sampler import Completion  # noqa: E402
 
 
@@ -116,12 +117,12 @@ def test_evaluate_reports_pass_at_k_for_every_k_the_samples_allow(samples, ks):
     """Issue 42, item 2: k was only ever 1, 4, 8, 16: --eval-samples 2 gave pass@1 alone and a summary saying one sample."""
     task = tasks.make_task("countdown", seed=1, tiny_prompts=True)
     right = [0, 1, samples, samples // 2]
-    result = common.evaluate(ScriptedSampler(task, right), task, CharTokenizer(), len(right), samples, 64)
+    result = tasks.evaluate(ScriptedSampler(task, right), task, CharTokenizer(), len(right), samples, 64)
     assert sorted(int(k.split("@")[1]) for k in result if "@" in k) == ks
     for k in ks:
-        assert result[f"eval/pass@{k}"] == pytest.approx(sum(common.pass_at_k(samples, c, k) for c in right) / len(right))
+        assert result[f"eval/pass@{k}"] == pytest.approx(sum(tasks.pass_at_k(samples, c, k) for c in right) / len(right))
     assert result["eval/samples"] == samples and result["eval/problems"] == len(right)
-    lines = common.what_happened(result, result, None)
+    lines = runlog.what_happened(result, result, None)
     assert ("one sample per problem" in " ".join(lines)) == (samples == 1)
 
 
@@ -142,8 +143,8 @@ def test_the_summary_says_what_was_measured_and_names_the_changed_flags(tmp_path
 
     student = dataclasses.make_dataclass("Args", [("advantage", str, dataclasses.field(default="rloo"))], bases=(rloo.Args,))
     monkeypatch.setattr("sys.argv", ["rloo_grpo.py"])
-    args = common.parse_args(student, ["--advantage", "grpo", "--k", "2", "--eval-samples", "2"], paper=rloo.PAPER)
-    logger = common.RunLogger("summary__1__1", args, root=str(tmp_path))
+    args = checks.parse_args(student, ["--advantage", "grpo", "--k", "2", "--eval-samples", "2"], paper=rloo.PAPER)
+    logger = runlog.RunLogger("summary__1__1", args, root=str(tmp_path))
     try:
         evaluation = {"eval/pass@1": 0.25, "eval/pass@2": 0.5, "eval/problems": 200.0, "eval/samples": 2.0}
         text = logger.report(3, "RLOO K=2", {"K": "2"}, evaluation, evaluation, {"learner": 1.0})
@@ -194,22 +195,22 @@ def test_a_copy_without_any_one_optional_flag_plans_and_checks(script, monkeypat
         assert plan.line.startswith(("memory plan: ", "error: memory plan: ")) and "\n" not in plan.line, (name, plan.line)
         if name not in ("sampler_url",):  # (not about the flags: a copy's plan names only flags it has)
             assert f"--{name.replace('_', '-')} " not in plan.line, (name, plan.line)
-        common.check_run_flags(args)
-        args.model = common.TINY  # (the check reads the model's files: the built-in model's)
+        checks.check_run_flags(args)
+        args.model = checks.TINY  # (the check reads the model's files: the built-in model's)
         if hasattr(args, "task"):
             args.task = "countdown"  # (the paper's countdown-hub needs the datasets package, which CPU setups lack)
         if hasattr(args, "max_prompt_tokens"):
             args.max_prompt_tokens, args.max_new_tokens = 32, 32
-        common.check_model(args, script)
+        checks.check_model(args, script, tasks.HUB_TASKS, common.resolve_model)
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_a_copy_without_a_flag_the_plan_needs_stops_in_one_line_on_cpu_too(script):
     for name in memory_plan.needed_flags(script):
         args = stripped_copy(script, name)
-        args.model = common.TINY
+        args.model = checks.TINY
         with pytest.raises(SystemExit, match=f"^error: --{name.replace('_', '-')}: ") as stopped:
-            common.check_model(args, script)
+            checks.check_model(args, script, tasks.HUB_TASKS, common.resolve_model)
         assert "\n" not in str(stopped.value)
 
 
@@ -226,14 +227,14 @@ import torch  # noqa: E402
 
 def test_no_learning_signal_is_said_once_after_patience_rounds(capsys):
     streaks = {}
-    said = [common.warn_no_learning(signal, "every advantage is 0", streaks, patience=3)
+    said = [checks.warn_no_learning(signal, "every advantage is 0", streaks, patience=3)
             for signal in (torch.zeros(4), torch.ones(4), torch.zeros(4), torch.full((4,), float("nan")), torch.zeros(0), torch.zeros(4))]
     assert said == [True, False, True, True, True, True]  # zero, non-finite and empty are no signal
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: every advantage is 0") and "learns nothing" in lines[0]
-    common.warn_no_learning(torch.zeros(4), "every advantage is 0", streaks, patience=1)  # said already: not again
+    checks.warn_no_learning(torch.zeros(4), "every advantage is 0", streaks, patience=1)  # said already: not again
     assert capsys.readouterr().out == ""
-    assert not common.warn_no_learning(torch.tensor([True, False]), "pairs", {}, patience=1)  # one kept pair is signal
+    assert not checks.warn_no_learning(torch.tensor([True, False]), "pairs", {}, patience=1)  # one kept pair is signal
 
 
 @pytest.mark.slow
@@ -280,6 +281,6 @@ def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
             assert f"--{name.replace('_', '-')}" in keep, name
     for call in ("push_weights", "check_sampler_version", "check_model", "warn_no_learning", "close()", "__main__"):
         assert call in keep, call
-    assert callable(common.warn_no_learning) and callable(common.check_sampler_version) and callable(common.check_model)
+    assert callable(checks.warn_no_learning) and callable(checks.check_sampler_version) and callable(checks.check_model)
     readme = (ROOT / "README.md").read_text()
     assert "methods.md#which-script-to-start-from" in readme and "methods.md#what-a-copy-must-keep" in readme

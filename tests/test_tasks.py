@@ -3,7 +3,7 @@ import json
 import pytest
 
 import tasks
-from common import encode_prompts
+from tasks import encode_prompts
 from tasks import CountdownTask, countdown_reward, gsm8k_reward, make_task, safe_arithmetic
 
 NUMS, TARGET = [3, 5, 7], 22

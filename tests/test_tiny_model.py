@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+from fastrl import util
 import tasks
 from fastrl import tiny_model
 
@@ -47,7 +48,7 @@ def test_the_tokenizer_loads_as_it_was_trained(tmp_path):
     and a load (a plain-" " vocabulary once lost every space: trained on "5 7 3->15:", prompted with
     "573->15:"), and so must the steps task's prompts and answers."""
     built = tiny_model.build_tiny_model(tmp_path / "m", tiny_model.TinyConfig(sft_steps=1), common.tiny_sft_batch("countdown", 0), log=lambda *_: None)
-    loaded, fresh = common.load_tokenizer(str(built)), tiny_model._tiny_tokenizer()
+    loaded, fresh = util.load_tokenizer(str(built)), tiny_model._tiny_tokenizer()
     assert type(loaded).__name__ == "Qwen2Tokenizer"  # what the scripts and vLLM get
     texts = ["5 7 3->15:", "a b\nc  d"]
     for name in ("countdown", "countdown-steps"):

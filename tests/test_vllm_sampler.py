@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import common
+from fastrl import launch
 import tasks
 from fastrl import vllm_sampler
 
@@ -62,7 +63,7 @@ def test_weight_push_through_vllm_layerwise_reload(tiny_path, tokenizer):
     vLLM's own nccl and ipc engines load on a GPU). A layer that receives nothing, or a tensor of the wrong
     shape, fails the push in the learner with the layer's name."""
     model = common.load_policy(tiny_path, "cpu")
-    with common.start_sampler(tiny_path, placement="cpu", seed=0, in_place_updates=False) as own:
+    with launch.start_sampler(tiny_path, placement="cpu", seed=0, in_place_updates=False) as own:
         own.init_weight_sync(model)
         assert own.weight_load_path() == "layerwise"
         _check_push_matches_learner(model, tokenizer, own)
@@ -97,7 +98,7 @@ def test_seeded_requests_longer_than_a_step_are_never_split(tiny_path, tokenizer
     more than one step's budget of 2048."""
     prompts = [tokenizer(f"{i % 10} " * 20)["input_ids"][:40] for i in range(80)]
     assert all(len(p) == 40 for p in prompts)
-    with common.start_sampler(tiny_path, placement="cpu", seed=0, max_model_len=128) as own:
+    with launch.start_sampler(tiny_path, placement="cpu", seed=0, max_model_len=128) as own:
         samples = own.generate(prompts, n=1, temperature=1.0, max_tokens=8, seed=7)  # (failed here, in the sampler)
     assert len(samples) == 80 and all(s.finished and 1 <= len(s.token_ids) <= 8 for s in samples)
 
@@ -231,14 +232,14 @@ def test_sampler_error_is_reported_not_hung(sampler):
 def test_end_of_run_memory_has_the_samplers_peak(sampler):
     """On CPU the summary's sampler memory is its peak resident memory (vLLM, torch and the model: well over
     100 MiB), and no GPU figure; on a GPU "sampler_gpu" joins it (test_gpu_path)."""
-    memory = common.peak_memory_mib(sampler)
+    memory = launch.peak_memory_mib(sampler)
     assert set(memory) == {"learner", "sampler"} | ({"learner_gpu"} if torch.cuda.is_available() else set())
     assert 100 < memory["sampler"] <= sampler.peak_rss_mib()  # a peak only grows
 
 
 @pytest.mark.slow
 def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
-    sampler = common.start_sampler(tiny_path, placement="cpu")
+    sampler = launch.start_sampler(tiny_path, placement="cpu")
     pid = sampler.process.pid
     _, prompts = _prompts(tokenizer, 64)
     sampler.submit(prompts, n=4, temperature=1.0, max_tokens=64, ignore_eos=True)
@@ -259,9 +260,11 @@ def test_dead_learner_takes_the_sampler_down(tiny_path):
         import os, sys
         sys.path.insert(0, {str(ROOT)!r})
         import common
+        from fastrl import launch
+        import tasks
         from fastrl import vllm_sampler
         if __name__ == "__main__":
-            s = common.start_sampler({tiny_path!r}, placement="cpu")
+            s = launch.start_sampler({tiny_path!r}, placement="cpu")
             print(s.process.pid, flush=True)
             os._exit(1)  # die without any cleanup
     """)
