@@ -19,7 +19,7 @@ thin wrapper (`run_instrumented`) that times `common.token_logprobs` (with and w
 counts the completion tokens of every training round; it changes no number. TRL runs in a
 subprocess too (`run_trl_worker`), with the same timers on the trainer's own methods (generate,
 per-token logprobs, reward, backward, optimizer step). TRL's model is saved to a directory after
-training and evaluated exactly as our scripts evaluate: `common.evaluate` on a vLLM sampler
+training and evaluated exactly as our scripts evaluate: `tasks.evaluate` on a vLLM sampler
 started on that directory (same seed, same held-out problems, same samples per problem and
 sampling parameters; both sides' start accuracies therefore come out identical).
 
@@ -50,7 +50,7 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
   (use_vllm=False: a padded batch that runs until its longest completion ends; no weight sync);
   ours uses the vLLM sampler process and pushes the weights to it after every step.
 - Threads: ours runs as it ships (the sampler is a second process; the learner takes every core
-  while the sampler is idle and one while it generates, common.learner_threads; an explicit
+  while the sampler is idle and one while it generates, launch.learner_threads; an explicit
   OMP_NUM_THREADS is a fixed budget). TRL is one process; on the tiny model it gets 1 thread, its
   fastest here (torch's default of 2 was ~8x slower: the tiny model's ops are too small to
   split); on the 50M model it runs with 2 (torch's default, ~1.7x faster than 1) and with 1, and
@@ -91,11 +91,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import tasks  # noqa: E402
+from fastrl import checks, launch, runlog, util  # noqa: E402
+import tasks  # noqa: E402
 from fastrl import vllm_sampler  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 MAX_PROMPT_TOKENS = 64  # what our scripts use with --model tiny (and so with the 50M model run as `tiny`)
-M50_CACHE = common.CACHE_DIR / "bench-50m"  # FASTRL_CACHE for the 50M runs of ours (see build_50m)
+M50_CACHE = util.CACHE_DIR / "bench-50m"  # FASTRL_CACHE for the 50M runs of ours (see build_50m)
 
 
 @dataclass
@@ -278,7 +280,7 @@ def run_trl_worker(spec_path: str) -> None:
     w, out = Workload(**spec["workload"]), Path(spec_path).parent
     torch.set_num_threads(spec["threads"])
     task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
-    tokenizer = common.load_tokenizer(w.model_dir)
+    tokenizer = util.load_tokenizer(w.model_dir)
     model = common.load_policy(w.model_dir, "cpu")
     dataset = train_dataset(task, w.steps * w.prompts)
     kwargs = trl_config_kwargs(w, str(out / "trl_output"))
@@ -364,7 +366,7 @@ def run_instrumented() -> None:
                 seconds[key] += time.perf_counter() - start
         return wrapper
 
-    evaluate, wait_for = common.evaluate, vllm_sampler.Sampler.wait_for
+    evaluate, wait_for = tasks.evaluate, vllm_sampler.Sampler.wait_for
 
     def evaluate_untracked(*args, **kwargs):
         in_eval[0] = True
@@ -384,7 +386,7 @@ def run_instrumented() -> None:
     def reward_phase():
         return "evaluation reward" if in_eval[0] else "reward"
 
-    common.evaluate, vllm_sampler.Sampler.wait_for = evaluate_untracked, wait_for_counted
+    tasks.evaluate, vllm_sampler.Sampler.wait_for = evaluate_untracked, wait_for_counted
     tasks.CountdownTask.reward = timed(tasks.CountdownTask.reward, reward_phase)
     # learner-side time spent on the sampler: waiting for completions (wait_for_counted), pushing
     # weights; the start of a push may wait for the round in flight to finish: counted as waiting
@@ -427,7 +429,7 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     if done.returncode != 0:
         raise SystemExit(f"{script} failed:\n{done.stderr[-3000:]}")
     run_dir = ROOT / done.stdout.split("run directory: ")[1].split()[0]
-    rows = common.read_metrics(run_dir)
+    rows = runlog.read_metrics(run_dir)
     prof = json.loads(profile.read_text())
     tokens = float(np.mean(prof["tokens"]))  # every generated training round (the last round's data included)
     n, seconds = w.steps, prof["seconds"]
@@ -481,19 +483,19 @@ def evaluate_model(model_dir: str, w: Workload) -> float:
     """pass@1 on the held-out problems with a sampler started on `model_dir`: what both scripts log
     as eval/pass@1."""
     task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
-    tokenizer = common.load_tokenizer(model_dir)
+    tokenizer = util.load_tokenizer(model_dir)
     sampling = dict(temperature=w.temperature, max_tokens=w.max_new_tokens) | (dict(top_p=1.0) if w.method == "rloo" else {})
     quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL")}
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # the sampler process inherits it; keeps the benchmark's output readable
     try:
-        sampler = common.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
+        sampler = launch.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
     finally:
         if quiet["VLLM_LOGGING_LEVEL"] is None:
             os.environ.pop("VLLM_LOGGING_LEVEL")
         else:
             os.environ["VLLM_LOGGING_LEVEL"] = quiet["VLLM_LOGGING_LEVEL"]
     try:
-        return common.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, MAX_PROMPT_TOKENS, **sampling)["eval/pass@1"]
+        return tasks.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, MAX_PROMPT_TOKENS, **sampling)["eval/pass@1"]
     finally:
         sampler.close()
 
@@ -514,7 +516,7 @@ def build_50m() -> str:
     path = M50_CACHE / tiny.name
     if (path / "config.json").exists():
         return str(path)
-    tokenizer = common.load_tokenizer(str(tiny))
+    tokenizer = util.load_tokenizer(str(tiny))
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=3584, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True,

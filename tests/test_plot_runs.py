@@ -63,14 +63,14 @@ def pipeline_run(root: Path, name: str = "prl_pipeline__1__1795271179", steps: i
 
 @pytest.mark.slow
 def test_samples_axis_uses_the_cumulative_episodes_counter(tmp_path):
-    rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=3))
+    rows = plot_runs.runlog.read_metrics(dpo_run(tmp_path, rounds=3))
     # eval row before training: 0; training rows: the counter; the final eval row carries the last value forward
     assert plot_runs.samples_axis(rows) == [0.0, 512.0, 1024.0, 1536.0, 1536.0]
 
 
 @pytest.mark.slow
 def test_samples_axis_carries_the_counter_over_eval_rows(tmp_path):
-    rows = plot_runs.common.read_metrics(pipeline_run(tmp_path, steps=4))
+    rows = plot_runs.runlog.read_metrics(pipeline_run(tmp_path, steps=4))
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3, 4, 4]
     assert plot_runs.samples_axis(rows) == [0.0, 64.0, 128.0, 128.0, 192.0, 256.0, 256.0]
     xs, ys = plot_runs.series(rows, plot_runs.x_axis(rows, "samples"), "eval/pass@1")
@@ -81,12 +81,12 @@ def test_samples_axis_carries_the_counter_over_eval_rows(tmp_path):
 def test_samples_axis_without_the_counter_is_an_error(tmp_path):
     run_dir = write_run(tmp_path, "other__1__1", [{"step": 1, "wall": 1.0, "charts/reward": 0.5}], {"exp_name": "other"})
     with pytest.raises(SystemExit, match="needs the charts/episodes counter"):
-        plot_runs.samples_axis(plot_runs.common.read_metrics(run_dir), run_dir)
+        plot_runs.samples_axis(plot_runs.runlog.read_metrics(run_dir), run_dir)
 
 
 @pytest.mark.slow
 def test_step_and_wall_axes(tmp_path):
-    rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=2, wall0=10.0, dt=2.0))
+    rows = plot_runs.runlog.read_metrics(dpo_run(tmp_path, rounds=2, wall0=10.0, dt=2.0))
     assert plot_runs.x_axis(rows, "step") == [0.0, 1.0, 2.0, 2.0]
     assert plot_runs.x_axis(rows, "wall") == [10.0, 11.7, 13.7, 17.0]
 
@@ -100,7 +100,7 @@ def test_wall_axis_continues_across_a_resume(tmp_path):
 
 @pytest.mark.slow
 def test_series_skips_rows_without_a_finite_value(tmp_path):
-    rows = plot_runs.common.read_metrics(dpo_run(tmp_path, rounds=3))
+    rows = plot_runs.runlog.read_metrics(dpo_run(tmp_path, rounds=3))
     xs = plot_runs.x_axis(rows, "step")
     assert plot_runs.series(rows, xs, "charts/reward") == ([1.0, 2.0, 3.0], pytest.approx([0.2, 0.23, 0.26]))
     assert plot_runs.series(rows, xs, "eval/accuracy") == ([0.0, 3.0], [0.1225, 0.35625])
@@ -119,7 +119,7 @@ def test_a_partly_written_last_line_is_ignored(tmp_path):
     run_dir = dpo_run(tmp_path, rounds=2)
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 3, "wall": 2')
-    rows = plot_runs.common.read_metrics(run_dir)
+    rows = plot_runs.runlog.read_metrics(run_dir)
     assert len(rows) == 4 and rows[-1] == {"step": 2, "wall": 23.3, "eval/accuracy": 0.35625}
 
 
