@@ -6,9 +6,11 @@ in one run. Then the same speed measurement on a ~50M-parameter random model.
     .venv/bin/python benchmarks/trl_comparison.py              # ~10 min on 2 cores
     .venv/bin/python benchmarks/trl_comparison.py --quick      # smoke run, a few steps each
     .venv/bin/python benchmarks/trl_comparison.py --accuracy-seeds 1 2 3   # RLOO accuracy over seeds (~10 min)
+    .venv/bin/python benchmarks/trl_comparison.py --model smollm2  # SmolLM2-135M-Instruct instead (issue 39; see below)
 
 Same work on both sides: the same model directory, the same training prompts (problems 0..N*P-1
-of the offline Countdown generator, in order), P prompts x G completions per optimizer step, the
+of the offline Countdown generator, in order; TRL's online DPO reads them in order too: train_sampling_strategy
+"sequential"), P prompts x G completions per optimizer step, the
 same number of steps, max completion length, temperature (top-p 1, no top-k), learning rate
 (constant, Adam(W) without weight decay, eps 1e-7), gradient clipping, fp32 on the CPU, and the
 same reward: `task.reward` (our Countdown verifier) handed to TRL as a reward function.
@@ -61,6 +63,22 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
 - RNG: both sides use seed 1, but vLLM's and torch's sampling streams differ, so the completions
   (and so the runs) are different draws of the same process.
 
+SmolLM2 (`--model smollm2`): SmolLM2-135M-Instruct (fastrl/smollm2.py) on our scripts' --model smollm2 presets, read
+from the scripts themselves (smollm2_workloads): the arithmetic task in the chat template; RLOO 8 prompts x 8, T 0.8,
+top-p 0.95 (TRL samples with it; ours also applies it to the learner's logprobs, the logprob contract), lr 2e-5, no KL
+(neither side loads a reference model), no entropy bonus, 64 new tokens; online DPO 16 prompts x 2 (TRL's), T 0.7,
+lr 1e-5, beta 0.1, 64 new tokens, and ours with TRL's missing-EOS penalty (score - 1: --eos-penalty-mode subtract).
+TRL gets each prompt as the conversation our scripts put in the chat template and applies the same template: the
+first prompt's token ids are checked equal before the runs (TRL's own tokenization code) and as each run sends them
+(our sampler's submit, TRL's generate). Ours runs as it ships; TRL once per --smollm2-trl-threads (1 and 2), and the
+faster is the baseline, the only TRL run evaluated (its start accuracy is our run's start evaluation: the same
+model, problems, sampler settings and seed). RLOO runs in micro-batches of 32 rows on both sides (TRL's
+per_device_train_batch_size 32 x 2 accumulated; ours --micro-batch-tokens 32 x (48 + 64)): the step's 64 rows in one
+pass took ~16 GB on either side, which a 23 GB machine with a sampler beside it does not always have. Accuracy: pass@1 on the first --smollm2-eval-problems (50)
+held-out problems x 4 samples, sampled as in training, both sides by tasks.evaluate with the same sampler settings.
+What still differs is what differs on the tiny model (the loss's KL and entropy terms excepted: both are off): the
+online DPO ties, ours asynchronous, generation by vLLM against TRL's model.generate, the RNG streams.
+
 Accuracy is one run per side (one seed), not a confidence interval; --accuracy-seeds measures
 the tiny RLOO accuracy over several seeds, for ours with and without the entropy bonus and TRL. The 50M model is a random
 init (run by our scripts as `--model tiny` with FASTRL_CACHE pointing at it, so that they keep the
@@ -81,6 +99,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -91,9 +110,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import tasks  # noqa: E402
-from fastrl import checks, launch, runlog, util  # noqa: E402
-import tasks  # noqa: E402
-from fastrl import vllm_sampler  # noqa: E402
+from fastrl import checks, launch, runlog, util, vllm_sampler  # noqa: E402
 
 TRL_VERSION = "1.16.0"
 MAX_PROMPT_TOKENS = 64  # what our scripts use with --model tiny (and so with the 50M model run as `tiny`)
@@ -153,6 +170,23 @@ class Args:
     each of our --accuracy-variants and for TRL, accuracies per seed and their mean"""
     accuracy_variants: tuple[str, ...] = ("", "--ent-coef 0")
     """extra flags of our runs in the accuracy study ('': as shipped; '--ent-coef 0': no entropy bonus, as TRL)"""
+    model: Literal["tiny", "smollm2"] = "tiny"
+    """tiny: the tiny model, then the ~50M random model; smollm2: SmolLM2-135M-Instruct (--model smollm2 of our scripts) on
+    its preset task (arithmetic in the chat template) with the presets' settings, TRL at each --smollm2-trl-threads"""
+    smollm2_rloo_steps: int = 3
+    """RLOO optimizer steps on SmolLM2 (the preset's 8 prompts x 8)"""
+    smollm2_dpo_steps: int = 4
+    """online DPO optimizer steps on SmolLM2 (the preset's 16 prompts, x 2 completions: TRL's)"""
+    smollm2_eval_problems: int = 50
+    """held-out problems on SmolLM2 (x --smollm2-eval-samples, sampled as in training; both sides the same)"""
+    smollm2_eval_samples: int = 4
+    """samples per held-out problem on SmolLM2 (the RLOO preset's)"""
+    smollm2_rloo_micro_batch: int = 32
+    """SmolLM2 RLOO rows per forward/backward, the same on both sides (the gradients accumulate to the step's 64 rows):
+    TRL's per_device_train_batch_size, ours --micro-batch-tokens of as many rows of the longest sequence (prompt + max
+    new tokens). 64 in one pass needs ~16 GB on either side; 0: both in one pass (TRL 64 rows, ours as the preset ships)"""
+    smollm2_trl_threads: tuple[int, ...] = (1, 2)
+    """TRL runs on SmolLM2, one per torch thread count; the fastest is the baseline (and the one evaluated)"""
 
 
 @dataclass
@@ -170,6 +204,19 @@ class Workload:
     seed: int
     eval_problems: int  # 0: no evaluation (the 50M model)
     eval_samples: int  # per held-out problem: 16 for RLOO (pass@1 of the Table 4 protocol), 4 for DPO
+    model: str = "tiny"  # our scripts' --model: `tiny` (also the ~50M model, see build_50m) or `smollm2`
+    task: str = "countdown"  # our scripts' --task (tasks.make_task); the reward on both sides is its task.reward
+    top_p: float = 1.0  # nucleus of the sampling on both sides (and of our learner's logprobs: the logprob contract)
+    kl_coef: float = 0.01  # RLOO: our --kl-coef = TRL's beta (0: neither side loads a reference model)
+    max_prompt_tokens: int = MAX_PROMPT_TOKENS  # our --max-prompt-tokens (no prompt of the workload is longer)
+    ours_extra: tuple[str, ...] = ()  # flags our script gets besides the shared ones, to match TRL where it can
+    micro_batch: int = 64  # RLOO: TRL's rows per forward/backward (per_device_train_batch_size); the step's P x G accumulate
+
+    @property
+    def chat_template(self) -> bool:
+        """Our scripts wrap the prompts in the chat template for an instruct model (smollm2); TRL then gets them as
+        conversations and applies the same template (checked: run_trl_worker and run_ours record the first prompt's ids)."""
+        return checks.instruct_model(self.model)
 
 
 # --------------------------------------------------------------------------------------
@@ -179,25 +226,63 @@ class Workload:
 
 class TaskReward:
     """Our task's reward as a TRL reward function: TRL calls it with the prompts, the decoded
-    completions and every extra dataset column (here `numbers` and `target`) as lists."""
-
-    __name__ = "countdown"  # TRL names the reward's metrics after it
+    completions (for conversational prompts: [{"role": "assistant", "content": text}]) and every extra
+    dataset column as lists; the `index` column names the training problem, which the task rebuilds."""
 
     def __init__(self, task):
         self.task = task
+        self.__name__ = task.name  # TRL names the reward's metrics after it
 
-    def __call__(self, prompts, completions, numbers, target, **kwargs):
-        return [self.task.reward(c, tasks.Problem(prompt=p, numbers=list(n), target=int(t)))
-                for p, c, n, t in zip(prompts, completions, numbers, target)]
+    def __call__(self, prompts, completions, index, **kwargs):
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [self.task.reward(text, self.task.problem("train", int(i))) for text, i in zip(texts, index)]
 
 
-def train_dataset(task, num_problems: int):
-    """The first `num_problems` training problems, in order: the prompts ours takes."""
+def make_task(w: Workload):
+    """The workload's task, as our scripts make it (the tiny prompt format with --model tiny)."""
+    return tasks.make_task(w.task, w.seed, tiny_prompts=w.model == checks.TINY)
+
+
+def chat_messages(problem: tasks.Problem) -> list[dict]:
+    """The conversation tasks.encode_prompts wraps in the chat template: the problem's system turn (if any) and its
+    user turn. TRL cannot start the assistant's reply itself, so a task that gives one is refused."""
+    assert not problem.assistant_start, "TRL cannot continue a started assistant turn (the task's assistant_start)"
+    return ([{"role": "system", "content": problem.system}] if problem.system else []) + [
+        {"role": "user", "content": problem.user or problem.prompt}]
+
+
+def train_dataset(task, num_problems: int, chat_template: bool = False):
+    """The first `num_problems` training problems, in order: the prompts ours takes (as conversations under the
+    chat template, which TRL then applies), and their index for the reward."""
     from datasets import Dataset
 
     problems = [task.problem("train", i) for i in range(num_problems)]
-    return Dataset.from_dict({"prompt": [p.prompt for p in problems], "numbers": [p.numbers for p in problems],
-                              "target": [p.target for p in problems]})
+    prompts = [chat_messages(p) for p in problems] if chat_template else [p.prompt for p in problems]
+    return Dataset.from_dict({"prompt": prompts, "index": list(range(num_problems))})
+
+
+def our_prompt_ids(w: Workload, tokenizer, index: int = 0) -> list[int]:
+    """The token ids our scripts send the sampler for training problem `index` (tasks.encode_prompts)."""
+    _, ids, _ = tasks.encode_prompts(tokenizer, [make_task(w).problem("train", index)], w.max_prompt_tokens, w.chat_template)
+    assert ids, f"training problem {index} is longer than {w.max_prompt_tokens} prompt tokens"
+    return ids[0]
+
+
+def trl_prompt_ids(method: str, prompt, tokenizer) -> list[int]:
+    """The token ids TRL 1.16 generates from for one dataset prompt, by its own code: RLOOTrainer._tokenize_prompts
+    (apply_chat_template(tokenize=True) for a conversation, the tokenizer otherwise), the online DPO trainer's _generate
+    (maybe_apply_chat_template, then the tokenizer without special tokens)."""
+    from types import SimpleNamespace
+
+    if method == "rloo":
+        from trl import RLOOTrainer
+
+        trainer = SimpleNamespace(processing_class=tokenizer, chat_template_kwargs={})
+        return list(RLOOTrainer._tokenize_prompts(trainer, [prompt])[0][0])
+    from trl.data_utils import maybe_apply_chat_template
+
+    text = maybe_apply_chat_template({"prompt": prompt}, tokenizer)["prompt"]
+    return list(tokenizer(text=[text], add_special_tokens=False)["input_ids"][0])
 
 
 # --------------------------------------------------------------------------------------
@@ -209,23 +294,24 @@ def trl_config_kwargs(w: Workload, output_dir: str) -> dict:
     """Every TRL setting we change from TRL 1.16's defaults; everything else is the default."""
     shared = dict(
         output_dir=output_dir, max_steps=w.steps, learning_rate=w.learning_rate, lr_scheduler_type="constant",
-        weight_decay=0.0, adam_epsilon=1e-7, temperature=w.temperature, top_p=1.0, top_k=0, seed=w.seed,
+        weight_decay=0.0, adam_epsilon=1e-7, temperature=w.temperature, top_p=w.top_p, top_k=0, seed=w.seed,
         use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
     )
     if w.method == "rloo":
         batch = w.prompts * w.completions
-        micro = min(64, batch)  # ours computes the loss in minibatches of 64 sequences (rloo_kreuse --minibatch-size)
+        micro = min(w.micro_batch, batch)  # ours: --micro-batch-tokens (64 rows of the tiny model fit its default in one)
         assert batch % micro == 0, f"{batch} completions per step must split into minibatches of {micro}"
         return shared | dict(
             num_generations=w.completions, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
-            max_completion_length=w.max_new_tokens, beta=0.01, num_iterations=1, max_grad_norm=0.5,
+            max_completion_length=w.max_new_tokens, beta=w.kl_coef, num_iterations=1, max_grad_norm=0.5,
             shuffle_dataset=False,
         )
     assert w.completions == 2, "TRL's online DPO samples exactly 2 completions per prompt"
     return shared | dict(
         per_device_train_batch_size=w.prompts, gradient_accumulation_steps=1, max_new_tokens=w.max_new_tokens,
         beta=0.1, loss_type="sigmoid", missing_eos_penalty=1.0, max_grad_norm=1.0,
+        train_sampling_strategy="sequential",  # the prompts in order, as ours (the Trainer's default shuffles them)
     )
 
 
@@ -240,10 +326,12 @@ def make_step_profiler():
             self.start, self.step_ends, self.tokens = 0.0, [], []
             self.seconds = defaultdict(float)
 
-        def wrap(self, obj, name, phase, count_tokens=None):
+        def wrap(self, obj, name, phase, count_tokens=None, inspect_args=None):
             original = getattr(obj, name)
 
             def timed(*args, **kwargs):
+                if inspect_args is not None:
+                    inspect_args(*args, **kwargs)
                 key = phase() if callable(phase) else phase
                 start = time.perf_counter()
                 out = original(*args, **kwargs)
@@ -279,18 +367,27 @@ def run_trl_worker(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     w, out = Workload(**spec["workload"]), Path(spec_path).parent
     torch.set_num_threads(spec["threads"])
-    task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
+    task = make_task(w)
     tokenizer = util.load_tokenizer(w.model_dir)
     model = common.load_policy(w.model_dir, "cpu")
-    dataset = train_dataset(task, w.steps * w.prompts)
+    dataset = train_dataset(task, w.steps * w.prompts, w.chat_template)
     kwargs = trl_config_kwargs(w, str(out / "trl_output"))
     profiler = make_step_profiler()
+    first_prompt = {}  # the token ids of the first prompt TRL generates from, as it generates
+
+    def record_rloo(prompt_ids, *args, **kwargs):
+        first_prompt.setdefault("ids", list(prompt_ids[0]))
+
+    def record_dpo(out):
+        first_prompt.setdefault("ids", out[0][0][out[1][0].bool()].tolist())  # row 0 of the left-padded prompts, unpadded
+
     if w.method == "rloo":
         from trl import RLOOConfig, RLOOTrainer
 
         trainer = RLOOTrainer(model=model, reward_funcs=TaskReward(task), args=RLOOConfig(**kwargs), train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[profiler])
-        profiler.wrap(trainer, "_generate_single_turn", "generation", count_tokens=lambda ids: sum(len(c) for c in ids))
+        profiler.wrap(trainer, "_generate_single_turn", "generation", count_tokens=lambda ids: sum(len(c) for c in ids),
+                      inspect_args=record_rloo)
         profiler.wrap(trainer, "_get_per_token_logps_and_entropies", forward_phase)
         profiler.wrap(trainer, "_calculate_rewards", "reward")
     else:
@@ -298,7 +395,7 @@ def run_trl_worker(spec_path: str) -> None:
 
         trainer = OnlineDPOTrainer(model=model, reward_funcs=TaskReward(task), args=OnlineDPOConfig(**kwargs),
                                    train_dataset=dataset, processing_class=tokenizer, callbacks=[profiler])
-        profiler.wrap(trainer, "_generate", "generation", count_tokens=lambda out: int(out[3].sum()))
+        profiler.wrap(trainer, "_generate", "generation", count_tokens=lambda out: (record_dpo(out), int(out[3].sum()))[1])
         profiler.wrap(trainer, "_forward", forward_phase)
         profiler.wrap(trainer, "_calculate_rewards_from_functions", "reward")
     profiler.wrap(trainer.accelerator, "backward", "backward")
@@ -318,7 +415,12 @@ def run_trl_worker(spec_path: str) -> None:
     (out / "result.json").write_text(json.dumps(dict(
         start=profiler.start, step_ends=profiler.step_ends, tokens=profiler.tokens, seconds=profiler.seconds,
         config={k: v for k, v in kwargs.items() if k != "output_dir"}, resolved=resolved,
-        trl_version=metadata.version("trl"))))
+        trl_version=metadata.version("trl"), first_prompt_ids=first_prompt.get("ids"))))
+
+
+def exit_status(code: int) -> str:
+    """A subprocess's exit, in words: SIGKILL is most often the kernel's out-of-memory killer."""
+    return "killed (SIGKILL: out of memory?)" if code == -9 else f"exit status {code}"
 
 
 def run_trl(w: Workload, threads: int, save: bool, workdir: Path) -> dict:
@@ -328,13 +430,13 @@ def run_trl(w: Workload, threads: int, save: bool, workdir: Path) -> dict:
             f"from trl_comparison import run_trl_worker; run_trl_worker({str(out / 'spec.json')!r})")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"TRL {w.method} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"TRL {w.method} failed ({exit_status(done.returncode)}):\n{done.stderr[-3000:]}")
     r = json.loads((out / "result.json").read_text())
     ends = np.array(r["step_ends"])
     steps = np.diff(np.concatenate([[r["start"]], ends]))
     result = dict(side="TRL", steps=len(ends), step=float(np.mean(steps[1:] if len(steps) > 1 else steps)),
                   loop=float(ends[-1] - r["start"]), tokens=float(np.mean(r["tokens"])), config=r["config"],
-                  resolved=r["resolved"], version=r["trl_version"])
+                  resolved=r["resolved"], version=r["trl_version"], first_prompt_ids=r["first_prompt_ids"])
     phases = {k: v / len(ends) for k, v in r["seconds"].items()}
     result["phases"] = phases | {"other": result["loop"] / len(ends) - sum(phases.values())}
     if save:
@@ -354,7 +456,7 @@ def run_instrumented() -> None:
     excluded). Writes them to $FASTRL_BENCH_PROFILE when the script ends."""
     import runpy
 
-    seconds, tokens, waits, pushes, in_eval = defaultdict(float), [], [], [], [False]
+    seconds, tokens, waits, pushes, in_eval, first_submit = defaultdict(float), [], [], [], [False], {}
 
     def timed(fn, phase):
         def wrapper(*args, **kwargs):
@@ -386,8 +488,17 @@ def run_instrumented() -> None:
     def reward_phase():
         return "evaluation reward" if in_eval[0] else "reward"
 
+    submit = vllm_sampler.Sampler.submit
+
+    def submit_recorded(self, prompts, *args, **kwargs):  # the first training round's first prompt and sampling settings
+        if not in_eval[0] and not first_submit:
+            first_submit.update(prompt_ids=list(prompts[0]), sampling={k: v for k, v in kwargs.items() if k != "tags"})
+        return submit(self, prompts, *args, **kwargs)
+
     tasks.evaluate, vllm_sampler.Sampler.wait_for = evaluate_untracked, wait_for_counted
-    tasks.CountdownTask.reward = timed(tasks.CountdownTask.reward, reward_phase)
+    vllm_sampler.Sampler.submit = submit_recorded
+    for task_class in (tasks.CountdownTask, tasks.ArithmeticTask):
+        task_class.reward = timed(task_class.reward, reward_phase)
     # learner-side time spent on the sampler: waiting for completions (wait_for_counted), pushing
     # weights; the start of a push may wait for the round in flight to finish: counted as waiting
     push_weights, start_weight_update = vllm_sampler.Sampler.push_weights, vllm_sampler.Sampler.start_weight_update
@@ -415,7 +526,8 @@ def run_instrumented() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        Path(os.environ["FASTRL_BENCH_PROFILE"]).write_text(json.dumps(dict(seconds=seconds, tokens=tokens, waits=waits, pushes=pushes)))
+        Path(os.environ["FASTRL_BENCH_PROFILE"]).write_text(json.dumps(dict(seconds=seconds, tokens=tokens, waits=waits, pushes=pushes,
+                                                                            first_submit=first_submit)))
 
 
 def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = None) -> dict:
@@ -427,7 +539,7 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **(env or {}), "FASTRL_BENCH_PROFILE": str(profile)})
     if done.returncode != 0:
-        raise SystemExit(f"{script} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{script} failed ({exit_status(done.returncode)}):\n{done.stderr[-3000:]}")
     run_dir = ROOT / done.stdout.split("run directory: ")[1].split()[0]
     rows = runlog.read_metrics(run_dir)
     prof = json.loads(profile.read_text())
@@ -455,6 +567,7 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     phases["other"] = loop / n - sum(phases.values())
     result = dict(side="ours", steps=n, step=step, loop=float(loop), tokens=tokens, phases=phases, run_dir=str(run_dir),
                   command="".join(f"{k}={v} " for k, v in (env or {}).items()) + f".venv/bin/python {script} " + " ".join(flags))
+    result["first_prompt_ids"], result["sampling"] = prof["first_submit"].get("prompt_ids"), prof["first_submit"].get("sampling")
     if w.method == "dpo":
         result["overlapped_generation"] = float(np.nanmean([r["time/generate_seconds"] for r in rounds[:-1]])) if n > 1 else float("nan")
         result["pairs"] = float(np.mean([r["charts/pairs"] for r in rounds]))
@@ -465,13 +578,16 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
 
 def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[str]:
     eval_flags = ["--eval-problems", str(max(w.eval_problems, 4)), "--eval-samples", str(w.eval_samples)]
-    shared = ["--model", "tiny", "--seed", str(w.seed), "--num-rounds", str(w.steps), "--num-prompts", str(w.prompts),
+    shared = ["--model", w.model, "--seed", str(w.seed), "--num-rounds", str(w.steps), "--num-prompts", str(w.prompts),
               "--learning-rate", str(w.learning_rate), "--temperature", str(w.temperature),
               "--max-new-tokens", str(w.max_new_tokens), *eval_flags]
+    if w.model != checks.TINY:  # the tiny model's flags stay as they were (its task and top-p are the scripts' defaults)
+        shared += ["--task", w.task, "--top-p", str(w.top_p), "--max-prompt-tokens", str(w.max_prompt_tokens)]
     if w.method == "rloo":
-        return ["--k", "1", "--group-size", str(w.completions), "--top-p", "1.0", *shared,
+        top_p = ["--top-p", "1.0"] if w.model == checks.TINY else []
+        return ["--k", "1", "--group-size", str(w.completions), *top_p, *shared, *w.ours_extra,
                 "--exp-name", "trl_cmp_rloo", *(args.ours_rloo_extra if rloo_extra is None else rloo_extra).split()]
-    return ["--group-size", str(w.completions), *shared, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
+    return ["--group-size", str(w.completions), *shared, *w.ours_extra, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
 
 
 # --------------------------------------------------------------------------------------
@@ -481,21 +597,26 @@ def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[s
 
 def evaluate_model(model_dir: str, w: Workload) -> float:
     """pass@1 on the held-out problems with a sampler started on `model_dir`: what both scripts log
-    as eval/pass@1."""
-    task = tasks.make_task("countdown", w.seed, tiny_prompts=True)
-    tokenizer = util.load_tokenizer(model_dir)
-    sampling = dict(temperature=w.temperature, max_tokens=w.max_new_tokens) | (dict(top_p=1.0) if w.method == "rloo" else {})
+    as eval/pass@1 (the same prompts, sampling settings, seed and sampler threads as the script's evaluation)."""
+    task = make_task(w)
+    tokenizer = util.load_tokenizer(w.model_dir)  # the source model's: the prompts exactly as ours encodes them
+    sampling = dict(temperature=w.temperature, max_tokens=w.max_new_tokens) | (
+        dict(top_p=w.top_p) if w.method == "rloo" or w.model != checks.TINY else {})
     quiet = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL")}
     os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # the sampler process inherits it; keeps the benchmark's output readable
+    # the threads our script's sampler has: every core for the synchronous RLOO, half of them for the asynchronous DPO
+    threads = {} if w.model == checks.TINY else dict(threads=launch.sampler_threads(0, overlapped=w.method == "dpo"))
     try:
-        sampler = launch.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=MAX_PROMPT_TOKENS + w.max_new_tokens)
+        sampler = launch.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=w.max_prompt_tokens + w.max_new_tokens,
+                                       **threads)
     finally:
         if quiet["VLLM_LOGGING_LEVEL"] is None:
             os.environ.pop("VLLM_LOGGING_LEVEL")
         else:
             os.environ["VLLM_LOGGING_LEVEL"] = quiet["VLLM_LOGGING_LEVEL"]
     try:
-        return tasks.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, MAX_PROMPT_TOKENS, **sampling)["eval/pass@1"]
+        return tasks.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, w.max_prompt_tokens, w.chat_template,
+                               **sampling)["eval/pass@1"]
     finally:
         sampler.close()
 
@@ -538,7 +659,7 @@ PHASES = ["generation", "logprob forwards (no grad)", "policy forward (grad)", "
           "weight push", "other"]
 
 
-def speed_table(title: str, rows: list[dict], with_accuracy: bool) -> None:
+def speed_table(title: str, rows: list[dict], with_accuracy: bool, target: float = 1.5) -> None:
     print(f"\n{title}\n")
     head = "| side | steps | wall per step (s) | loop wall (s) | completion tokens / step | completion tokens/s |"
     print(head + (" held-out accuracy start -> end |" if with_accuracy else ""))
@@ -547,13 +668,13 @@ def speed_table(title: str, rows: list[dict], with_accuracy: bool) -> None:
         line = (f"| {r['side']} | {r['steps']} | {r['step']:.3f} | {r['loop']:.1f} | {r['tokens']:.0f} | "
                 f"{r['tokens'] / r['step']:.0f} |")
         if with_accuracy:
-            line += f" {r['accuracy'][0]:.3f} -> {r['accuracy'][1]:.3f} |"
+            line += f" {r['accuracy'][0]:.3f} -> {r['accuracy'][1]:.3f} |" if "accuracy" in r else " not evaluated (not the fastest) |"
         print(line)
     print()
     for ours in (r for r in rows if r["side"].startswith("ours")):
         for trl in (r for r in rows if r["side"].startswith("TRL")):
-            line = f"{ours['side']} vs {trl['side']}: {trl['step'] / ours['step']:.2f}x faster per step (target >= 1.5x)"
-            if with_accuracy:
+            line = f"{ours['side']} vs {trl['side']}: {trl['step'] / ours['step']:.2f}x faster per step (target >= {target:g}x)"
+            if with_accuracy and "accuracy" in trl:
                 line += (f", final accuracy {ours['accuracy'][1]:.3f} vs {trl['accuracy'][1]:.3f} "
                          f"({ours['accuracy'][1] - trl['accuracy'][1]:+.3f})")
             print(line)
@@ -579,20 +700,71 @@ def phase_table(rows: list[dict]) -> None:
 
 
 def compare(w: Workload, args: Args, workdir: Path, trl_threads: tuple[int, ...], ours_threads: tuple[int, ...] = (1,),
-            env: dict | None = None, evaluate: bool = True) -> list[dict]:
-    """Ours (with each OMP_NUM_THREADS) then TRL (with each thread count) on the same workload."""
+            env: dict | None = None, evaluate: bool = True, start_from_ours: bool = False) -> list[dict]:
+    """Ours (with each OMP_NUM_THREADS) then TRL (with each thread count) on the same workload. With `evaluate`, the
+    TRL run at its fastest thread count is evaluated (its start accuracy once, on the source model; `start_from_ours`:
+    taken from our run's start evaluation, which has the same sampler settings, seed and problems), the others not."""
     rows = []
     for threads in ours_threads:  # 1: the environment as it is (the learner's default is one thread)
         row = run_ours(w, ours_flags(w, args), workdir, (env or {}) | ({} if threads == 1 else {"OMP_NUM_THREADS": str(threads)}))
         row["side"] = "ours" if threads == 1 else f"ours, OMP_NUM_THREADS={threads}"
         rows.append(row)
+    trl_rows = []
     for threads in trl_threads:
         row = run_trl(w, threads, save=evaluate, workdir=workdir)
         row["side"] = f"TRL, {threads} thread{'s' if threads > 1 else ''}"
-        if evaluate:
-            row["accuracy"] = (evaluate_model(w.model_dir, w), evaluate_model(row["model_dir"], w))
-        rows.append(row)
-    return rows
+        trl_rows.append(row)
+    if evaluate:
+        fastest = min(trl_rows, key=lambda r: r["step"])
+        start = rows[0]["accuracy"][0] if start_from_ours else evaluate_model(w.model_dir, w)
+        fastest["accuracy"] = (start, evaluate_model(fastest["model_dir"], w))
+    for row in trl_rows:
+        if "model_dir" in row:
+            shutil.rmtree(row["model_dir"], ignore_errors=True)  # (a SmolLM2 copy is 0.5 GB)
+    check_same_prompts(rows + trl_rows)
+    return rows + trl_rows
+
+
+def check_same_prompts(rows: list[dict]) -> None:
+    """Every side generated its first training round from the same first prompt, token for token (recorded as it
+    was sent: our sampler's submit, TRL's generate)."""
+    ids = {r["side"]: r.get("first_prompt_ids") for r in rows}
+    if len({json.dumps(v) for v in ids.values()}) != 1:
+        raise SystemExit("error: the sides' first prompts differ:\n" + "\n".join(f"  {k}: {v}" for k, v in ids.items()))
+
+
+def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: int | None = None) -> tuple[Workload, Workload]:
+    """The SmolLM2 workloads, read from our scripts' own --model smollm2 presets (rloo_kreuse.SMOLLM2,
+    online_dpo_async.SMOLLM2) so they follow them: task, prompts, group size, learning rate, temperature, top-p, max new
+    and prompt tokens, KL. Changed where TRL has no equal: online DPO samples 2 completions a prompt (TRL's), and ours
+    gets TRL's missing-EOS penalty (score - 1, --eos-penalty-mode subtract; its preset replaces the score by -1).
+    Evaluation: --smollm2-eval-problems x --smollm2-eval-samples on both sides. RLOO in micro-batches of
+    --smollm2-rloo-micro-batch rows on both sides. `model_dir`: the converted model's directory (None:
+    common.resolve_model, which builds it on first use); `prompt_tokens`: the longest training prompt (None: measured)."""
+    import online_dpo_async
+    import rloo_kreuse
+
+    model_dir = model_dir or common.resolve_model(checks.SMOLLM2)
+    r = checks.parse_args(rloo_kreuse.Args, ["--model", checks.SMOLLM2], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
+    d = online_dpo_async.parse_args(["--model", checks.SMOLLM2])
+    # what TRL's side cannot take otherwise (trl_config_kwargs): no entropy bonus, RLOO's clip 0.5, DPO's beta 0.1, clip 1
+    assert r.ent_coef == 0 and r.k == 1 and r.max_grad_norm == 0.5 and r.kl_estimator == "k1", r
+    assert d.beta == 0.1 and d.loss_type == "dpo" and d.max_grad_norm == 1.0 and d.missing_eos_penalty == 1.0, d
+    assert r.chat_template and d.chat_template and r.task == d.task, (r, d)
+    shared = dict(model_dir=model_dir, model=checks.SMOLLM2, seed=args.seed, eval_problems=args.smollm2_eval_problems,
+                  eval_samples=args.smollm2_eval_samples)
+    if prompt_tokens is None:  # every arithmetic prompt has the same length in SmolLM2's template
+        prompt_tokens = max(len(ids) for ids in tasks.encode_prompts(util.load_tokenizer(model_dir), [
+            tasks.make_task(r.task, args.seed, tiny_prompts=False).problem("train", i) for i in range(64)], 10**6, True)[1])
+    micro = args.smollm2_rloo_micro_batch
+    rows = dict(micro_batch=micro, ours_extra=("--micro-batch-tokens", str(micro * (prompt_tokens + r.max_new_tokens)))) if micro else {}
+    rloo = Workload("rloo", steps=args.smollm2_rloo_steps, prompts=r.num_prompts, completions=r.group_size, temperature=r.temperature,
+                    learning_rate=r.learning_rate, max_new_tokens=r.max_new_tokens, task=r.task, top_p=r.top_p, kl_coef=r.kl_coef,
+                    max_prompt_tokens=r.max_prompt_tokens, **rows, **shared)
+    dpo = Workload("dpo", steps=args.smollm2_dpo_steps, prompts=d.num_prompts, completions=2, temperature=d.temperature,
+                   learning_rate=d.learning_rate, max_new_tokens=d.max_new_tokens, task=d.task, top_p=d.top_p,
+                   max_prompt_tokens=d.max_prompt_tokens, ours_extra=("--eos-penalty-mode", "subtract"), **shared)
+    return rloo, dpo
 
 
 def accuracy_study(w: Workload, args: Args, workdir: Path) -> None:
@@ -624,6 +796,8 @@ def main():
     if args.quick:
         args.rloo_steps = args.dpo_steps = 3
         args.m50_steps, args.eval_problems = 2, 20
+        args.smollm2_rloo_steps = args.smollm2_dpo_steps = 2
+        args.smollm2_eval_problems = 10
     try:
         trl_version = metadata.version("trl")
     except metadata.PackageNotFoundError:
@@ -633,6 +807,9 @@ def main():
     started = time.time()
     print(f"TRL {trl_version}, torch {torch.__version__}, {os.cpu_count()} CPUs, load average at start "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.model == checks.SMOLLM2:
+        main_smollm2(args, trl_version, started)
+        return
     tiny = str(common.tiny_model_path())
     workdir = Path(tempfile.mkdtemp(prefix="trl_comparison_"))
     shared = dict(learning_rate=args.learning_rate, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -662,14 +839,7 @@ def main():
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"\n## RLOO: TRL RLOOTrainer vs rloo_kreuse.py --k 1 (tiny model, {rloo.steps} steps of {rloo.prompts} prompts x "
-          f"{rloo.completions}, T={rloo.temperature}, lr {rloo.learning_rate}, max {rloo.max_new_tokens} new tokens)")
-    speed_table(f"accuracy: pass@1 on {rloo.eval_problems} held-out problems x {rloo.eval_samples} samples", results["rloo"], True)
-    phase_table(results["rloo"])
-    print(f"\n## Online DPO: TRL OnlineDPOTrainer vs online_dpo_async.py (async) (tiny model, {dpo.steps} steps of "
-          f"{dpo.prompts} prompts x {dpo.completions}, T={dpo.temperature}, lr {dpo.learning_rate}, max {dpo.max_new_tokens} new tokens)")
-    speed_table(f"accuracy: pass@1 on {dpo.eval_problems} held-out problems x {dpo.eval_samples} samples", results["dpo"], True)
-    phase_table(results["dpo"])
+    method_tables(results, rloo, dpo, "tiny model")
     if not args.skip_50m:
         with safe_open(Path(m50) / "model.safetensors", "pt") as f:  # tied embeddings: stored once
             n = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) / 1e6
@@ -679,6 +849,26 @@ def main():
             speed_table("", results[key], False)
             phase_table(results[key])
 
+    summary(results, trl_version, started)
+
+
+def method_tables(results: dict, rloo: Workload, dpo: Workload, label: str, target: float = 1.5) -> None:
+    """The RLOO and the online DPO tables of one model."""
+    top_p = lambda w: f", top-p {w.top_p:g}" if w.top_p < 1 else ""  # noqa: E731
+    print(f"\n## RLOO: TRL RLOOTrainer vs rloo_kreuse.py --k 1 ({label}, {rloo.steps} steps of {rloo.prompts} prompts x "
+          f"{rloo.completions}, T={rloo.temperature}{top_p(rloo)}, lr {rloo.learning_rate}, max {rloo.max_new_tokens} new tokens)")
+    speed_table(f"accuracy: pass@1 on {rloo.eval_problems} held-out problems x {rloo.eval_samples} samples", results["rloo"], True,
+                target)
+    phase_table(results["rloo"])
+    print(f"\n## Online DPO: TRL OnlineDPOTrainer vs online_dpo_async.py (async) ({label}, {dpo.steps} steps of "
+          f"{dpo.prompts} prompts x {dpo.completions}, T={dpo.temperature}{top_p(dpo)}, lr {dpo.learning_rate}, "
+          f"max {dpo.max_new_tokens} new tokens)")
+    speed_table(f"accuracy: pass@1 on {dpo.eval_problems} held-out problems x {dpo.eval_samples} samples", results["dpo"], True,
+                target)
+    phase_table(results["dpo"])
+
+
+def summary(results: dict, trl_version: str, started: float) -> None:
     print(f"\n## TRL configuration (TRL {trl_version}; every field not listed is TRL's default)\n")
     for key, rows in results.items():
         trl = next(r for r in rows if r["side"].startswith("TRL"))
@@ -690,7 +880,35 @@ def main():
     for key, rows in results.items():
         trl = min((r for r in rows if r["side"].startswith("TRL")), key=lambda r: r["step"])
         ours = min((r for r in rows if r["side"].startswith("ours")), key=lambda r: r["step"])
-        print(f"{key}: {ours['side']} {trl['step'] / ours['step']:.2f}x vs {trl['side']}")
+        line = f"{key}: {ours['side']} {trl['step'] / ours['step']:.2f}x vs {trl['side']}"
+        if "accuracy" in trl and "accuracy" in ours:
+            line += f"; held-out pass@1 after training {ours['accuracy'][1]:.3f} vs {trl['accuracy'][1]:.3f}"
+        print(line)
+
+
+def main_smollm2(args: Args, trl_version: str, started: float) -> None:
+    """RLOO and online DPO on SmolLM2-135M-Instruct, ours as its presets ship against TRL at each thread count."""
+    rloo, dpo = smollm2_workloads(args)
+    tokenizer = util.load_tokenizer(rloo.model_dir)
+    print(f"RLOO in micro-batches of {rloo.micro_batch} rows on both sides (ours: {' '.join(rloo.ours_extra)})")
+    for w in (rloo, dpo):  # the check before anything runs: TRL's own tokenization of our first prompt gives our ids
+        ours, trl = our_prompt_ids(w, tokenizer), trl_prompt_ids(w.method, chat_messages(make_task(w).problem("train", 0)), tokenizer)
+        assert ours == trl, f"{w.method}: TRL would see other prompt ids than ours:\n  ours {ours}\n  TRL  {trl}"
+    first = our_prompt_ids(rloo, tokenizer)
+    print(f"first training prompt, {len(first)} tokens, the same ids on both sides (checked again as each run sends it): "
+          f"{tokenizer.decode(first)!r}")
+    workdir = Path(tempfile.mkdtemp(prefix="trl_comparison_"))
+    try:
+        # the start accuracy: our run's (the same evaluation of the same model; a 10 x 4 smoke run gave 0.050 on both sides)
+        results = {"rloo": compare(rloo, args, workdir, args.smollm2_trl_threads, start_from_ours=True),
+                   "dpo": compare(dpo, args, workdir, args.smollm2_trl_threads, start_from_ours=True)}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    method_tables(results, rloo, dpo, f"SmolLM2-135M-Instruct, {rloo.task}, chat template", target=2.0)
+    for key, rows in results.items():
+        ours = next(r for r in rows if r["side"].startswith("ours"))
+        print(f"{key}: ours samples with {ours['sampling']}")
+    summary(results, trl_version, started)
 
 
 if __name__ == "__main__":
