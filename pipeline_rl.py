@@ -30,6 +30,7 @@ none; --ess-threshold adds one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -216,7 +217,6 @@ class Args:
         ]:
             checks.check_args(ok, flag, problem)
         checks.check_sampler_urls(self.sampler_url)
-        checks.check_run_flags(self)
 
 
 GPU = torch.cuda.is_available()
@@ -514,8 +514,9 @@ class Actor:
 
 # ---- logging ----
 
-def step_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float, wait_seconds: float) -> dict:
-    """A trained step's row of metrics.jsonl."""
+def round_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float, wait_seconds: float) -> dict:
+    """A trained step's row of metrics.jsonl: its batch's stats (train_step's), the run's totals, the sequences in
+    flight, the seconds of the push and of the learner's wait for the batch."""
     metrics = {
         "charts/reward": stats["reward"], "charts/accuracy": stats["accuracy"], "charts/ess": stats["ess"],
         "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"], "charts/lag_max": stats["lag_max"],
@@ -542,6 +543,20 @@ def skip_metrics(stats: dict, totals: dict) -> dict:
             "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"]}
 
 
+def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
+    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and a line every 10 steps. A round here is one
+    trained batch (one optimizer step: round_index = step - 1)."""
+    logger.log(step, metrics, echo=False)
+    progress.update(1, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], ess=metrics["charts/ess"],
+                    lag=metrics["charts/lag_mean"])
+    if step % 10 == 0 or step == args.num_steps:
+        progress.write(f"step {step}/{args.num_steps}: reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f} "
+                       f"ess {metrics['charts/ess']:.3f} lag {metrics['charts/lag_min']}/{metrics['charts/lag_mean']:.1f}/"
+                       f"{metrics['charts/lag_max']} in-flight {metrics['charts/in_flight']} episodes/s "
+                       f"{metrics['charts/episodes_per_second']:.1f} skipped {metrics['charts/skipped_steps']} "
+                       f"dropped {metrics['charts/stale_dropped']}")
+
+
 def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The run's summary: speed, ESS, lag, skips, and the held-out evaluation before and after."""
     label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
@@ -556,9 +571,48 @@ def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_e
                   eval_start, eval_end, memory)
 
 
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
+    while the sampler starts, and a failure closes it)."""
+    tokenizer = util.load_tokenizer(model_path)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
+                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+def load_models(args: Args, model_path: str, dist):
+    """The policy (sharded under torchrun), the frozen reference (only when --kl-coef uses it), the copy the
+    sampler's weight sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
+    dtype = getattr(torch, args.dtype)
+    policy = common.load_policy(model_path, dist.device, dtype=dtype)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
+    ref_policy = common.load_policy(model_path, dist.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
+    push_model = distributed.push_copy(policy, dist)
+    policy = distributed.shard(policy, dist)
+    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    return policy, ref_policy, push_model, optimizer
+
+
+def resume(args: Args, policy, optimizer, push_model, dist):
+    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
+    Adam and the RNGs, and return (data position, step, totals); a new run starts at 0."""
+    totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
+    if not args.resume:
+        return 0, 0, totals
+    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
+    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+    print(f"resumed from {args.resume}: step {state['step']}")
+    return state["data_position"], state["step"], totals | state["totals"]
+
+
 def main():
     args = mode_defaults(checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
+    checks.check_run_flags(args)
     run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
     model_path, args.sampler_gpu_memory = checks.check_model(args, "pipeline", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
@@ -572,31 +626,12 @@ def main():
     try:
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
-        tokenizer = util.load_tokenizer(model_path)
-        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
-                               prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
-        tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-        policy = common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype))
-        if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-            policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-        ref_policy = (common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False)
-                      if args.kl_coef else None)
-        push_model = distributed.push_copy(policy, dist)  # what the sampler's weight sync reads: the policy, or rank 0's full copy
-        policy = distributed.shard(policy, dist)
-        ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-        optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+        tokenizer, task = load_task(args, model_path)
+        policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
         logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
         shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
-
-        step, data_position = 0, 0
-        totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
-        if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
-            step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
-            distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-            print(f"resumed from {args.resume}: step {step}")
+        data_position, step, totals = resume(args, policy, optimizer, push_model, dist)
         example = tasks.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
         if example:
             print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
@@ -654,13 +689,7 @@ def main():
             totals["tokens"] += stats["tokens"]
             totals["wall"] = time.time() - loop_start
             in_flight = len(sampler.pending) if dist.is_main else 0
-            logger.log(step, step_metrics(stats, totals, in_flight, push_seconds, wait_seconds), echo=False)
-            progress.update(1, reward=stats["reward"], acc=stats["accuracy"], ess=stats["ess"], lag=stats["lag_mean"])
-            if step % 10 == 0 or step == args.num_steps:
-                progress.write(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
-                               f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {in_flight} "
-                               f"episodes/s {totals['episodes'] / totals['wall']:.1f} skipped {totals['skipped']} "
-                               f"dropped {totals['stale_dropped']}")
+            log_round(logger, progress, args, step - 1, step, round_metrics(stats, totals, in_flight, push_seconds, wait_seconds))
             if args.snapshot_every and step % args.snapshot_every == 0:
                 gather()  # (Conventional RL pushes only after its G steps)
                 if dist.is_main:
@@ -671,9 +700,8 @@ def main():
                                        actor.data_position if actor else data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer,
                                        totals=totals, keep=args.keep_checkpoints)
 
-        def evaluate():
-            return tasks.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   args.chat_template, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+        evaluate = functools.partial(tasks.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                     args.chat_template, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
         eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)
