@@ -188,7 +188,7 @@ def critic_model(config, checkpointing: bool = False):
     from transformers import AutoModelForSequenceClassification
 
     config = copy.deepcopy(config)
-    config.num_labels = 1  # as ppo_oppo.load_models: the policy's architecture with a 1-output score head
+    config.num_labels = 1  # as ppo_oppo.load_networks: the policy's architecture with a 1-output score head
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
     if checkpointing:
         model.gradient_checkpointing_enable()
