@@ -257,16 +257,28 @@ def per_prompt_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(1, keepdim=True)
 
 
-def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float = math.inf) -> torch.Tensor:
-    """Token importance weights min(c, pi/mu), zero off the response (Eq. 5); cap = inf: the untruncated pi/mu, which
-    the ESS and the stats read. The log-ratio is capped at MAX_LOG_WEIGHT so that a far off-policy token gives a tiny
-    ESS, not an overflow."""
-    return (torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask).clamp(max=cap)
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
+    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
+    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
+    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    if level == "sequence":
+        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+        considered = torch.ones_like(ratio, dtype=torch.bool)
+    else:
+        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+        considered = mask.bool()
+    measured = bool(considered.any())
+    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
+                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
+    return ratio.clamp(max=cap), stats
 
 
-def ess(weights: torch.Tensor, mask: torch.Tensor) -> float:
-    """Normalised ESS (sum w)^2 / (N sum w^2) over the batch's response tokens (Eq. 6); 1 on-policy."""
-    w = weights[mask.bool()]
+def ess(weights: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Normalised effective sample size (sum w)^2 / (N sum w^2) of the weights (those where `mask` is 1), in (0, 1]: 1
+    when every weight is the same (on-policy), 1/N when one weight carries them all."""
+    w = weights if mask is None else weights[mask.bool()]
     return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
 
 
@@ -283,7 +295,7 @@ def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, *, tis_c
     k3 KL to the reference, summed and divided alike. mu is the sampler's logprob: the weight also corrects the
     training-inference mismatch (the logprob contract). Returns (loss, pg, kl)."""
     count = mask.shape[0] if loss_norm == "sequence" else mask.sum().clamp(min=1)
-    w = truncated_is_weights(logp.detach(), behaviour_logp, mask, tis_cap)
+    w, _ = truncated_is_weights(logp.detach(), behaviour_logp, mask, "token", tis_cap)
     pg = -(w * advantages[:, None] * logp * mask).sum() / count
     log_ratio = (ref_logp - logp) * mask
     kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / count
@@ -328,7 +340,7 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
         size = len(rows) if args.loss_norm == "sequence" else m.sum().item()
         share = size / total  # of the batch's sequences (or tokens): what the update weights this micro-batch's loss by
         weights = torch.zeros_like(mask)  # the untruncated pi/mu in the batch's layout (its rows only: the micro-batches add up)
-        weights[rows, cut] = truncated_is_weights(logp.detach(), mu, m)
+        weights[rows, cut], _ = truncated_is_weights(logp.detach(), mu, m, "token", math.inf)
         diff = ((logp.detach() - mu).abs() * m)[fresh[rows]]
         return loss, size, dict(pg=pg.item() * share, kl_penalty=kl.item() * share, weights=weights, kl=common.sampled_kl(mu, ref_logp, m),
                                 diff=diff.sum().item(), diff_tokens=m[fresh[rows]].sum().item())

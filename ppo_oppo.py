@@ -49,6 +49,7 @@ a forward of a sharded model needs every rank.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ import tasks
 from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 ON_GPU = torch.cuda.is_available()
+MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: an importance weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
 @dataclass
@@ -318,17 +320,22 @@ def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mas
     return (pg * mask).sum() / n, (vf * mask).sum() / n, stats
 
 
-def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float):
-    """Truncated importance weights min(pi_old / pi_behaviour, C) per token: pi_old is the learner
-    at the start of the round, pi_behaviour the sampler that drew the token (a bf16 engine, or
-    an older policy version for a carried-over sequence). Truncation bounds the variance. Returns
-    the weights (zero off the mask) and their stats over the mask: the largest raw ratio and the
-    fraction of tokens truncated."""
-    ratio = torch.exp(old_logp - behaviour_logp) * mask
-    on = mask.bool()
-    stats = dict(max_ratio=ratio[on].max().item() if on.any() else float("nan"),
-                 truncated_fraction=(ratio[on] > cap).float().mean().item() if on.any() else float("nan"))
-    return ratio.clamp(max=cap) * mask, stats
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
+    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
+    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
+    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    if level == "sequence":
+        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+        considered = torch.ones_like(ratio, dtype=torch.bool)
+    else:
+        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+        considered = mask.bool()
+    measured = bool(considered.any())
+    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
+                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
+    return ratio.clamp(max=cap), stats
 
 
 def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: dict[str, torch.Tensor], clip_coef: float,
@@ -949,7 +956,7 @@ def main():
                 policy.eval()
                 old_logp = response_aligned(common.batch_logprobs(policy, data["ids"], data["attn"], data["cmask"], [r.num_tokens for r in batch],
                                                                   args.micro_batch_tokens, dist, args.autocast_bf16, **processing).cpu(), batch)
-                weights, tis = truncated_is_weights(old_logp, sampler_logp, mask, args.tis_cap)
+                weights, tis = truncated_is_weights(old_logp, sampler_logp, mask, "token", args.tis_cap)
                 diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
             # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened advantages
             rewards = -args.kl_coef * ((old_logp - ref_logp) * mask)

@@ -210,7 +210,7 @@ def test_truncated_is_weights_and_weighted_policy_loss_by_hand():
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])  # the learner at the start of the round
     behaviour = torch.tensor([[-1.5, -1.0, -0.5, -9.0]])  # the sampler's logprobs; the last token is padding
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    weights, stats = po.truncated_is_weights(old, behaviour, mask, cap=1.5)
+    weights, stats = po.truncated_is_weights(old, behaviour, mask, "token", cap=1.5)
     # exp(old - behaviour) = e^0.5 = 1.649 (truncated to 1.5), e^-1, e^0 = 1; padding 0
     torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0]]))
     assert stats["max_ratio"] == pytest.approx(math.exp(0.5))
