@@ -307,6 +307,30 @@ def token_lags(sample: vllm_sampler.Completion, learner_version: int) -> list[in
     return [learner_version - v for v, start, end in sample.versions for _ in range(end - start)]
 
 
+@dataclass
+class Batch:
+    """B sequences on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt +
+    completion); `mask` and the sampler's token logprobs (the behaviour policy mu's): [N, T - 1], aligned with
+    input_ids[:, 1:] (token_logprobs' layout)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor
+
+
+def learner_batch(samples, pad_token_id: int, device) -> Batch:
+    """The batch's completions as padded rows, with the sampler's per-token logprobs."""
+    input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
+    mask = completion_mask[:, 1:].float()
+    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+
 def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Completion], rewards: torch.Tensor, step: int, args: Args,
                pad_token_id: int, dist: distributed.Dist | None = None) -> dict:
     """One optimizer step on B sequences (whole groups, group after group), in micro-batches of similar length (with
@@ -315,11 +339,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     optimizer does not step and the caller pushes nothing."""
     start = time.time()
     device = next(policy.parameters()).device
-    lengths = [len(c.prompt_token_ids) + len(c.token_ids) for c in samples]
-    ids, attn, cmask = (t.to(device) for t in common.pad_prompt_completions(
-        [c.prompt_token_ids for c in samples], [c.token_ids for c in samples], pad_token_id))
-    mask = cmask[:, 1:].float()
-    behaviour = common.sampler_logprob_tensor(samples, [len(c.prompt_token_ids) for c in samples], mask.shape[1]).to(device)
+    batch = learner_batch(samples, pad_token_id, device)
+    lengths, mask = batch.lengths, batch.mask
     advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
     # sampler vs learner on sequences generated wholly by the learner's current weights: the training-inference mismatch alone
     fresh = torch.tensor([c.version_min == step for c in samples], device=device)
@@ -330,7 +351,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     # ALGO LOGIC: the truncated-IS loss over the batch (Eq. 5), then the ESS guard (Algorithm 2, lines 20-23)
     def loss_fn(mb: common.MicroBatch):
         rows, cut = mb.items, slice(0, mb.width - 1)
-        inputs, m, mu = (ids[rows, :mb.width], attn[rows, :mb.width], cmask[rows, :mb.width]), mask[rows, cut], behaviour[rows, cut]
+        inputs = (batch.input_ids[rows, :mb.width], batch.attention_mask[rows, :mb.width], batch.completion_mask[rows, :mb.width])
+        m, mu = mask[rows, cut], batch.sampler_logp[rows, cut]  # mu: the behaviour policy's logprobs, the sampler's
         with common.autocast(device, args.autocast_bf16):
             logp = common.token_logprobs(policy, *inputs, **processing)
         with torch.no_grad(), common.autocast(device, args.autocast_bf16):

@@ -338,16 +338,16 @@ def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask:
     return ratio.clamp(max=cap), stats
 
 
-def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: dict[str, torch.Tensor], clip_coef: float,
+def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: Batch, clip_coef: float,
                     vf_clip: float, vf_coef: float, temperature: float, top_p: float, bf16: bool, logprob_diff: bool = False):
     """The loss of one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
     loss (Eq. 2 + vf_coef x the clipped value loss, token means), its size in response tokens, and token-weighted sums of
     the stats (divide by `tokens` for means): policy and value (the two losses), clipfrac, approx_kl, ratio_deviation
     (|ratio - 1|), entropy; with `logprob_diff`, the sum of |learner - sampler| logprobs over the tokens the current
-    weights sampled and their count. data: learner_batch's rows and token_aligned [B, L - 1] tensors."""
+    weights sampled and their count. data: learner_batch's rows with their per-token tensors."""
     rows, width = [minibatch[i] for i in mb.items], mb.width
-    ids, attn, cmask = (data[k][rows, :width] for k in ("ids", "attn", "cmask"))
-    old_logp, advantages, values, returns = (data[k][rows, :width - 1] for k in ("old_logp", "advantages", "values", "returns"))
+    ids, attn, cmask = (x[rows, :width] for x in (data.input_ids, data.attention_mask, data.completion_mask))
+    old_logp, advantages, values, returns = (x[rows, :width - 1] for x in (data.old_logp, data.advantages, data.values, data.returns))
     with common.autocast(ids.device, bf16):
         logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, temperature=temperature, top_p=top_p)
         # the entropy is only logged: detached at once, or the backward's recomputation of every logit chunk would keep
@@ -355,15 +355,15 @@ def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic,
         entropy = entropy.detach()
         values_pred = critic_values(critic, ids, attn, cmask)
     mask = cmask[:, 1:].float()
-    is_weights = data["weights"][rows, :width - 1] if "weights" in data else None
+    is_weights = data.tis[rows, :width - 1] if data.tis is not None else None
     pg, vf, stats = ppo_losses(logp, old_logp, advantages, values_pred, values, returns, mask, clip_coef=clip_coef, vf_clip=vf_clip,
                                is_weights=is_weights)
     tokens = mask.sum()
     n = tokens.item()
     out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / tokens).items()} | dict(tokens=n)
     if logprob_diff:
-        fresh = data["fresh"][rows, :width - 1] * mask
-        out |= dict(diff_sum=((logp.detach() - data["sampler_logp"][rows, :width - 1]).abs() * fresh).sum().item(),
+        fresh = data.fresh[rows, :width - 1] * mask
+        out |= dict(diff_sum=((logp.detach() - data.sampler_logp[rows, :width - 1]).abs() * fresh).sum().item(),
                     diff_count=fresh.sum().item())
     return pg + vf_coef * vf, n, out
 
@@ -688,10 +688,36 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
     return critic.score(hidden[:, :-1]).squeeze(-1).float() * completion_mask[:, 1:]
 
 
-def learner_batch(batch: list[Rollout], pad_token_id: int, device) -> dict[str, torch.Tensor]:
-    """The batch as the learner reads it, on `device`: right-padded prompt + response rows (ids, attn, cmask: [B, L])."""
-    ids, attn, cmask = common.pad_prompt_completions([r.prompt for r in batch], [r.response for r in batch], pad_token_id)
-    return dict(ids=ids.to(device), attn=attn.to(device), cmask=cmask.to(device))
+@dataclass
+class Batch:
+    """The PPO batch on the learner: right-padded prompt + response rows ([B, L]) and each row's length; once main() has
+    computed them, the per-token tensors in common.token_logprobs' layout ([B, L - 1], token_aligned): PPO's old
+    logprobs, the whitened advantages, the critic's values, the returns, the truncated IS weights (--tis), the sampler's
+    logprobs and `fresh` (1 on the tokens the current weights sampled)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    old_logp: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    tis: torch.Tensor | None = None
+    sampler_logp: torch.Tensor | None = None
+    fresh: torch.Tensor | None = None
+
+    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
+        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
+                                     **contract)
+
+
+def learner_batch(samples: list[Rollout], pad_token_id: int, device) -> Batch:
+    """The batch's finished sequences as the learner reads them, on `device`: right-padded prompt + response rows."""
+    input_ids, attention_mask, completion_mask = common.pad_prompt_completions([r.prompt for r in samples], [r.response for r in samples],
+                                                                               pad_token_id)
+    return Batch(input_ids.to(device), attention_mask.to(device), completion_mask.to(device), [r.num_tokens for r in samples])
 
 
 def token_aligned(x: torch.Tensor, batch: list[Rollout]) -> torch.Tensor:
@@ -954,8 +980,7 @@ def main():
             old_logp, weights, tis = sampler_logp, None, {}  # same precision on both sides: the sampler's logprobs are the learner's
             if tis_on:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
                 policy.eval()
-                old_logp = response_aligned(common.batch_logprobs(policy, data["ids"], data["attn"], data["cmask"], [r.num_tokens for r in batch],
-                                                                  args.micro_batch_tokens, dist, args.autocast_bf16, **processing).cpu(), batch)
+                old_logp = response_aligned(data.logprobs(policy, args.micro_batch_tokens, dist, bf16=args.autocast_bf16, **processing).cpu(), batch)
                 weights, tis = truncated_is_weights(old_logp, sampler_logp, mask, "token", args.tis_cap)
                 diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
             # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened advantages
@@ -966,9 +991,9 @@ def main():
             advantages = whiten(advantages, mask)
 
             # ALGO LOGIC: PPO epochs x minibatches, one optimizer step on actor + critic per minibatch
-            per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=weights,
-                             sampler_logp=sampler_logp, fresh=fresh)
-            data |= {k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None}
+            per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, tis=weights, sampler_logp=sampler_logp,
+                             fresh=fresh)
+            data = replace(data, **{k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None})
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl", "entropy"), 0.0)  # token means, summed over minibatches
             round_start_step, grad_norms, total_tokens = step, [], sum(lengths)  # grad_norms: of the steps taken (their mean is logged)
