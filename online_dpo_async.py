@@ -244,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return args
 
 
+# ALGO LOGIC: the method's math, each piece checked by hand in tests/test_online_dpo_async.py
 def select_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each prompt's group of rewards [P, group size]: chosen = index of the best, rejected =
     index of the worst (the first in case of equal values). Returns (chosen, rejected, keep) where
@@ -332,6 +333,35 @@ def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows
     return loss.mean(), k, outputs
 
 
+@dataclass
+class Batch:
+    """One round on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt + completion);
+    `mask` and the sampler's token logprobs: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs' layout)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor
+
+    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
+        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
+                                     **contract)
+
+
+def learner_batch(samples, pad_token_id: int, device) -> Batch:
+    """The round's completions as padded rows, with the sampler's per-token logprobs."""
+    input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
+    mask = completion_mask[:, 1:].float()
+    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+
+# TRY NOT TO MODIFY: sampling rounds, loading, resuming, logging, reporting
 class Rounds:
     """Algorithm 1's queue: the rounds submitted to the sampler and not yet trained on, oldest first. Rank 0 holds the
     sampler and scores; under torchrun every other rank receives each round and its rewards from it."""
@@ -445,34 +475,6 @@ def resume(args: Args, policy, optimizer, push_model, dist):
     distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
     print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
     return state["round"], state["data_position"], state["step"], totals | state["totals"], state.get("sampler_rng")
-
-
-@dataclass
-class Batch:
-    """One round on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt + completion);
-    `mask` and the sampler's token logprobs: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs' layout)."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    completion_mask: torch.Tensor
-    lengths: list[int]
-    mask: torch.Tensor
-    sampler_logp: torch.Tensor
-
-    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
-        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
-        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
-                                     **contract)
-
-
-def learner_batch(samples, pad_token_id: int, device) -> Batch:
-    """The round's completions as padded rows, with the sampler's per-token logprobs."""
-    input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
-        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
-    mask = completion_mask[:, 1:].float()
-    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
-    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
 
 
 def round_metrics(samples, rewards, correct: float, mask, skipped: int, round_start_step: int, pairs: tuple, losses: list,

@@ -546,7 +546,44 @@ class Actor:
         return waited, batches
 
 
-# ---- logging ----
+# TRY NOT TO MODIFY: loading, resuming, logging, reporting
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
+    while the sampler starts, and a failure closes it)."""
+    tokenizer = util.load_tokenizer(model_path)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
+                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+def load_models(args: Args, model_path: str, dist):
+    """The policy (sharded under torchrun), the frozen reference (only when --kl-coef uses it), the copy the
+    sampler's weight sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
+    dtype = getattr(torch, args.dtype)
+    policy = common.load_policy(model_path, dist.device, dtype=dtype)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
+    ref_policy = common.load_policy(model_path, dist.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
+    push_model = distributed.push_copy(policy, dist)
+    policy = distributed.shard(policy, dist)
+    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    return policy, ref_policy, push_model, optimizer
+
+
+def resume(args: Args, policy, optimizer, push_model, dist):
+    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
+    Adam and the RNGs, and return (data position, step, totals); a new run starts at 0."""
+    totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
+    if not args.resume:
+        return 0, 0, totals
+    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
+    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+    print(f"resumed from {args.resume}: step {state['step']}")
+    return state["data_position"], state["step"], totals | state["totals"]
+
 
 def round_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float, wait_seconds: float) -> dict:
     """A trained step's row of metrics.jsonl: its batch's stats (train_step's), the run's totals, the sequences in
@@ -603,44 +640,6 @@ def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_e
                    "mean token lag": float(np.mean(lags)), "learner wait (s)": totals["wait"],
                    "skipped": str(totals["skipped"] + totals["nonfinite"]), "dropped": str(totals["stale_dropped"])},
                   eval_start, eval_end, memory)
-
-
-def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
-    while the sampler starts, and a failure closes it)."""
-    tokenizer = util.load_tokenizer(model_path)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
-                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
-    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    return tokenizer, task
-
-
-def load_models(args: Args, model_path: str, dist):
-    """The policy (sharded under torchrun), the frozen reference (only when --kl-coef uses it), the copy the
-    sampler's weight sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
-    dtype = getattr(torch, args.dtype)
-    policy = common.load_policy(model_path, dist.device, dtype=dtype)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, dist.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
-    push_model = distributed.push_copy(policy, dist)
-    policy = distributed.shard(policy, dist)
-    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    return policy, ref_policy, push_model, optimizer
-
-
-def resume(args: Args, policy, optimizer, push_model, dist):
-    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
-    Adam and the RNGs, and return (data position, step, totals); a new run starts at 0."""
-    totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
-    if not args.resume:
-        return 0, 0, totals
-    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
-    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-    print(f"resumed from {args.resume}: step {state['step']}")
-    return state["data_position"], state["step"], totals | state["totals"]
 
 
 def main():

@@ -279,7 +279,7 @@ def chunk_sizes(args: Args) -> tuple[int, tuple[int, ...]]:
 
 
 # --------------------------------------------------------------------------------------
-# PPO pieces
+# ALGO LOGIC: PPO pieces (GAE, the losses, the truncated IS weights) and OPPO's controllers (Delta, C)
 # --------------------------------------------------------------------------------------
 
 
@@ -743,6 +743,21 @@ def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
     return out
 
 
+# TRY NOT TO MODIFY: loading, resuming, logging, reporting
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the checks that read the tokenizer (while the sampler starts; a failure closes it):
+    the reward and critic models on the policy's tokenizer (the downstream models read the actor's token ids as they
+    stream), prompts that fit --max-prompt-tokens."""
+    tokenizer = util.load_tokenizer(model_path)
+    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
+        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
+                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward, prompt_field=args.prompt_field,
+                           answer_field=args.answer_field, system_prompt=args.system_prompt)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
 def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None, critic_model: str | None = None):
     """Actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a
     fresh 1-output score head) and frozen reference, all in `dtype` whatever the checkpoint's
@@ -775,20 +790,6 @@ def load_models(args: Args, model_path: str, dist):
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=downstream["critic"]))
     optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
     return policy, downstream, push_model, learner, optimizer
-
-
-def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with the checks that read the tokenizer (while the sampler starts; a failure closes it):
-    the reward and critic models on the policy's tokenizer (the downstream models read the actor's token ids as they
-    stream), prompts that fit --max-prompt-tokens."""
-    tokenizer = util.load_tokenizer(model_path)
-    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
-        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
-                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward, prompt_field=args.prompt_field,
-                           answer_field=args.answer_field, system_prompt=args.system_prompt)
-    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    return tokenizer, task
 
 
 def resume(args: Args, learner, optimizer, push_model, dist):
