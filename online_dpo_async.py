@@ -398,19 +398,19 @@ class Rounds:
 
     def collect(self) -> dict | None:
         """The oldest submitted round once generated, on every rank."""
-        batch = None
+        generated = None
         if self.dist.is_main and self.pending:
-            batch = self.pending.popleft()
-            samples = self.sampler.wait_for(batch["ids"])
-            batch |= dict(samples=samples, finished=max(s.finished_at for s in samples))
-        return distributed.broadcast(batch, self.dist)
+            generated = self.pending.popleft()
+            samples = self.sampler.wait_for(generated["ids"])
+            generated |= dict(samples=samples, finished=max(s.finished_at for s in samples))
+        return distributed.broadcast(generated, self.dist)
 
-    def rewards(self, batch: dict) -> torch.Tensor:
+    def rewards(self, generated: dict) -> torch.Tensor:
         """The round's rewards [prompts, group size], the missing-EOS penalty applied, on every rank."""
         a, rewards = self.args, None
         if self.dist.is_main:
-            samples, texts = batch["samples"], [s.text for s in batch["samples"]]
-            problem_of = [batch["problems"][i // a.group_size] for i in range(len(samples))]
+            samples, texts = generated["samples"], [s.text for s in generated["samples"]]
+            problem_of = [generated["problems"][i // a.group_size] for i in range(len(samples))]
             if self.reward_model is not None:
                 scores = self.reward_model.score(self.reward_model.conversations(problem_of, texts))
             else:
