@@ -145,6 +145,28 @@ def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
     assert po.chunk_for_round(5, 32, candidates, 0, {}) == 32  # tuning off
 
 
+def test_overlap_state_runs_both_controllers_as_the_loop_did():
+    """main()'s OPPO state object: next_chunk at a round's start and update after its PPO step give the chunk schedule of
+    the tuner above and the Delta trace of next_delta, from one object a checkpoint saves."""
+    args = po.Args(delta=8, delta_window=2, delta_min=0, delta_max=16, delta_rule="eq4", chunk_tune_every=6)
+    overlap = po.Overlap(args.delta, 8, (4, 8, 16))
+    fake_seconds, used, deltas = {4: 0.9, 8: 0.5, 16: 0.7}, [], []
+    rewards = [0.1 + 0.05 * i for i in range(14)]
+    delta, history = 8, []
+    for round_index, reward in enumerate(rewards):
+        used.append(overlap.next_chunk(round_index, args.chunk_tune_every))
+        overlap.update(args, round_index, reward, fake_seconds[overlap.chunk])
+        history.append(reward)
+        delta, history = po.next_delta(delta, history, 2, 0, 16, "eq4")
+        deltas.append((overlap.delta, delta))
+    assert used == [4, 8, 16, 8, 8, 8, 4, 8, 16, 8, 8, 8, 4, 8]
+    assert all(a == b for a, b in deltas) and overlap.reward_history == history and overlap.delta == 16
+    pinned = po.Overlap(0, 8, (4, 8, 16))  # --delta 0: no over-commitment, whatever the reward does
+    for round_index, reward in enumerate(rewards):
+        pinned.update(po.Args(delta=0), round_index, reward, 1.0)
+    assert pinned.delta == 0 and len(pinned.reward_history) == len(rewards)
+
+
 def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_path):
     """A Qwen2ForSequenceClassification reward model with the realistic tokenizer (pad == eos):
     transformers scores the rightmost non-pad token, so a response that ends in EOS is scored at
