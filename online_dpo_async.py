@@ -201,7 +201,6 @@ class Args:
         ):
             checks.check_args(ok, flag, message)
         checks.check_sampler_urls(self.sampler_url)
-        checks.check_run_flags(self)
 
 
 @dataclass
@@ -245,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return args
 
 
+# ALGO LOGIC: the method's math, each piece checked by hand in tests/test_online_dpo_async.py
 def select_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each prompt's group of rewards [P, group size]: chosen = index of the best, rejected =
     index of the worst (the first in case of equal values). Returns (chosen, rejected, keep) where
@@ -333,6 +333,35 @@ def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows
     return loss.mean(), k, outputs
 
 
+@dataclass
+class Batch:
+    """One round on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt + completion);
+    `mask` and the sampler's token logprobs: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs' layout)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor
+
+    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
+        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
+                                     **contract)
+
+
+def learner_batch(samples, pad_token_id: int, device) -> Batch:
+    """The round's completions as padded rows, with the sampler's per-token logprobs."""
+    input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
+    mask = completion_mask[:, 1:].float()
+    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+
+# TRY NOT TO MODIFY: sampling rounds, loading, resuming, logging, reporting
 class Rounds:
     """Algorithm 1's queue: the rounds submitted to the sampler and not yet trained on, oldest first. Rank 0 holds the
     sampler and scores; under torchrun every other rank receives each round and its rewards from it."""
@@ -369,19 +398,19 @@ class Rounds:
 
     def collect(self) -> dict | None:
         """The oldest submitted round once generated, on every rank."""
-        batch = None
+        generated = None
         if self.dist.is_main and self.pending:
-            batch = self.pending.popleft()
-            samples = self.sampler.wait_for(batch["ids"])
-            batch |= dict(samples=samples, finished=max(s.finished_at for s in samples))
-        return distributed.broadcast(batch, self.dist)
+            generated = self.pending.popleft()
+            samples = self.sampler.wait_for(generated["ids"])
+            generated |= dict(samples=samples, finished=max(s.finished_at for s in samples))
+        return distributed.broadcast(generated, self.dist)
 
-    def rewards(self, batch: dict) -> torch.Tensor:
+    def rewards(self, generated: dict) -> torch.Tensor:
         """The round's rewards [prompts, group size], the missing-EOS penalty applied, on every rank."""
         a, rewards = self.args, None
         if self.dist.is_main:
-            samples, texts = batch["samples"], [s.text for s in batch["samples"]]
-            problem_of = [batch["problems"][i // a.group_size] for i in range(len(samples))]
+            samples, texts = generated["samples"], [s.text for s in generated["samples"]]
+            problem_of = [generated["problems"][i // a.group_size] for i in range(len(samples))]
             if self.reward_model is not None:
                 scores = self.reward_model.score(self.reward_model.conversations(problem_of, texts))
             else:
@@ -409,7 +438,18 @@ class Rounds:
         return self.sampler_rng
 
 
-def load_models(model_path: str, args: Args, dist):
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
+    while the sampler starts, and a failure closes it)."""
+    tokenizer = util.load_tokenizer(model_path)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, gsm8k_match=args.gsm8k_match,
+                           reward=args.reward, prompt_field=args.prompt_field, answer_field=args.answer_field,
+                           system_prompt=args.system_prompt)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+def load_models(args: Args, model_path: str, dist):
     """The policy, the reference (the frozen initial policy, DPO's pi_ref), the copy of the policy the sampler's weight
     sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
     dtype = getattr(torch, args.dtype)
@@ -424,18 +464,74 @@ def load_models(model_path: str, args: Args, dist):
     return policy, ref_policy, push_model, optimizer
 
 
-def round_tensors(samples, pad_id: int, device):
-    """A round's samples as the learner's tensors, row i = sample i: the right-padded ids, attention and completion
-    masks, each row's length (prompt + completion) and the sampler's token logprobs laid out like token_logprobs'."""
-    ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_id)
-    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], ids.shape[1] - 1)
-    return ids.to(device), attn.to(device), cmask.to(device), lengths, sampler_logp.to(device)
+def resume(args: Args, policy, optimizer, push_model, dist):
+    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
+    Adam and the RNGs, and return (round, data position, step, totals, the sampler's generators under --sync); a new
+    run starts at 0."""
+    totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
+    if not args.resume:
+        return 0, 0, 0, totals, None
+    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
+    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+    print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
+    return state["round"], state["data_position"], state["step"], totals | state["totals"], state.get("sampler_rng")
+
+
+def round_metrics(samples, rewards, correct: float, mask, skipped: int, round_start_step: int, pairs: tuple, losses: list,
+                  accuracies: list, margins: list, grad_norms: list, kl: float, logprob_diff: float, totals: dict, seconds: tuple) -> dict:
+    """One round's metrics: its samples (reward, accuracy, length, the lag of each token: the learner's step at the
+    round's start minus the version that sampled it), its pairs (select_pairs: chosen, rejected, keep) and their rewards,
+    the mean over its steps of the DPO loss, accuracy, margin and gradient norm, charts/kl, the run's totals and the
+    seconds of generating, training, the round, the learner's and the sampler's waits and the push."""
+    chosen, rejected, keep = pairs
+    pair_rows = torch.arange(len(rewards))[keep]
+    chosen_r = rewards[pair_rows, chosen[keep]] if len(pair_rows) else torch.zeros(1)
+    rejected_r = rewards[pair_rows, rejected[keep]] if len(pair_rows) else torch.zeros(1)
+    lags = [round_start_step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]  # per token
+    mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
+    metrics = {
+        "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
+        "charts/rewards_chosen": chosen_r.mean().item(), "charts/rewards_rejected": rejected_r.mean().item(),
+        "charts/rewards_margin": (chosen_r - rejected_r).mean().item(), "charts/response_length": mask.sum(1).mean().item(),
+        "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()), "charts/skipped_long_prompts": skipped,
+        "charts/kl": kl, "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags),
+        "charts/nonfinite_skipped": totals["nonfinite_skipped"],
+        "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / max(totals["wall"], 1e-9),
+        "losses/loss": mean(losses), "losses/dpo_accuracy": mean(accuracies), "losses/logits_margin": mean(margins),
+        "losses/grad_norm": mean(grad_norms),
+    }
+    names = ("time/train_seconds", "time/generate_seconds", "time/step_seconds", "time/learner_wait_seconds", "time/sampler_wait_seconds",
+             "time/push_seconds")
+    metrics |= dict(zip(names, seconds))
+    if not np.isnan(logprob_diff):  # measured on the sampling weights only (no step on this batch yet)
+        metrics["charts/logprob_diff"] = logprob_diff
+    return metrics
+
+
+def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
+    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and one line per round."""
+    logger.log(step, metrics, echo=False)
+    progress.update(1, step=step, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], dpo_acc=metrics["losses/dpo_accuracy"])
+    progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
+                   f"acc {metrics['charts/accuracy']:.3f} pairs {metrics['charts/pairs']} ties {metrics['charts/ties_dropped']} "
+                   f"dpo_acc {metrics['losses/dpo_accuracy']:.2f} kl {metrics['charts/kl']:.2f} "
+                   f"lag {metrics['charts/lag_min']}-{metrics['charts/lag_max']} gen {metrics['time/generate_seconds']:.2f}s "
+                   f"train {metrics['time/train_seconds']:.2f}s step {metrics['time/step_seconds']:.2f}s")
+
+
+def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
+    """The end of the run: its speed, synchronous or asynchronous (the paper's comparison), and the held-out pass@k."""
+    mode = "sync" if args.sync else "async"
+    logger.report(step, f"online DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts "
+                  f"x {args.group_size} samples",
+                  {"mode": mode, "wall (s)": totals["wall"], "generate (s)": totals["generate"], "train (s)": totals["train"],
+                   "episodes/s": totals["episodes"] / totals["wall"]}, eval_start, eval_end, memory)
 
 
 def main():
     args = parse_args()
     vllm_sampler.quiet_libraries(args.verbose)
+    checks.check_run_flags(args)
     run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, scores, logger, checkpoints)
     model_path, args.sampler_gpu_memory = checks.check_model(args, "dpo", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
@@ -447,35 +543,27 @@ def main():
     try:
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
-        tokenizer = util.load_tokenizer(model_path)
-        policy, ref_policy, push_model, optimizer = load_models(model_path, args, dist)
-        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, gsm8k_match=args.gsm8k_match,
-                               reward=args.reward, prompt_field=args.prompt_field, answer_field=args.answer_field,
-                               system_prompt=args.system_prompt)
-        tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+        tokenizer, task = load_task(args, model_path)
+        policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
         # rank 0 scores and hands every rank the rewards (the pairs must be the same on every rank): only it needs the reward model
         reward_model = tasks.RewardModel(args.reward_model, device=str(dist.device)) if args.reward_model and dist.is_main else None
         logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
-        start_round, data_position, step, sampler_rng, warned, no_signal = 0, 0, 0, None, [], {}
-        totals = dict(generate=0.0, train=0.0, wall=0.0, episodes=0, nonfinite_skipped=0)
-        if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
-            start_round, data_position, step, sampler_rng = state["round"], state["data_position"], state["step"], state.get("sampler_rng")
-            totals |= state["totals"]
-            distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-            print(f"resumed from {args.resume}: round {start_round}, step {step}")
+        # sampler_rng (--sync): the sampler's generators before the round a resumed run starts with, so it samples as an uninterrupted one
+        start_round, data_position, step, totals, sampler_rng = resume(args, policy, optimizer, push_model, dist)
+        warned, no_signal = [], {}  # warned: the logprob_diff warning, once; no_signal: warn_no_learning's
         if dist.is_main:
             launch.connect_weights(sampler, push_model, version=step)
         mismatch_expected = checks.mismatch_correction("auto", args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
         rounds = Rounds(sampler, task, tokenizer, reward_model, args, dist, data_position, start_round, sampler_rng)
+        processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampled distribution
 
         eval_start = rounds.evaluate()
         logger.log(step, eval_start)
         if dist.is_main and args.snapshot_every and start_round == 0:
             logger.snapshot(step, push_model)  # time 0 of the learning curve
         rounds.submit()  # Algorithm 1: a first batch y_0 ~ pi_theta_0(x_0)
-        batch = rounds.collect()
+        generated = rounds.collect()  # (a round as the sampler returns it; its learner batch: learner_batch)
         if args.staleness:
             rounds.submit()  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
         loop_start = time.time() - totals["wall"]
@@ -483,43 +571,41 @@ def main():
         for round_index in range(start_round, args.num_rounds):
             last = round_index + 1 == args.num_rounds
             round_start = train_start = time.time()
-            samples, problems = batch["samples"], batch["problems"]
+            samples, problems = generated["samples"], generated["problems"]
             if round_index == start_round:  # what the sampler really sees (e.g. the chat template) and answers
                 print(f"example: {tokenizer.decode(samples[0].prompt_token_ids)!r} -> {samples[0].text!r}")
             launch.learner_threads(sampler)  # every core with --sync; one while the next batch generates
             if args.sync:
                 checks.check_sampler_version(samples, step)  # on-policy: generated by the weights the learner holds
-            lags = [step - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]  # per token
             # fresh: the learner still holds this batch's sampling weights (sync: always; async: round 1, or after one without a step)
             fresh = all(s.version_min == s.version_max == step for s in samples)
-            ids, attn, cmask, lengths, sampler_logp = round_tensors(samples, tokenizer.pad_token_id, dist.device)
-            mask = cmask[:, 1:].float()
-            processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampled distribution
+            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device)
 
             # ALGO LOGIC: pairs, the best and worst of each prompt's group; the reference's sequence logprobs
-            rewards = rounds.rewards(batch)
+            rewards = rounds.rewards(generated)
+            correct = float(np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)]))
             chosen, rejected, keep = select_pairs(rewards)
             checks.warn_no_learning(keep, "every prompt's rewards tie: no preference pair", no_signal, min(10, args.num_rounds))
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
-            ref_logp = common.batch_logprobs(ref_policy, ids, attn, cmask, lengths, args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
-                                             **processing)
+            ref_logp = batch.logprobs(ref_policy, args.micro_batch_tokens, dist, bf16=args.autocast_bf16, **processing)
             ref_seq = ref_logp.sum(1)
-            kl = common.sampled_kl(sampler_logp, ref_logp, mask).mean().item()  # charts/kl: k3 of the sampled responses vs pi_init
+            kl = common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item()  # charts/kl: k3 of the sampled responses vs pi_init
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs
-            losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = [], [], [], [], 0.0, 0.0
+            round_start_step, losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = step, [], [], [], [], 0.0, 0.0
             for mb, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
                 # the update: each micro-batch of whole pairs backpropagated with its share of the minibatch's loss (summed
                 # over its pairs / `total`), so the gradients accumulate to exactly the minibatch's; then one clipped step
                 loss, out = 0.0, {}
-                for micro in common.micro_batch_plan(pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), args.micro_batch_tokens,
+                for micro in common.micro_batch_plan(pair_lengths(batch.lengths, chosen_rows[mb], rejected_rows[mb]), args.micro_batch_tokens,
                                                      rows_per_item=2, dist=dist):
-                    mb_loss, size, mb_out = dpo_micro_batch(policy, ids, attn, cmask, micro, chosen_rows[mb], rejected_rows[mb], ref_seq,
-                                                            beta=args.beta, loss_type=args.loss_type, bf16=args.autocast_bf16,
-                                                            sampler_logp=sampler_logp if fresh else None, **processing)
+                    mb_loss, size, mb_out = dpo_micro_batch(policy, batch.input_ids, batch.attention_mask, batch.completion_mask, micro,
+                                                            chosen_rows[mb], rejected_rows[mb], ref_seq, beta=args.beta, loss_type=args.loss_type,
+                                                            bf16=args.autocast_bf16, sampler_logp=batch.sampler_logp if fresh else None,
+                                                            **processing)
                     share = micro.weight * size / total  # (weight 0: a torchrun stand-in)
                     (mb_loss * share).backward()
                     loss = loss + mb_loss.detach() * share
@@ -556,47 +642,25 @@ def main():
                 following = rounds.collect()
                 generate_seconds = following["finished"] - following["submitted"]
                 if newest is not None:  # the sampler sat idle from the end of the round before `newest` (sync: the train step)
-                    sampler_idle = newest["submitted"] - (batch if args.sync else following)["finished"]
+                    sampler_idle = newest["submitted"] - (generated if args.sync else following)["finished"]
             learner_wait = time.time() - wait_start
             totals["wall"] = time.time() - loop_start
             totals["episodes"] += len(samples)
             totals["train"] += train_seconds
             totals["generate"] += 0.0 if last else generate_seconds
 
-            chosen_r = rewards[pair_rows, chosen[keep]] if len(pair_rows) else torch.zeros(1)
-            rejected_r = rewards[pair_rows, rejected[keep]] if len(pair_rows) else torch.zeros(1)
-            mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731
-            metrics = {
-                "charts/reward": rewards.mean().item(),
-                "charts/accuracy": float(np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])),
-                "charts/rewards_chosen": chosen_r.mean().item(), "charts/rewards_rejected": rejected_r.mean().item(),
-                "charts/rewards_margin": (chosen_r - rejected_r).mean().item(),
-                "charts/response_length": mask.sum(1).mean().item(),
-                "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()), "charts/skipped_long_prompts": batch["skipped"],
-                "charts/kl": kl, "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags),
-                "charts/nonfinite_skipped": totals["nonfinite_skipped"],
-                "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / max(totals["wall"], 1e-9),
-                "losses/loss": mean(losses), "losses/dpo_accuracy": mean(accuracies), "losses/logits_margin": mean(margins),
-                "losses/grad_norm": mean(grad_norms),
-                "time/train_seconds": train_seconds, "time/generate_seconds": generate_seconds,
-                "time/step_seconds": time.time() - round_start, "time/learner_wait_seconds": learner_wait,
-                "time/sampler_wait_seconds": sampler_idle, "time/push_seconds": push_seconds,
-            }
-            if diff_tokens:
-                metrics["charts/logprob_diff"] = diff_sum / diff_tokens
-                checks.warn_logprob_diff(metrics["charts/logprob_diff"], mismatch_expected, warned)
-            logger.log(step, metrics, echo=False)
-            progress.update(1, step=step, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], dpo_acc=metrics["losses/dpo_accuracy"])
-            progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
-                           f"acc {metrics['charts/accuracy']:.3f} pairs {len(pair_rows)} ties {metrics['charts/ties_dropped']} "
-                           f"dpo_acc {metrics['losses/dpo_accuracy']:.2f} kl {kl:.2f} lag {min(lags)}-{max(lags)} "
-                           f"gen {generate_seconds:.2f}s train {train_seconds:.2f}s step {metrics['time/step_seconds']:.2f}s")
+            logprob_diff = diff_sum / diff_tokens if diff_tokens else float("nan")
+            metrics = round_metrics(samples, rewards, correct, batch.mask, generated["skipped"], round_start_step, (chosen, rejected, keep), losses,
+                                    accuracies, margins, grad_norms, kl, logprob_diff, totals,
+                                    (train_seconds, generate_seconds, time.time() - round_start, learner_wait, sampler_idle, push_seconds))
+            checks.warn_logprob_diff(logprob_diff, mismatch_expected, warned)  # (a NaN: not measured this round)
+            log_round(logger, progress, args, round_index, step, metrics)
             if not last:
-                batch = following
+                generated = following
             if last or (args.save_every and (round_index + 1) % args.save_every == 0):
                 # the data position of the first round not trained on yet: a round in flight is generated again on resume
                 runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                       rounds.data_position if last else batch["position"], dist=dist, hf_model=push_model,
+                                       rounds.data_position if last else generated["position"], dist=dist, hf_model=push_model,
                                        tokenizer=tokenizer, round=round_index + 1, totals=totals, keep=args.keep_checkpoints,
                                        sampler_rng=rounds.checkpoint_rng(last))
         if dist.is_main and step:
@@ -610,11 +674,7 @@ def main():
             sampler.close()
         distributed.close(dist)
 
-    mode = "sync" if args.sync else "async"
-    logger.report(step, f"online DPO ({mode}, N={args.num_minibatches}): {args.num_rounds} rounds of {args.prompts_per_round} prompts "
-                  f"x {args.group_size} samples",
-                  {"mode": mode, "wall (s)": totals["wall"], "generate (s)": totals["generate"], "train (s)": totals["train"],
-                   "episodes/s": totals["episodes"] / totals["wall"]}, eval_start, eval_end, memory)
+    report(logger, args, step, totals, eval_start, eval_end, memory)
     logger.close()
 
 

@@ -30,6 +30,7 @@ none; --ess-threshold adds one).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -216,7 +217,6 @@ class Args:
         ]:
             checks.check_args(ok, flag, problem)
         checks.check_sampler_urls(self.sampler_url)
-        checks.check_run_flags(self)
 
 
 GPU = torch.cuda.is_available()
@@ -257,16 +257,28 @@ def per_prompt_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean(1, keepdim=True)
 
 
-def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float = math.inf) -> torch.Tensor:
-    """Token importance weights min(c, pi/mu), zero off the response (Eq. 5); cap = inf: the untruncated pi/mu, which
-    the ESS and the stats read. The log-ratio is capped at MAX_LOG_WEIGHT so that a far off-policy token gives a tiny
-    ESS, not an overflow."""
-    return (torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask).clamp(max=cap)
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
+    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
+    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
+    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    if level == "sequence":
+        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+        considered = torch.ones_like(ratio, dtype=torch.bool)
+    else:
+        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+        considered = mask.bool()
+    measured = bool(considered.any())
+    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
+                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
+    return ratio.clamp(max=cap), stats
 
 
-def ess(weights: torch.Tensor, mask: torch.Tensor) -> float:
-    """Normalised ESS (sum w)^2 / (N sum w^2) over the batch's response tokens (Eq. 6); 1 on-policy."""
-    w = weights[mask.bool()]
+def ess(weights: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Normalised effective sample size (sum w)^2 / (N sum w^2) of the weights (those where `mask` is 1), in (0, 1]: 1
+    when every weight is the same (on-policy), 1/N when one weight carries them all."""
+    w = weights if mask is None else weights[mask.bool()]
     return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
 
 
@@ -283,7 +295,7 @@ def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, *, tis_c
     k3 KL to the reference, summed and divided alike. mu is the sampler's logprob: the weight also corrects the
     training-inference mismatch (the logprob contract). Returns (loss, pg, kl)."""
     count = mask.shape[0] if loss_norm == "sequence" else mask.sum().clamp(min=1)
-    w = truncated_is_weights(logp.detach(), behaviour_logp, mask, tis_cap)
+    w, _ = truncated_is_weights(logp.detach(), behaviour_logp, mask, "token", tis_cap)
     pg = -(w * advantages[:, None] * logp * mask).sum() / count
     log_ratio = (ref_logp - logp) * mask
     kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / count
@@ -295,6 +307,30 @@ def token_lags(sample: vllm_sampler.Completion, learner_version: int) -> list[in
     return [learner_version - v for v, start, end in sample.versions for _ in range(end - start)]
 
 
+@dataclass
+class Batch:
+    """B sequences on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt +
+    completion); `mask` and the sampler's token logprobs (the behaviour policy mu's): [N, T - 1], aligned with
+    input_ids[:, 1:] (token_logprobs' layout)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor
+
+
+def learner_batch(samples, pad_token_id: int, device) -> Batch:
+    """The batch's completions as padded rows, with the sampler's per-token logprobs."""
+    input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
+        [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
+    mask = completion_mask[:, 1:].float()
+    sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
+    lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+
 def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Completion], rewards: torch.Tensor, step: int, args: Args,
                pad_token_id: int, dist: distributed.Dist | None = None) -> dict:
     """One optimizer step on B sequences (whole groups, group after group), in micro-batches of similar length (with
@@ -303,11 +339,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     optimizer does not step and the caller pushes nothing."""
     start = time.time()
     device = next(policy.parameters()).device
-    lengths = [len(c.prompt_token_ids) + len(c.token_ids) for c in samples]
-    ids, attn, cmask = (t.to(device) for t in common.pad_prompt_completions(
-        [c.prompt_token_ids for c in samples], [c.token_ids for c in samples], pad_token_id))
-    mask = cmask[:, 1:].float()
-    behaviour = common.sampler_logprob_tensor(samples, [len(c.prompt_token_ids) for c in samples], mask.shape[1]).to(device)
+    batch = learner_batch(samples, pad_token_id, device)
+    lengths, mask = batch.lengths, batch.mask
     advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(device)
     # sampler vs learner on sequences generated wholly by the learner's current weights: the training-inference mismatch alone
     fresh = torch.tensor([c.version_min == step for c in samples], device=device)
@@ -318,7 +351,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     # ALGO LOGIC: the truncated-IS loss over the batch (Eq. 5), then the ESS guard (Algorithm 2, lines 20-23)
     def loss_fn(mb: common.MicroBatch):
         rows, cut = mb.items, slice(0, mb.width - 1)
-        inputs, m, mu = (ids[rows, :mb.width], attn[rows, :mb.width], cmask[rows, :mb.width]), mask[rows, cut], behaviour[rows, cut]
+        inputs = (batch.input_ids[rows, :mb.width], batch.attention_mask[rows, :mb.width], batch.completion_mask[rows, :mb.width])
+        m, mu = mask[rows, cut], batch.sampler_logp[rows, cut]  # mu: the behaviour policy's logprobs, the sampler's
         with common.autocast(device, args.autocast_bf16):
             logp = common.token_logprobs(policy, *inputs, **processing)
         with torch.no_grad(), common.autocast(device, args.autocast_bf16):
@@ -328,7 +362,7 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
         size = len(rows) if args.loss_norm == "sequence" else m.sum().item()
         share = size / total  # of the batch's sequences (or tokens): what the update weights this micro-batch's loss by
         weights = torch.zeros_like(mask)  # the untruncated pi/mu in the batch's layout (its rows only: the micro-batches add up)
-        weights[rows, cut] = truncated_is_weights(logp.detach(), mu, m)
+        weights[rows, cut], _ = truncated_is_weights(logp.detach(), mu, m, "token", math.inf)
         diff = ((logp.detach() - mu).abs() * m)[fresh[rows]]
         return loss, size, dict(pg=pg.item() * share, kl_penalty=kl.item() * share, weights=weights, kl=common.sampled_kl(mu, ref_logp, m),
                                 diff=diff.sum().item(), diff_tokens=m[fresh[rows]].sum().item())
@@ -512,10 +546,48 @@ class Actor:
         return waited, batches
 
 
-# ---- logging ----
+# TRY NOT TO MODIFY: loading, resuming, logging, reporting
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
+    while the sampler starts, and a failure closes it)."""
+    tokenizer = util.load_tokenizer(model_path)
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
+                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
 
-def step_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float, wait_seconds: float) -> dict:
-    """A trained step's row of metrics.jsonl."""
+
+def load_models(args: Args, model_path: str, dist):
+    """The policy (sharded under torchrun), the frozen reference (only when --kl-coef uses it), the copy the
+    sampler's weight sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
+    dtype = getattr(torch, args.dtype)
+    policy = common.load_policy(model_path, dist.device, dtype=dtype)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
+    ref_policy = common.load_policy(model_path, dist.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
+    push_model = distributed.push_copy(policy, dist)
+    policy = distributed.shard(policy, dist)
+    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    return policy, ref_policy, push_model, optimizer
+
+
+def resume(args: Args, policy, optimizer, push_model, dist):
+    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
+    Adam and the RNGs, and return (data position, step, totals); a new run starts at 0."""
+    totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
+    if not args.resume:
+        return 0, 0, totals
+    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
+    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
+    print(f"resumed from {args.resume}: step {state['step']}")
+    return state["data_position"], state["step"], totals | state["totals"]
+
+
+def round_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float, wait_seconds: float) -> dict:
+    """A trained step's row of metrics.jsonl: its batch's stats (train_step's), the run's totals, the sequences in
+    flight, the seconds of the push and of the learner's wait for the batch."""
     metrics = {
         "charts/reward": stats["reward"], "charts/accuracy": stats["accuracy"], "charts/ess": stats["ess"],
         "charts/lag_min": stats["lag_min"], "charts/lag_mean": stats["lag_mean"], "charts/lag_max": stats["lag_max"],
@@ -542,6 +614,20 @@ def skip_metrics(stats: dict, totals: dict) -> dict:
             "charts/skipped_steps": totals["skipped"], "charts/nonfinite_skipped": totals["nonfinite"]}
 
 
+def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
+    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and a line every 10 steps. A round here is one
+    trained batch (one optimizer step: round_index = step - 1)."""
+    logger.log(step, metrics, echo=False)
+    progress.update(1, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], ess=metrics["charts/ess"],
+                    lag=metrics["charts/lag_mean"])
+    if step % 10 == 0 or step == args.num_steps:
+        progress.write(f"step {step}/{args.num_steps}: reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f} "
+                       f"ess {metrics['charts/ess']:.3f} lag {metrics['charts/lag_min']}/{metrics['charts/lag_mean']:.1f}/"
+                       f"{metrics['charts/lag_max']} in-flight {metrics['charts/in_flight']} episodes/s "
+                       f"{metrics['charts/episodes_per_second']:.1f} skipped {metrics['charts/skipped_steps']} "
+                       f"dropped {metrics['charts/stale_dropped']}")
+
+
 def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The run's summary: speed, ESS, lag, skips, and the held-out evaluation before and after."""
     label = "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})"
@@ -559,6 +645,7 @@ def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_e
 def main():
     args = mode_defaults(checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
     vllm_sampler.quiet_libraries(args.verbose)
+    checks.check_run_flags(args)
     run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
     dist = distributed.init()  # one process, or one per torchrun rank (rank 0: the actor, the logger, checkpoints)
     model_path, args.sampler_gpu_memory = checks.check_model(args, "pipeline", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
@@ -572,31 +659,12 @@ def main():
     try:
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
-        tokenizer = util.load_tokenizer(model_path)
-        task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
-                               prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
-        tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-        policy = common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype))
-        if args.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-            policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-        ref_policy = (common.load_policy(model_path, dist.device, dtype=getattr(torch, args.dtype)).eval().requires_grad_(False)
-                      if args.kl_coef else None)
-        push_model = distributed.push_copy(policy, dist)  # what the sampler's weight sync reads: the policy, or rank 0's full copy
-        policy = distributed.shard(policy, dist)
-        ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-        optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+        tokenizer, task = load_task(args, model_path)
+        policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
         logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
         shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batches: apart, so the two modes draw the same lengths
-
-        step, data_position = 0, 0
-        totals = dict(episodes=0, tokens=0, wait=0.0, wall=0.0, skipped=0, nonfinite=0, stale_dropped=0, skipped_prompts=0)
-        if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("totals",))
-            step, data_position, totals = state["step"], state["data_position"], totals | state["totals"]
-            distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-            print(f"resumed from {args.resume}: step {step}")
+        data_position, step, totals = resume(args, policy, optimizer, push_model, dist)
         example = tasks.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens, args.chat_template)[1]
         if example:
             print(f"first training prompt, as the model sees it: {tokenizer.decode(example[0])!r}")
@@ -654,13 +722,7 @@ def main():
             totals["tokens"] += stats["tokens"]
             totals["wall"] = time.time() - loop_start
             in_flight = len(sampler.pending) if dist.is_main else 0
-            logger.log(step, step_metrics(stats, totals, in_flight, push_seconds, wait_seconds), echo=False)
-            progress.update(1, reward=stats["reward"], acc=stats["accuracy"], ess=stats["ess"], lag=stats["lag_mean"])
-            if step % 10 == 0 or step == args.num_steps:
-                progress.write(f"step {step}/{args.num_steps}: reward {stats['reward']:.3f} acc {stats['accuracy']:.3f} ess {stats['ess']:.3f} "
-                               f"lag {stats['lag_min']}/{stats['lag_mean']:.1f}/{stats['lag_max']} in-flight {in_flight} "
-                               f"episodes/s {totals['episodes'] / totals['wall']:.1f} skipped {totals['skipped']} "
-                               f"dropped {totals['stale_dropped']}")
+            log_round(logger, progress, args, step - 1, step, round_metrics(stats, totals, in_flight, push_seconds, wait_seconds))
             if args.snapshot_every and step % args.snapshot_every == 0:
                 gather()  # (Conventional RL pushes only after its G steps)
                 if dist.is_main:
@@ -671,9 +733,8 @@ def main():
                                        actor.data_position if actor else data_position, dist=dist, hf_model=push_model, tokenizer=tokenizer,
                                        totals=totals, keep=args.keep_checkpoints)
 
-        def evaluate():
-            return tasks.evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                                   args.chat_template, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
+        evaluate = functools.partial(tasks.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                                     args.chat_template, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
 
         eval_start = evaluate() if dist.is_main else {}
         logger.log(step, eval_start)

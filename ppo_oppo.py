@@ -49,6 +49,7 @@ a forward of a sharded model needs every rank.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,7 @@ import tasks
 from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 ON_GPU = torch.cuda.is_available()
+MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: an importance weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
 @dataclass
@@ -277,7 +279,7 @@ def chunk_sizes(args: Args) -> tuple[int, tuple[int, ...]]:
 
 
 # --------------------------------------------------------------------------------------
-# PPO pieces
+# ALGO LOGIC: PPO pieces (GAE, the losses, the truncated IS weights) and OPPO's controllers (Delta, C)
 # --------------------------------------------------------------------------------------
 
 
@@ -318,29 +320,34 @@ def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mas
     return (pg * mask).sum() / n, (vf * mask).sum() / n, stats
 
 
-def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, cap: float):
-    """Truncated importance weights min(pi_old / pi_behaviour, C) per token: pi_old is the learner
-    at the start of the round, pi_behaviour the sampler that drew the token (a bf16 engine, or
-    an older policy version for a carried-over sequence). Truncation bounds the variance. Returns
-    the weights (zero off the mask) and their stats over the mask: the largest raw ratio and the
-    fraction of tokens truncated."""
-    ratio = torch.exp(old_logp - behaviour_logp) * mask
-    on = mask.bool()
-    stats = dict(max_ratio=ratio[on].max().item() if on.any() else float("nan"),
-                 truncated_fraction=(ratio[on] > cap).float().mean().item() if on.any() else float("nan"))
-    return ratio.clamp(max=cap) * mask, stats
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
+    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
+    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
+    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    if level == "sequence":
+        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+        considered = torch.ones_like(ratio, dtype=torch.bool)
+    else:
+        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+        considered = mask.bool()
+    measured = bool(considered.any())
+    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
+                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
+    return ratio.clamp(max=cap), stats
 
 
-def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: dict[str, torch.Tensor], clip_coef: float,
+def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic, data: Batch, clip_coef: float,
                     vf_clip: float, vf_coef: float, temperature: float, top_p: float, bf16: bool, logprob_diff: bool = False):
     """The loss of one micro-batch of a minibatch (mb.items index `minibatch`, rows of the batch): the PPO
     loss (Eq. 2 + vf_coef x the clipped value loss, token means), its size in response tokens, and token-weighted sums of
     the stats (divide by `tokens` for means): policy and value (the two losses), clipfrac, approx_kl, ratio_deviation
     (|ratio - 1|), entropy; with `logprob_diff`, the sum of |learner - sampler| logprobs over the tokens the current
-    weights sampled and their count. data: learner_batch's rows and token_aligned [B, L - 1] tensors."""
+    weights sampled and their count. data: learner_batch's rows with their per-token tensors."""
     rows, width = [minibatch[i] for i in mb.items], mb.width
-    ids, attn, cmask = (data[k][rows, :width] for k in ("ids", "attn", "cmask"))
-    old_logp, advantages, values, returns = (data[k][rows, :width - 1] for k in ("old_logp", "advantages", "values", "returns"))
+    ids, attn, cmask = (x[rows, :width] for x in (data.input_ids, data.attention_mask, data.completion_mask))
+    old_logp, advantages, values, returns = (x[rows, :width - 1] for x in (data.old_logp, data.advantages, data.values, data.returns))
     with common.autocast(ids.device, bf16):
         logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True, temperature=temperature, top_p=top_p)
         # the entropy is only logged: detached at once, or the backward's recomputation of every logit chunk would keep
@@ -348,15 +355,15 @@ def ppo_micro_batch(mb: common.MicroBatch, minibatch: list[int], policy, critic,
         entropy = entropy.detach()
         values_pred = critic_values(critic, ids, attn, cmask)
     mask = cmask[:, 1:].float()
-    is_weights = data["weights"][rows, :width - 1] if "weights" in data else None
+    is_weights = data.tis[rows, :width - 1] if data.tis is not None else None
     pg, vf, stats = ppo_losses(logp, old_logp, advantages, values_pred, values, returns, mask, clip_coef=clip_coef, vf_clip=vf_clip,
                                is_weights=is_weights)
     tokens = mask.sum()
     n = tokens.item()
     out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / tokens).items()} | dict(tokens=n)
     if logprob_diff:
-        fresh = data["fresh"][rows, :width - 1] * mask
-        out |= dict(diff_sum=((logp.detach() - data["sampler_logp"][rows, :width - 1]).abs() * fresh).sum().item(),
+        fresh = data.fresh[rows, :width - 1] * mask
+        out |= dict(diff_sum=((logp.detach() - data.sampler_logp[rows, :width - 1]).abs() * fresh).sum().item(),
                     diff_count=fresh.sum().item())
     return pg + vf_coef * vf, n, out
 
@@ -531,6 +538,37 @@ def scored(r: Rollout, name: str, model) -> torch.Tensor:
     return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
 
+@dataclass
+class Overlap:
+    """OPPO's state from round to round (on every rank; rank 0 alone acts on it), all of which a checkpoint keeps but the
+    tuner's timings: the over-commitment Delta and the round rewards its controller reads (inter-step), the chunk size C,
+    the sizes the tuner tries and their timings (intra-step), and the next training prompt to admit."""
+
+    delta: int
+    chunk: int
+    candidates: tuple[int, ...]
+    data_position: int = 0
+    reward_history: list[float] = field(default_factory=list)
+    trial_seconds: dict[int, float] = field(default_factory=dict)  # C -> its round's rollout seconds (generate + exposed score)
+
+    def next_chunk(self, round_index: int, tune_every: int) -> int:
+        """C for this round (chunk_for_round): a candidate on trial, the fastest once they are tried, else the same."""
+        self.chunk = chunk_for_round(round_index, self.chunk, self.candidates, tune_every, self.trial_seconds)
+        if tune_every and round_index % tune_every == 0:
+            self.trial_seconds = {}  # a new window: its own trials
+        return self.chunk
+
+    def update(self, args: Args, round_index: int, reward: float, rollout_seconds: float) -> None:
+        """After round `round_index`: Delta from the reward trend (next_delta; --delta 0 pins it, no over-commitment at all)
+        and, while the chunk sizes are on trial, the rollout seconds of this round's C."""
+        self.reward_history.append(reward)
+        if args.inter and args.delta > 0:
+            self.delta, self.reward_history = next_delta(self.delta, self.reward_history, args.delta_window, args.delta_min,
+                                                         args.delta_max, args.delta_rule)
+        if args.intra and args.chunk_tune_every and round_index % args.chunk_tune_every < len(self.candidates):
+            self.trial_seconds[self.chunk] = rollout_seconds
+
+
 class OPPOBuffer:
     """Algorithm 1's buffer: the sequences in flight (`inflight`, by request id, in admission order; rank 0, which
     alone talks to the sampler) and the finished ones not yet trained on (`finished`, in finishing order), with the
@@ -650,10 +688,36 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
     return critic.score(hidden[:, :-1]).squeeze(-1).float() * completion_mask[:, 1:]
 
 
-def learner_batch(batch: list[Rollout], pad_token_id: int, device) -> dict[str, torch.Tensor]:
-    """The batch as the learner reads it, on `device`: right-padded prompt + response rows (ids, attn, cmask: [B, L])."""
-    ids, attn, cmask = common.pad_prompt_completions([r.prompt for r in batch], [r.response for r in batch], pad_token_id)
-    return dict(ids=ids.to(device), attn=attn.to(device), cmask=cmask.to(device))
+@dataclass
+class Batch:
+    """The PPO batch on the learner: right-padded prompt + response rows ([B, L]) and each row's length; once main() has
+    computed them, the per-token tensors in common.token_logprobs' layout ([B, L - 1], token_aligned): PPO's old
+    logprobs, the whitened advantages, the critic's values, the returns, the truncated IS weights (--tis), the sampler's
+    logprobs and `fresh` (1 on the tokens the current weights sampled)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    old_logp: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    tis: torch.Tensor | None = None
+    sampler_logp: torch.Tensor | None = None
+    fresh: torch.Tensor | None = None
+
+    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
+        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
+                                     **contract)
+
+
+def learner_batch(samples: list[Rollout], pad_token_id: int, device) -> Batch:
+    """The batch's finished sequences as the learner reads them, on `device`: right-padded prompt + response rows."""
+    input_ids, attention_mask, completion_mask = common.pad_prompt_completions([r.prompt for r in samples], [r.response for r in samples],
+                                                                               pad_token_id)
+    return Batch(input_ids.to(device), attention_mask.to(device), completion_mask.to(device), [r.num_tokens for r in samples])
 
 
 def token_aligned(x: torch.Tensor, batch: list[Rollout]) -> torch.Tensor:
@@ -679,7 +743,22 @@ def layout(rows: list[torch.Tensor], starts: list[int], width: int) -> torch.Ten
     return out
 
 
-def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None, critic_model: str | None = None):
+# TRY NOT TO MODIFY: loading, resuming, logging, reporting
+def load_task(args: Args, model_path: str):
+    """The tokenizer and the task, with the checks that read the tokenizer (while the sampler starts; a failure closes it):
+    the reward and critic models on the policy's tokenizer (the downstream models read the actor's token ids as they
+    stream), prompts that fit --max-prompt-tokens."""
+    tokenizer = util.load_tokenizer(model_path)
+    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
+        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
+                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
+    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward, prompt_field=args.prompt_field,
+                           answer_field=args.answer_field, system_prompt=args.system_prompt)
+    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None, critic_model: str | None = None):
     """Actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a
     fresh 1-output score head) and frozen reference, all in `dtype` whatever the checkpoint's
     (from_pretrained would keep a bf16 checkpoint in bf16); the reward model, frozen, in its
@@ -696,11 +775,11 @@ def load_models(model_path: str, device, dtype: torch.dtype, reward_model: str |
     return policy, critic, ref_policy, rm
 
 
-def load_learner(args: Args, model_path: str, dist):
-    """The models (load_models; sharded under torchrun), the copy of the policy the sampler's weight sync reads (the policy
+def load_models(args: Args, model_path: str, dist):
+    """The models (load_networks; sharded under torchrun), the copy of the policy the sampler's weight sync reads (the policy
     itself, or under torchrun rank 0's full copy), what is trained and checkpointed (actor + critic) and its Adam."""
-    policy, critic, ref_policy, reward_model = load_models(model_path, dist.device, getattr(torch, args.dtype), args.reward_model,
-                                                           args.critic_model)
+    policy, critic, ref_policy, reward_model = load_networks(model_path, dist.device, getattr(torch, args.dtype), args.reward_model,
+                                                             args.critic_model)
     if args.gradient_checkpointing:  # active in train mode only: the update's; the critic's prefill keeps its KV cache in eval
         policy.gradient_checkpointing_enable()
         critic.gradient_checkpointing_enable()
@@ -713,32 +792,84 @@ def load_learner(args: Args, model_path: str, dist):
     return policy, downstream, push_model, learner, optimizer
 
 
-def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with the checks that read the tokenizer (while the sampler starts; a failure closes it):
-    the reward and critic models on the policy's tokenizer (the downstream models read the actor's token ids as they
-    stream), prompts that fit --max-prompt-tokens."""
-    tokenizer = util.load_tokenizer(model_path)
-    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
-        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
-                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward, prompt_field=args.prompt_field,
-                           answer_field=args.answer_field, system_prompt=args.system_prompt)
-    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    return tokenizer, task
+def resume(args: Args, learner, optimizer, push_model, dist):
+    """--resume (every rank; the file is the same whether one process or several wrote it): restore actor and critic
+    (`learner`), Adam and the RNGs, and return (round, step, totals, the sampler's generators (saved without inter), OPPO's
+    state, the prompts that were in flight: resubmitted); a new run starts at 0."""
+    chunk, candidates = chunk_sizes(args)
+    totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
+    if not args.resume:
+        return 0, 0, totals, None, Overlap(args.delta if args.inter else 0, chunk, candidates), []
+    state = runlog.load_checkpoint(args.resume, learner, optimizer, dist=dist,
+                                   required=("round", "totals", "delta", "chunk", "reward_history", "carried_keys"))
+    distributed.gather_into(learner["policy"], push_model, dist)  # the sampler starts from the resumed weights
+    print(f"resumed from {args.resume}: round {state['round']}, {len(state['carried_keys'])} unfinished prompts resubmitted")
+    overlap = Overlap(state["delta"], state["chunk"], candidates, state["data_position"], state["reward_history"])
+    return state["round"], state["step"], totals | state["totals"], state.get("sampler_rng"), overlap, state["carried_keys"]
 
 
-def report(logger, args: Args, step: int, wall: float, eval_start: dict, eval_end: dict, memory: dict) -> None:
+def round_metrics(batch: list[Rollout], task, scores, no_eos, mask, old_logp, ref_logp, values, returns, round_index: int,
+                  round_start_step: int, overlap: Overlap, carried_over: int, losses: dict, grad_norms: list, logprob_diff: float,
+                  first_ratio_deviation: float, tis: dict, learning_rate: float, totals: dict, seconds: tuple, args: Args) -> dict:
+    """One round's metrics: its batch (reward, accuracy, lengths, the lag of each token: the learner's step at the round's
+    start minus the version that sampled it; the age of each sequence in rounds), charts/kl and the KL penalty, OPPO's
+    state, the critic's explained variance, the mean over the epochs of the token-mean losses (`losses`: their sums), the
+    mean gradient norm, the mismatch's measures, the run's totals and the seconds of the round's stages."""
+    lengths = [len(r.response) for r in batch]
+    lags = [round_start_step - v for r in batch for v, s, e in r.final.versions for _ in range(e - s)]
+    ages = [round_index - r.admitted for r in batch]
+    valid = mask.bool()
+    metrics = {
+        "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch])),
+        "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(),
+        "charts/kl_penalty": ((old_logp - ref_logp) * mask).sum(1).mean().item(),
+        "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
+        "charts/delta": overlap.delta, "charts/chunk_size": overlap.chunk if args.intra else 0, "charts/carried_over": carried_over,
+        "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)), "charts/carried_in_batch": sum(a > 0 for a in ages),
+        # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
+        "charts/resumed_in_batch": sum(len({v for v, _, _ in r.final.versions}) > 1 for r in batch),
+        "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags),
+        "charts/explained_variance": (1 - torch.var(returns[valid] - values[valid]) / torch.var(returns[valid])).item(),
+        # mean |sampler - learner| logprob over the tokens the current weights sampled: the numerical mismatch
+        "charts/logprob_diff": logprob_diff,
+        "charts/nonfinite_skipped": totals["nonfinite_skipped"],
+        # mean |pi / pi_old - 1| over the first minibatch's tokens, before any step: the precision split's imprint on
+        # PPO's ratio when pi_old is the sampler's; 0 when it is the learner's (--tis) and nothing is carried over
+        "charts/first_ratio_deviation": first_ratio_deviation,
+        "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
+        "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
+        **{f"losses/{k}": v / args.num_ppo_epochs for k, v in losses.items()}, "charts/learning_rate": learning_rate,
+        "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+    }
+    names = ("time/round_seconds", "time/generate_seconds", "time/score_hidden_seconds", "time/score_exposed_seconds",
+             "time/train_seconds", "time/push_seconds")
+    return metrics | dict(zip(names, seconds)) | {f"charts/tis_{k}": v for k, v in tis.items()}  # (tis: {} without --tis)
+
+
+def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
+    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and a line at the first round and every 10th."""
+    logger.log(step, metrics, echo=False)
+    progress.update(1, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], kl=metrics["charts/kl"], delta=metrics["charts/delta"])
+    rounds = round_index + 1
+    if rounds % 10 == 0 or rounds == args.num_rounds or rounds == 1:
+        progress.write(f"round {rounds}/{args.num_rounds}: reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f} "
+                       f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
+                       f"delta {metrics['charts/delta']} chunk {metrics['charts/chunk_size']} carried {metrics['charts/carried_over']} "
+                       f"time gen/score/train {metrics['time/generate_seconds']:.2f}/{metrics['time/score_exposed_seconds']:.2f}/"
+                       f"{metrics['time/train_seconds']:.2f} s (score hidden {metrics['time/score_hidden_seconds']:.2f} s)")
+
+
+def report(logger, args: Args, step: int, totals: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
     """The end of the run: its line of the paper's Figure 6 (seconds per round, by stage), pass@k and peak memory."""
     label = {(True, True): "OPPO", (True, False): "intra only", (False, True): "inter only", (False, False): "plain PPO"}[(args.intra, args.inter)]
     rows = [r for r in runlog.read_metrics(logger.dir) if "time/round_seconds" in r]
     mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
     logger.report(step, f"{label}: {args.num_rounds} rounds of {args.batch_size} sequences, {args.num_ppo_epochs} epochs x "
                   f"{args.num_minibatches} minibatches (seconds per round)",
-                  {"method": label, "wall (s)": wall, "round": mean("time/round_seconds"), "generate": mean("time/generate_seconds"),
+                  {"method": label, "wall (s)": totals["wall"], "round": mean("time/round_seconds"), "generate": mean("time/generate_seconds"),
                    "score exposed": mean("time/score_exposed_seconds"), "score hidden": mean("time/score_hidden_seconds"),
                    "train": mean("time/train_seconds"), "push": mean("time/push_seconds"),
                    "reward (last 10)": float(np.mean([r["charts/reward"] for r in rows[-10:]]))}, eval_start, eval_end, memory)
-    logger.close()
 
 
 def scheduled_learning_rate(learning_rate: float, schedule: str, iteration: int, num_rounds: int) -> float:
@@ -754,7 +885,6 @@ def main():
     vllm_sampler.quiet_libraries(args.verbose)
     checks.check_run_flags(args)
     B = args.batch_size
-    delta, max_delta = (args.delta, args.delta_max) if args.inter else (0, 0)
     eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
     # old logprobs at the learner's precision whenever the sampler's differs; the sampler's enter only the correction
     tis_on = checks.mismatch_correction(args.tis, args.sampler_dtype, args.placement, args.autocast_bf16 or args.dtype == "bfloat16")
@@ -769,41 +899,31 @@ def main():
     # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
     sampler = launch.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
                                    gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                   max_num_seqs=B + max_delta, urls=args.sampler_url, verbose=args.verbose, wait=False,
-                                   threads=launch.sampler_threads(args.sampler_threads, overlapped=args.intra)) if dist.is_main else None
+                                   max_num_seqs=B + (args.delta_max if args.inter else 0), urls=args.sampler_url, verbose=args.verbose,
+                                   wait=False, threads=launch.sampler_threads(args.sampler_threads, overlapped=args.intra)) if dist.is_main else None
     try:
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
         tokenizer, task = load_task(args, model_path)
-        policy, downstream, push_model, learner, optimizer = load_learner(args, model_path, dist)
+        policy, downstream, push_model, learner, optimizer = load_models(args, model_path, dist)
         logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
         print(f"run directory: {logger.dir}")
-        rounds, version, data_position, carried_keys, reward_history = 0, 0, 0, [], []
-        (chunk, candidates), trial_seconds = chunk_sizes(args), {}  # trial_seconds: the chunk tuner's timings
-        totals = dict(wall=0.0, samples=0, tokens=0, skipped_prompts=0, nonfinite_skipped=0)
-        # without inter, the sampler's generators between rounds (for an exact resume); the logprob_diff warning, once
-        sampler_rng, warned, no_signal = None, [], {}  # no_signal: warn_no_learning's counts
-        if args.resume:  # (every rank; the file is the same whether one process or several wrote it)
-            state = runlog.load_checkpoint(args.resume, learner, optimizer, dist=dist,
-                                           required=("round", "totals", "delta", "chunk", "reward_history", "carried_keys"))
-            distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-            rounds, version, data_position, sampler_rng = state["round"], state["step"], state["data_position"], state.get("sampler_rng")
-            totals.update(state["totals"])
-            delta, chunk, reward_history, carried_keys = state["delta"], state["chunk"], state["reward_history"], state["carried_keys"]
-            print(f"resumed from {args.resume}: round {rounds}, {len(carried_keys)} unfinished prompts resubmitted")
+        # sampler_rng: without inter, the sampler's generators between rounds (for an exact resume); overlap: OPPO's state
+        rounds, step, totals, sampler_rng, overlap, carried_keys = resume(args, learner, optimizer, push_model, dist)
+        warned, no_signal = [], {}  # warned: the logprob_diff warning, once; no_signal: warn_no_learning's counts
         if dist.is_main:
-            launch.connect_weights(sampler, push_model, version=version)
-        pushed_version = version  # what the sampler holds
-        oppo = OPPOBuffer(sampler, task, tokenizer, downstream, args, chunk)
+            launch.connect_weights(sampler, push_model, version=step)
+        pushed_version = step  # the policy version the sampler holds
+        oppo = OPPOBuffer(sampler, task, tokenizer, downstream, args, overlap.chunk)
         processing = dict(temperature=args.temperature, top_p=args.top_p)  # the logprob contract: the sampler's distribution
         hyperparameters = dict(clip_coef=args.clip_coef, vf_clip=args.vf_clip, vf_coef=args.vf_coef, bf16=args.autocast_bf16, **processing)
         evaluate = functools.partial(tasks.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
                                      chat_template=args.chat_template, max_tokens=args.max_new_tokens, **processing)
 
         eval_start = evaluate() if dist.is_main else {}
-        logger.log(version, eval_start)
+        logger.log(step, eval_start)
         if dist.is_main and args.snapshot_every and rounds == 0:
-            logger.snapshot(version, push_model)  # time 0 of the learning curve
+            logger.snapshot(step, push_model)  # time 0 of the learning curve
         if dist.is_main and sampler_rng is not None and hasattr(sampler, "set_rng_state"):
             sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
         if dist.is_main:
@@ -812,23 +932,21 @@ def main():
         progress = util.Progress(args.num_rounds, "train", unit="round", initial=rounds, show=dist.is_main)
         while rounds < args.num_rounds:
             round_start = time.time()
+            # ALGO LOGIC: OPPO's overlap, on rank 0 (under torchrun the other ranks wait for its batch). Stage 1: over-commit
+            # B + Delta prompts. Stage 2: generate until B sequences have finished; intra: meanwhile stream every sequence's
+            # new chunk of C tokens into the downstream models. The unfinished ones wait, paused, and carry over.
             batch, unfinished, generate_seconds, hidden_score = None, 0, 0.0, 0.0
-            if dist.is_main:  # under torchrun rank 0 alone samples (Stages 1-2); the other ranks wait for its batch
+            if dist.is_main:
                 if args.intra:
-                    chunk = chunk_for_round(rounds, chunk, candidates, args.chunk_tune_every, trial_seconds)
-                    oppo.stream_every(chunk)
-                    if args.chunk_tune_every and rounds % args.chunk_tune_every == 0:
-                        trial_seconds = {}
-                # ALGO LOGIC: Stage 1, fill the buffer to B + Delta prompts
-                while len(oppo.inflight) < B + delta:
+                    oppo.stream_every(overlap.next_chunk(rounds, args.chunk_tune_every))
+                while len(oppo.inflight) < B + overlap.delta:
                     if totals["skipped_prompts"] > 1000 and not totals["samples"]:
                         raise SystemExit(f"error: every prompt so far is longer than {args.max_prompt_tokens} tokens")
-                    wanted = B + delta - len(oppo.inflight)
-                    totals["skipped_prompts"] += oppo.admit(range(data_position, data_position + wanted), rounds)
-                    data_position += wanted
+                    wanted = B + overlap.delta - len(oppo.inflight)
+                    totals["skipped_prompts"] += oppo.admit(range(overlap.data_position, overlap.data_position + wanted), rounds)
+                    overlap.data_position += wanted
                 for r in oppo.inflight.values():  # the critic changed in the last update: carried sequences re-prefill it
                     r.prefix["critic"] = Prefix()  # (reference and reward model are frozen, their caches stay valid)
-                # ALGO LOGIC: Stage 2, generate until B sequences have finished; intra: score the chunks meanwhile
                 launch.learner_threads(sampler)  # one thread: the sampler generates (intra scores alongside it)
                 while len(oppo.finished) < B:
                     oppo.receive(timeout=0.0 if args.intra else 0.05)
@@ -856,34 +974,30 @@ def main():
             checks.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same: the reward tells none apart",
                                     no_signal, min(10, args.num_rounds))
             lengths = [len(r.response) for r in batch]
-            mask, sampler_logp, fresh = sampler_rows(batch, version)
+            mask, sampler_logp, fresh = sampler_rows(batch, step)
             if not args.inter:  # plain PPO and intra alone: every token by the weights the learner holds
-                checks.check_sampler_version([r.final for r in batch], version)
-            lags = [version - v for r in batch for v, s, e in r.final.versions for _ in range(e - s)]  # before this round's updates
+                checks.check_sampler_version([r.final for r in batch], step)
             data = learner_batch(batch, tokenizer.pad_token_id, dist.device)
             old_logp, weights, tis = sampler_logp, None, {}  # same precision on both sides: the sampler's logprobs are the learner's
             if tis_on:  # TIS: PPO's old policy is the learner now; the sampler's own numerics and staleness go into a weight
                 policy.eval()
-                old_logp = response_aligned(common.batch_logprobs(policy, data["ids"], data["attn"], data["cmask"], [r.num_tokens for r in batch],
-                                                                  args.micro_batch_tokens, dist, args.autocast_bf16, **processing).cpu(), batch)
-                weights, tis = truncated_is_weights(old_logp, sampler_logp, mask, args.tis_cap)
+                old_logp = response_aligned(data.logprobs(policy, args.micro_batch_tokens, dist, bf16=args.autocast_bf16, **processing).cpu(), batch)
+                weights, tis = truncated_is_weights(old_logp, sampler_logp, mask, "token", args.tis_cap)
                 diff_sum, diff_count = ((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item()
             # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened advantages
-            kl = (old_logp - ref_logp) * mask
-            rewards = -args.kl_coef * kl
+            rewards = -args.kl_coef * ((old_logp - ref_logp) * mask)
             rewards[torch.arange(B), torch.tensor(lengths) - 1] += scores
             advantages = gae(rewards, values, args.gamma, args.lam)
             returns = advantages + values
             advantages = whiten(advantages, mask)
 
             # ALGO LOGIC: PPO epochs x minibatches, one optimizer step on actor + critic per minibatch
-            per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, weights=weights,
-                             sampler_logp=sampler_logp, fresh=fresh)
-            data |= {k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None}
+            per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, tis=weights, sampler_logp=sampler_logp,
+                             fresh=fresh)
+            data = replace(data, **{k: token_aligned(x, batch).to(dist.device) for k, x in per_token.items() if x is not None})
             learner.train()  # (the critic goes back to eval for the next prefill: gradient checkpointing drops KV caches)
             sums = dict.fromkeys(("policy", "value", "clipfrac", "approx_kl", "entropy"), 0.0)  # token means, summed over minibatches
-            grad_norms = []  # of the steps taken: losses/grad_norm is their mean
-            total_tokens = sum(lengths)
+            round_start_step, grad_norms, total_tokens = step, [], sum(lengths)  # grad_norms: of the steps taken (their mean is logged)
             learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, rounds, args.num_rounds)
             for group in optimizer.param_groups:  # set from the iteration alone: a resumed run gets the same value
                 group["lr"] = learning_rate
@@ -912,7 +1026,7 @@ def main():
                     optimizer.zero_grad()
                     if stepped:
                         grad_norms.append(grad_norm.item())
-                    version += stepped
+                    step += stepped
                     totals["nonfinite_skipped"] += not stepped  # NaN/inf: the weights and Adam's moments stay finite
                     for k in sums:
                         sums[k] += out[k] / total_tokens
@@ -924,80 +1038,48 @@ def main():
             train_seconds = time.time() - train_start
             # carried sequences continue exactly under the new policy; no push if every step was skipped
             push_seconds = 0.0
-            if version != pushed_version:
+            if step != pushed_version:
                 distributed.gather_into(policy, push_model, dist)  # under torchrun: every rank takes part, rank 0 pushes
-                push_seconds = sampler.push_weights(version, recompute_kv=True) if dist.is_main else 0.0
-                pushed_version = version
+                push_seconds = sampler.push_weights(step, recompute_kv=True) if dist.is_main else 0.0
+                pushed_version = step
             if unfinished:  # (rank 0's count: 0 on the other ranks)
                 sampler.resume()
+            # ALGO LOGIC: OPPO's controllers, Delta from the reward trend (Algorithm 1 lines 22-27) and the chunk tuner's timing
+            overlap.update(args, rounds, scores.mean().item(), generate_seconds + exposed_score)
             rounds += 1
 
-            # ALGO LOGIC: the controllers, Delta (Algorithm 1 lines 22-27) and the chunk size
-            reward_history.append(scores.mean().item())
-            if args.inter and args.delta > 0:  # --delta 0 pins it: no over-commitment at all
-                delta, reward_history = next_delta(delta, reward_history, args.delta_window, args.delta_min, args.delta_max, args.delta_rule)
-            if args.intra and args.chunk_tune_every and (rounds - 1) % args.chunk_tune_every < len(candidates):
-                trial_seconds[chunk] = generate_seconds + exposed_score
-
             totals.update(samples=totals["samples"] + B, tokens=totals["tokens"] + total_tokens, wall=time.time() - loop_start)
-            ages = [rounds - 1 - r.admitted for r in batch]
-            valid = mask.bool()
-            metrics = {
-                "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch])),
-                "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(), "charts/kl_penalty": kl.sum(1).mean().item(),
-                "charts/response_length": float(np.mean(lengths)), "charts/no_eos_fraction": no_eos.mean().item(),
-                "charts/delta": delta, "charts/chunk_size": chunk if args.intra else 0, "charts/carried_over": len(oppo.inflight),
-                "charts/batch_age_max": max(ages), "charts/batch_age_mean": float(np.mean(ages)), "charts/carried_in_batch": sum(a > 0 for a in ages),
-                # generated across a weight update, its partial tokens kept: the carried-over sequences that resumed
-                "charts/resumed_in_batch": sum(len({v for v, _, _ in r.final.versions}) > 1 for r in batch),
-                "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags),
-                "charts/explained_variance": (1 - torch.var(returns[valid] - values[valid]) / torch.var(returns[valid])).item(),
-                # mean |sampler - learner| logprob over the tokens the current weights sampled: the numerical mismatch
-                "charts/logprob_diff": diff_sum / diff_count if diff_count else float("nan"),
-                "charts/nonfinite_skipped": totals["nonfinite_skipped"],
-                # mean |pi / pi_old - 1| over the first minibatch's tokens, before any step: the precision split's imprint on
-                # PPO's ratio when pi_old is the sampler's; 0 when it is the learner's (--tis) and nothing is carried over
-                "charts/first_ratio_deviation": first_ratio_deviation,
-                "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
-                "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
-                **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()}, "charts/learning_rate": learning_rate,
-                "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
-                "time/round_seconds": time.time() - round_start, "time/generate_seconds": generate_seconds,
-                "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": exposed_score,
-                "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
-                **({"charts/tis_max_ratio": tis["max_ratio"], "charts/tis_truncated_fraction": tis["truncated_fraction"]} if tis_on else {}),
-            }
-            checks.warn_logprob_diff(metrics["charts/logprob_diff"], tis_on, warned)
-            logger.log(version, metrics, echo=False)
-            progress.update(1, reward=metrics["charts/reward"], acc=metrics["charts/accuracy"], kl=metrics["charts/kl"], delta=delta)
+            logprob_diff = diff_sum / diff_count if diff_count else float("nan")
+            metrics = round_metrics(batch, task, scores, no_eos, mask, old_logp, ref_logp, values, returns, rounds - 1, round_start_step, overlap,
+                                    len(oppo.inflight), sums, grad_norms, logprob_diff, first_ratio_deviation, tis, learning_rate, totals,
+                                    (time.time() - round_start, generate_seconds, hidden_score, exposed_score, train_seconds, push_seconds), args)
+            checks.warn_logprob_diff(logprob_diff, tis_on, warned)
             if rounds == 1:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
-            if rounds % 10 == 0 or rounds == args.num_rounds or rounds == 1:
-                progress.write(f"round {rounds}/{args.num_rounds}: reward {metrics['charts/reward']:.3f} acc {metrics['charts/accuracy']:.3f} "
-                               f"kl {metrics['charts/kl']:.3f} vf {metrics['losses/value']:.4f} clipfrac {metrics['losses/clipfrac']:.3f} "
-                               f"delta {delta} chunk {metrics['charts/chunk_size']} carried {len(oppo.inflight)} time gen/score/train "
-                               f"{generate_seconds:.2f}/{exposed_score:.2f}/{train_seconds:.2f} s (score hidden {hidden_score:.2f} s)")
+            log_round(logger, progress, args, rounds - 1, step, metrics)
             if dist.is_main and args.snapshot_every and rounds % args.snapshot_every == 0:
-                logger.snapshot(version, push_model)
+                logger.snapshot(step, push_model)
             if rounds == args.num_rounds or (args.save_every and rounds % args.save_every == 0):  # (every rank; rank 0 writes)
-                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, version, data_position,
-                                       dist=dist, hf_model=push_model, tokenizer=tokenizer, round=rounds, totals=totals, delta=delta, chunk=chunk,
-                                       reward_history=reward_history, carried_keys=[r.key for r in oppo.inflight.values()],
-                                       keep=args.keep_checkpoints,  # without inter nothing is in flight: what the next round draws from
+                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, learner, optimizer, step, overlap.data_position,
+                                       dist=dist, hf_model=push_model, tokenizer=tokenizer, round=rounds, totals=totals, delta=overlap.delta,
+                                       chunk=overlap.chunk, reward_history=overlap.reward_history,
+                                       carried_keys=[r.key for r in oppo.inflight.values()], keep=args.keep_checkpoints,
+                                       # without inter nothing is in flight: what the next round draws from
                                        sampler_rng=sampler.rng_state() if not args.inter and dist.is_main and hasattr(sampler, "rng_state") else None)
         progress.close()
         eval_end = {}
         if dist.is_main:
             sampler.abort(list(sampler.pending))
             eval_end = evaluate()
-        logger.log(version, eval_end)
+        logger.log(step, eval_end)
         memory = launch.peak_memory_mib(sampler)
     finally:
         if sampler is not None:
             sampler.close()
         distributed.close(dist)
     if dist.is_main:  # rank 0 writes the report
-        report(logger, args, version, totals["wall"], eval_start, eval_end, memory)
+        report(logger, args, step, totals, eval_start, eval_end, memory)
+        logger.close()
 
 
 if __name__ == "__main__":

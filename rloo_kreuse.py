@@ -277,24 +277,29 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
     return loss, dict(pg=pg.mean(), kl=kl.mean(), entropy=mean_entropy.mean(), w=w_seq)
 
 
-def truncated_is_weights(learner_logp, sampler_logp, mask, level: str, cap: float):
-    """Training-inference mismatch correction (truncated importance sampling, as TRL, verl,
-    open-instruct and PipelineRL do it): min(pi_learner / pi_sampler, cap) per sequence or per
-    token, for samples the sampler drew while the learner held the same weights. Kept apart from
-    K-reuse's own importance weights. Returns (weights, stats)."""
-    ratio = importance_weights(learner_logp, sampler_logp, mask, level)
-    truncated = ratio > cap
-    if level == "token":
-        considered = mask.bool()
-        stats = dict(max_ratio=ratio[considered].max().item(), truncated_fraction=truncated[considered].float().mean().item())
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
+    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
+    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
+    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    if level == "sequence":
+        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+        considered = torch.ones_like(ratio, dtype=torch.bool)
     else:
-        stats = dict(max_ratio=ratio.max().item(), truncated_fraction=truncated.float().mean().item())
+        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+        considered = mask.bool()
+    measured = bool(considered.any())
+    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
+                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
     return ratio.clamp(max=cap), stats
 
 
-def ess(weights: torch.Tensor) -> float:
-    """Normalised effective sample size (sum w)^2 / (N sum w^2), in (0, 1]."""
-    return (weights.sum() ** 2 / (len(weights) * (weights ** 2).sum())).item()
+def ess(weights: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Normalised effective sample size (sum w)^2 / (N sum w^2) of the weights (those where `mask` is 1), in (0, 1]: 1
+    when every weight is the same (on-policy), 1/N when one weight carries them all."""
+    w = weights if mask is None else weights[mask.bool()]
+    return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
 
 
 # ALGO LOGIC: one K step's loss on a micro-batch (main() adds the micro-batches up to the batch's gradient)

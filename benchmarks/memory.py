@@ -36,7 +36,7 @@ import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -188,7 +188,7 @@ def critic_model(config, checkpointing: bool = False):
     from transformers import AutoModelForSequenceClassification
 
     config = copy.deepcopy(config)
-    config.num_labels = 1  # as ppo_oppo.load_models: the policy's architecture with a 1-output score head
+    config.num_labels = 1  # as ppo_oppo.load_networks: the policy's architecture with a 1-output score head
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -348,7 +348,7 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     advantages = po.whiten(advantages, resp_mask)
     per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, sampler_logp=old_logp, fresh=resp_mask)
     device = next(policy.parameters()).device
-    data = po.learner_batch(batch, 0, device) | {k: po.token_aligned(x, batch).to(device) for k, x in per_token.items()}
+    data = replace(po.learner_batch(batch, 0, device), **{k: po.token_aligned(x, batch).to(device) for k, x in per_token.items()})
     hyperparameters = dict(clip_coef=args.clip_coef, vf_clip=args.vf_clip, vf_coef=args.vf_coef, temperature=args.temperature,
                            top_p=args.top_p, bf16=args.autocast_bf16)
     lengths = [r.num_tokens for r in batch]

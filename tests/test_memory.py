@@ -161,8 +161,8 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     g = torch.Generator().manual_seed(3)
     per_token = {k: torch.randn((B, T), generator=g) * resp_mask for k in ("advantages", "values", "returns")}
     per_token["old_logp"] = -torch.rand((B, T), generator=g) * resp_mask - 1.0
-    per_token["weights"] = torch.rand((B, T), generator=g) * resp_mask
-    data = po.learner_batch(batch, 0, "cpu") | {k: po.token_aligned(x, batch) for k, x in per_token.items()}
+    per_token["tis"] = torch.rand((B, T), generator=g) * resp_mask
+    data = dataclasses.replace(po.learner_batch(batch, 0, "cpu"), **{k: po.token_aligned(x, batch) for k, x in per_token.items()})
     minibatch = [0, 2, 3, 5, 4]
     lengths = [batch[i].num_tokens for i in minibatch]
     results = []

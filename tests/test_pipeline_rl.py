@@ -95,11 +95,13 @@ def test_truncated_is_weights_and_their_stats_by_hand():
     assert stats["tis_max_ratio"] == 7.0 and stats["tis_truncated_fraction"] == pytest.approx(1 / 5)
     assert prl.tis_stats(torch.ones(4), 5.0) == {"tis_max_ratio": 1.0, "tis_truncated_fraction": 0.0}
     # a far off-policy token: a tiny ESS, not inf / inf = NaN
-    far = prl.truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2))
+    far, _ = prl.truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2), "token", math.inf)
     assert far[0, 0].item() == pytest.approx(math.exp(prl.MAX_LOG_WEIGHT)) and 0 < prl.ess(far, torch.ones(1, 2)) < 0.6
     # truncated at c, zero off the response
-    w = prl.truncated_is_weights(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-3.0, -0.5, -3.0]]), torch.tensor([[1.0, 1.0, 0.0]]), 5.0)
+    w, stats = prl.truncated_is_weights(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-3.0, -0.5, -3.0]]), torch.tensor([[1.0, 1.0, 0.0]]),
+                                        "token", 5.0)
     assert w.tolist() == [[5.0, pytest.approx(math.exp(0.5)), 0.0]]
+    assert stats == {"max_ratio": pytest.approx(math.exp(3.0)), "truncated_fraction": 0.5}  # over the 2 response tokens
 
 
 def test_token_lags_follow_version_spans():

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, tiny_reward_model):
     rm_score = util.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
-    _, critic, _, rm = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
+    _, critic, _, rm = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
     assert torch.equal(critic.score.weight, rm_score) and critic.score.weight.data_ptr() != rm.score.weight.data_ptr()
-    _, critic, _, _ = po.load_models(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model, critic_model=tiny_path)
+    _, critic, _, _ = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model, critic_model=tiny_path)
     assert not torch.equal(critic.score.weight, rm_score)  # --critic-model: the policy's checkpoint, a fresh head
-    _, critic, _, rm = po.load_models(tiny_path, "cpu", torch.float32)
+    _, critic, _, rm = po.load_networks(tiny_path, "cpu", torch.float32)
     assert rm is None and not torch.equal(critic.score.weight, rm_score)
 
 
@@ -145,6 +145,28 @@ def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
     assert po.chunk_for_round(5, 32, candidates, 0, {}) == 32  # tuning off
 
 
+def test_overlap_state_runs_both_controllers_as_the_loop_did():
+    """main()'s OPPO state object: next_chunk at a round's start and update after its PPO step give the chunk schedule of
+    the tuner above and the Delta trace of next_delta, from one object a checkpoint saves."""
+    args = po.Args(delta=8, delta_window=2, delta_min=0, delta_max=16, delta_rule="eq4", chunk_tune_every=6)
+    overlap = po.Overlap(args.delta, 8, (4, 8, 16))
+    fake_seconds, used, deltas = {4: 0.9, 8: 0.5, 16: 0.7}, [], []
+    rewards = [0.1 + 0.05 * i for i in range(14)]
+    delta, history = 8, []
+    for round_index, reward in enumerate(rewards):
+        used.append(overlap.next_chunk(round_index, args.chunk_tune_every))
+        overlap.update(args, round_index, reward, fake_seconds[overlap.chunk])
+        history.append(reward)
+        delta, history = po.next_delta(delta, history, 2, 0, 16, "eq4")
+        deltas.append((overlap.delta, delta))
+    assert used == [4, 8, 16, 8, 8, 8, 4, 8, 16, 8, 8, 8, 4, 8]
+    assert all(a == b for a, b in deltas) and overlap.reward_history == history and overlap.delta == 16
+    pinned = po.Overlap(0, 8, (4, 8, 16))  # --delta 0: no over-commitment, whatever the reward does
+    for round_index, reward in enumerate(rewards):
+        pinned.update(po.Args(delta=0), round_index, reward, 1.0)
+    assert pinned.delta == 0 and len(pinned.reward_history) == len(rewards)
+
+
 def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_path):
     """A Qwen2ForSequenceClassification reward model with the realistic tokenizer (pad == eos):
     transformers scores the rightmost non-pad token, so a response that ends in EOS is scored at
@@ -197,11 +219,11 @@ def test_trained_models_are_fp32_on_a_bf16_checkpoint(realistic_path):
     in fp32 unless --dtype bfloat16 asks otherwise."""
     config = json.loads((Path(realistic_path) / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
-    policy, critic, ref, rm = po.load_models(realistic_path, "cpu", torch.float32)
+    policy, critic, ref, rm = po.load_networks(realistic_path, "cpu", torch.float32)
     assert rm is None
     for model in (policy, critic, ref):
         assert {p.dtype for p in model.parameters()} == {torch.float32}
-    policy, critic, ref, _ = po.load_models(realistic_path, "cpu", torch.bfloat16)
+    policy, critic, ref, _ = po.load_networks(realistic_path, "cpu", torch.bfloat16)
     for model in (policy, critic, ref):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
@@ -210,7 +232,7 @@ def test_truncated_is_weights_and_weighted_policy_loss_by_hand():
     old = torch.tensor([[-1.0, -2.0, -0.5, 0.0]])  # the learner at the start of the round
     behaviour = torch.tensor([[-1.5, -1.0, -0.5, -9.0]])  # the sampler's logprobs; the last token is padding
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    weights, stats = po.truncated_is_weights(old, behaviour, mask, cap=1.5)
+    weights, stats = po.truncated_is_weights(old, behaviour, mask, "token", cap=1.5)
     # exp(old - behaviour) = e^0.5 = 1.649 (truncated to 1.5), e^-1, e^0 = 1; padding 0
     torch.testing.assert_close(weights, torch.tensor([[1.5, math.exp(-1.0), 1.0, 0.0]]))
     assert stats["max_ratio"] == pytest.approx(math.exp(0.5))
@@ -274,8 +296,8 @@ def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, ti
     charts/nonfinite_skipped, the checkpoint holds the initial weights (finite), no version moves."""
     initial = {}
 
-    def load_models(*a, **k):
-        models = real_load_models(*a, **k)
+    def load_networks(*a, **k):
+        models = real_load_networks(*a, **k)
         initial.update(policy=copy.deepcopy(models[0].state_dict()), critic=copy.deepcopy(models[1].state_dict()))
         return models
 
@@ -283,8 +305,8 @@ def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, ti
         pg, vf, stats = real_losses(*a, **k)
         return pg * float("nan"), vf, stats
 
-    real_load_models, real_losses = po.load_models, po.ppo_losses
-    monkeypatch.setattr(po, "load_models", load_models)
+    real_load_networks, real_losses = po.load_networks, po.ppo_losses
+    monkeypatch.setattr(po, "load_networks", load_networks)
     monkeypatch.setattr(po, "ppo_losses", nan_losses)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-rounds", "2", "--batch-size", "4",
