@@ -7,9 +7,12 @@ subprocess or a script's run (`pytest -m "not slow"` runs the unit tests in unde
 The rule cannot be missed: a test without the marker that starts a sampler process or a subprocess,
 or uses a fixture that does (SLOW_FIXTURES), fails and says to mark it."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+def scratch_dir(prefix: str) -> Path:
+    """A directory for a test module's script runs (never the repository's runs/), removed when the test process
+    ends: a run leaves checkpoints behind, and SmolLM2's are gigabytes (the suite once left 12 GB per run in /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
 
 # fixtures that start a sampler, a server or a script's run, shared by several tests
 SLOW_FIXTURES = {"sampler", "server_url", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}

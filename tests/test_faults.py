@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -21,9 +20,10 @@ import common
 from fastrl import launch, runlog, util
 import tasks
 from fastrl import vllm_sampler
+from conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
+WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
 
 
 @dataclass

@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -21,9 +20,10 @@ import common
 from fastrl import checks, runlog
 import tasks
 import online_dpo_async as dpo
+from conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
+WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
 SMALL = ["--num-prompts", "8", "--eval-problems", "4", "--eval-samples", "1"]
 
 

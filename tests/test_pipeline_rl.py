@@ -7,7 +7,6 @@ import math
 import random
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -21,9 +20,10 @@ from fastrl import checks, runlog
 import tasks
 from fastrl import vllm_sampler
 import pipeline_rl as prl
+from conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
+WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
 
 
 def test_advantages_ess_and_truncated_is_loss_by_hand():

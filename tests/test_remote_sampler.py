@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -28,9 +27,10 @@ from fastrl import launch, runlog
 from fastrl import remote_sampler
 import tasks
 from fastrl.vllm_sampler import SamplerError
+from conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-remote-"))  # the script writes its run here, not into the repository
+WORK = scratch_dir("fastrl-test-remote-")  # the script writes its run here, not into the repository
 SAMPLING = dict(temperature=0.8, top_p=0.95)
 
 

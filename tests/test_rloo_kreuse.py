@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,9 +17,10 @@ import common
 from fastrl import checks, launch, runlog, util
 import rloo_kreuse as rloo
 import tasks
+from conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-runs-"))  # scripts run here: no test writes into the repository's runs/
+WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
 
 
 def test_leave_one_out_advantage_by_hand():
@@ -137,7 +137,7 @@ def test_two_rounds_from_the_command_line_then_resume():
     changed = _run("--resume", str(run_dir), "--k", "4", "--num-rounds", "3")
     assert changed.returncode != 0 and changed.stderr.strip().splitlines()[-1].startswith("error: --k 4 (saved: 2)")
     # the saved flags are the defaults (K=2, top-p 0.9, ...): only the run's length is given, from another directory
-    elsewhere = Path(tempfile.mkdtemp(prefix="fastrl-elsewhere-"))
+    elsewhere = scratch_dir("fastrl-elsewhere-")
     resumed = _run("--num-rounds", "3", "--resume", str(run_dir.resolve()), cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout and "round 1/" not in resumed.stdout

@@ -6,7 +6,6 @@ scripts end to end on it from its real command line (short runs)."""
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,10 @@ import common
 from fastrl import checks, runlog, util
 import tasks
 from fastrl import smollm2
+from conftest import scratch_dir
 
 ROOT = Path(__file__).resolve().parents[1]
-WORK = Path(tempfile.mkdtemp(prefix="fastrl-test-smollm2-"))
+WORK = scratch_dir("fastrl-test-smollm2-")
 # a short run: the sampler's start and two held-out evaluations of 4 problems x 2 samples dominate
 SHORT = ["--max-new-tokens", "24", "--eval-problems", "4", "--eval-samples", "2"]
 
