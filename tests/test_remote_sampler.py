@@ -176,11 +176,18 @@ def test_a_push_makes_the_servers_logprobs_the_learners_and_pause_keeps_requests
         ids, streamed = _submit_long(sampler, tokenizer, server_url)
         sampler.pause()
         chunks, finals = {i: [] for i in streamed}, {}
-        for c in sampler.poll(timeout=0.5, min_items=10**9):  # what was produced before the pause took effect
-            if c.finished:
-                finals[c.request_id] = c
-            else:
-                chunks[c.request_id] += c.token_ids
+        # what was produced before the pause took effect, until 2 s pass without anything (on a loaded machine the
+        # last chunks arrive over seconds: a fixed 0.5 s left some to fail the check below)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            arrived = sampler.poll(timeout=2.0, min_items=10**9)
+            for c in arrived:
+                if c.finished:
+                    finals[c.request_id] = c
+                else:
+                    chunks[c.request_id] += c.token_ids
+            if not arrived:
+                break
         frozen = set(sampler.pending)
         assert len(frozen) > len(ids) / 2
         assert sampler.poll(timeout=1.5, min_items=10**9) == [] and sampler.pending == frozen
