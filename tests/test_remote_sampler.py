@@ -40,9 +40,9 @@ def server(tiny_path):
     from vllm.utils.network_utils import get_open_port
 
     port, log = get_open_port(), str(WORK / "server.log")
-    # load tracking: /load counts the generate calls the server has received (_submit_long waits for them)
+    # request logging: the log says when each request has reached the engine (_submit_long waits for them)
     process = remote_sampler.start_server(tiny_path, port, log_path=log, max_model_len=128, seed=0,
-                                          extra_args=("--enable-server-load-tracking",))
+                                          extra_args=("--enable-log-requests",))
     url = f"http://127.0.0.1:{port}"
     try:
         remote_sampler.wait_ready(url, timeout=300, process=process, log_path=log)
@@ -104,23 +104,22 @@ def _submit_long(sampler, tokenizer, url):
     streamed. Returns all ids and the streamed ones."""
     prompts = _prompts(tokenizer, 64)
     sampler.pause()
-    received = _load(url)
+    added = _added_requests()
     ids = sampler.submit(prompts[2:], n=4, max_tokens=110, ignore_eos=True, **SAMPLING)
     streamed = sampler.submit(prompts[:2], n=1, stream_every=2, max_tokens=110, ignore_eos=True, **SAMPLING)
     ids += streamed
-    # every call has reached the server before it resumes (no gauge moves while it is paused, and a fixed wait
-    # was too short under load: the calls of a loaded machine arrive over seconds)
-    _wait(lambda: _load(url) >= received + len(prompts), "the server did not receive the requests")
-    time.sleep(0.2)  # (the handler hands its request to the engine right after counting it)
+    # every request is in the engine before it resumes: no gauge moves while it is paused, and under load the
+    # server's API process takes seconds to hand 64 calls on (a fixed wait after they arrived was too short)
+    _wait(lambda: _added_requests() >= added + len(ids), "the server did not hand the requests to its engine")
     sampler.resume()
     _wait(lambda: _counter(url, "vllm:num_requests_running") >= 0.9 * len(ids), "the requests did not start")
     return ids, streamed
 
 
-def _load(url) -> int:
-    """Generate calls the server is handling (vLLM's /load, with --enable-server-load-tracking)."""
-    with urllib.request.urlopen(url + "/load", timeout=10) as response:
-        return json.loads(response.read())["server_load"]
+def _added_requests() -> int:
+    """Requests the module's server has handed to its engine: vLLM's API process logs "Added request" right
+    after sending one (vllm/v1/engine/async_llm.py:549-552, with --enable-log-requests), one line per sample."""
+    return (WORK / "server.log").read_text(errors="replace").count("Added request ")
 
 
 def _wait(condition, what: str, timeout: float = 120.0) -> None:
