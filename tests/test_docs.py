@@ -45,4 +45,4 @@ def test_a_broken_link_is_found(tmp_path):
 
 
 def test_readme_is_at_most_10_kb():
-    assert len((ROOT / "README.md").read_bytes()) <= 10 * 1024
+    assert len((ROOT / "README.md").read_bytes()) <= 10_000  # 10 KB, as the issue counts them
