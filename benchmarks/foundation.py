@@ -102,9 +102,11 @@ def time_throughput(path, prompts, args, max_model_len=None):
             time_ours(), time_direct()  # warm-up both
             for repeat in range(args.repeats):  # A B, then B A: neither side always runs right after the other
                 if repeat % 2 == 0:
-                    ours.append(time_ours()), direct.append(time_direct())
+                    ours.append(time_ours())
+                    direct.append(time_direct())
                 else:
-                    direct.append(time_direct()), ours.append(time_ours())
+                    direct.append(time_direct())
+                    ours.append(time_ours())
         conn.send(None)
         alone.join(60)
     return statistics.median(ours), statistics.median(direct), [o / d for o, d in zip(ours, direct)]
