@@ -62,6 +62,8 @@ import copy
 import datetime
 import os
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -141,12 +143,49 @@ def init(timeout_s: float = 1800.0) -> Dist:
 
 
 def close(d: Dist | None = None) -> None:
-    """Destroy the process group (every rank; in a `finally`). One process: nothing."""
+    """Destroy the process group (every rank; in a `finally`), then wait for this process's other threads
+    to settle (wait_for_quiet_threads). One process: nothing."""
     global _current
     d = _d(d)
     if d.enabled and tdist.is_initialized():
         tdist.destroy_process_group()
+        wait_for_quiet_threads()
     _current = Dist(0, 1, d.device, 0)
+
+
+def wait_for_quiet_threads(timeout_s: float = 5.0) -> bool:
+    """Sleep until no other thread of this process is running or runnable, twice in a row (Linux's
+    /proc; elsewhere return at once); False if `timeout_s` passed first.
+
+    Why: gloo frees a finished collective's Work on its own worker thread, after wait() has returned
+    here (and a barrier keeps earlier Works until it is freed itself). A Work whose tensors Python has
+    let go of takes the GIL to free them, and a thread that asks for the GIL once Python is shutting
+    down is ended inside a C++ destructor: std::terminate, the process aborts with "terminate called
+    without an active exception" (a core from rank 1 of a loaded test run: ProcessGroupGloo::runLoop ->
+    ~AsyncBarrierWork -> ~AsyncAllgatherCoalescedWork -> TensorImpl::decref_pyobject -> take_gil ->
+    pthread_exit; pytorch/pytorch#38228). Destroying the process group does not stop its threads while
+    FSDP's DTensors still hold it. Sleeping hands the GIL to such a thread; a thread waiting for it runs,
+    so "nothing runnable" after a sleep means nothing is left to take it."""
+    me = threading.get_native_id()
+    deadline = time.monotonic() + timeout_s
+    quiet = 0
+    while quiet < 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+        try:
+            tids = [t for t in os.listdir("/proc/self/task") if int(t) != me]
+        except OSError:
+            return True
+        states = []
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # it ended meanwhile
+                pass
+        quiet = quiet + 1 if "R" not in states else 0
+    return True
 
 
 class NullLogger:

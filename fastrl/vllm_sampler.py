@@ -631,7 +631,8 @@ class Sampler(WeightPusher):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self._outgoing = queue.SimpleQueue()
-        threading.Thread(target=self._send_loop, name="sampler-send", daemon=True).start()
+        self._sender = threading.Thread(target=self._send_loop, name="sampler-send", daemon=True)
+        self._sender.start()
         self._last_heard = time.monotonic()
         cuda_device = sampler_cuda_device(self.placement, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
         self.tmpdir = tempfile.mkdtemp(prefix="fastrl-sampler-")
@@ -682,6 +683,10 @@ class Sampler(WeightPusher):
         if self.process.is_alive():
             self.process.kill()
             self.process.join(5)
+        # The sender ends here, not beside the interpreter's shutdown: it holds this Sampler (and so the
+        # model), and a daemon thread freeing torch objects while Python finalizes aborts the process
+        # ("terminate called without an active exception", pytorch#38228). The process is gone: a send fails at once.
+        self._sender.join(5)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self._close_weight_sync()
         self.process = None

@@ -250,7 +250,13 @@ class WeightPusher:
     def _close_weight_sync(self) -> None:
         """On close, free what a CPU weight engine holds (the shared buffer, packed copies). A GPU
         engine's group is left to end with the process: destroying a NCCL group whose peer died
-        may block."""
+        may block. A background push still in flight (an error path; the sampler is gone by now, so it
+        fails within its poll) is waited for: no thread of ours may free torch objects while Python
+        shuts down (see vllm_sampler.Sampler.close)."""
+        if self._push_thread is not None:
+            self._push_thread.join(5)
+            self._push_thread = None
+        self._model = self._snapshot = None
         engine, self._weight_engine = self._weight_engine, None
         if engine is not None and not torch.cuda.is_available():
             engine.shutdown()

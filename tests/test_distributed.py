@@ -323,6 +323,32 @@ def test_one_process_is_the_plain_learner(tiny_path):
     distributed.close(d)
 
 
+def test_close_waits_until_no_other_thread_runs():
+    """A rank's last collective is freed on gloo's worker thread after wait() returned, and the free may take
+    the GIL, which Python never gives back once it is shutting down (the process aborts;
+    distributed.wait_for_quiet_threads). So a rank's close() returns only when no other thread runs: here a
+    thread in GIL-free torch work, then taking the GIL again to record that it finished, stands for that worker."""
+    import threading
+
+    a, finished = torch.randn(600, 600), []
+
+    def work():
+        for _ in range(20):
+            a @ a  # the GIL released, as gloo's worker runs without it
+        finished.append(True)  # and then takes it
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert distributed.wait_for_quiet_threads(timeout_s=120)
+    assert finished == [True]
+    worker.join()
+    # a thread that runs on past the timeout: False, not a hang
+    longer = threading.Thread(target=lambda: [a @ a for _ in range(60)])
+    longer.start()
+    assert distributed.wait_for_quiet_threads(timeout_s=0.05) is False
+    longer.join()
+
+
 def test_too_many_processes_is_one_line():
     distributed.check_world_size(4, "episodes per round", distributed.Dist(0, 4))
     with pytest.raises(SystemExit) as main:

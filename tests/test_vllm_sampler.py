@@ -255,6 +255,27 @@ def test_killed_sampler_raises_clear_error_fast(tiny_path, tokenizer):
 
 
 @pytest.mark.slow
+def test_close_leaves_no_thread_and_no_model_behind(tiny_path, monkeypatch):
+    """close() waits for the sender thread, even a slow one, and lets go of the model: a daemon thread of ours
+    that frees torch objects while Python shuts down aborts the process with "terminate called without an
+    active exception" (seen under load, after a run's summary; pytorch#38228)."""
+    send_loop = vllm_sampler.Sampler._send_loop
+
+    def lingering(self):
+        send_loop(self)
+        time.sleep(1.0)  # done, still holding the Sampler: a thread not yet run again on a loaded machine
+
+    monkeypatch.setattr(vllm_sampler.Sampler, "_send_loop", lingering)
+    model = common.load_policy(tiny_path, "cpu")
+    sampler = launch.start_sampler(tiny_path, placement="cpu")
+    sampler.init_weight_sync(model)
+    sampler.push_weights(1)
+    sampler.close()
+    assert not sampler._sender.is_alive()
+    assert sampler._model is None and sampler._weight_engine is None
+
+
+@pytest.mark.slow
 def test_dead_learner_takes_the_sampler_down(tiny_path):
     script = textwrap.dedent(f"""
         import os, sys
