@@ -121,9 +121,9 @@ def _submit_long(sampler, tokenizer, url):
     ids += streamed
     # every request is in the engine before it resumes: no gauge moves while it is paused, and under load the
     # server's API process takes seconds to hand 64 calls on (a fixed wait after they arrived was too short)
-    _wait(lambda: _added_requests() >= added + len(ids), "the server did not hand the requests to its engine")
+    _wait(lambda: _added_requests() >= added + len(ids), "the server did not hand the requests to its engine", url)
     sampler.resume()
-    _wait(lambda: _counter(url, "vllm:num_requests_running") >= 0.9 * len(ids), "the requests did not start")
+    _wait(lambda: _counter(url, "vllm:num_requests_running") >= 0.9 * len(ids), "the requests did not start", url)
     return ids, streamed
 
 
@@ -133,11 +133,23 @@ def _added_requests() -> int:
     return (WORK / "server.log").read_text(errors="replace").count("Added request ")
 
 
-def _wait(condition, what: str, timeout: float = 120.0) -> None:
+def _wait(condition, what: str, url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout  # generous: a loaded machine is slow, a stuck one still fails
     while not condition():
-        assert time.monotonic() < deadline, what
+        assert time.monotonic() < deadline, f"{what} within {timeout:.0f}s; the server then: {_server_state(url)}"
         time.sleep(0.02)
+
+
+def _server_state(url: str) -> str:
+    """What the module's server was doing, for a failed wait: its request gauges and token counters,
+    and the end of its log."""
+    try:
+        names = ("num_requests_running", "num_requests_waiting", "prompt_tokens_total", "generation_tokens_total")
+        state = ", ".join(f"{n}={_counter(url, 'vllm:' + n):.0f}" for n in names)
+    except OSError as e:
+        state = f"/metrics failed: {e!r}"
+    log = WORK / "server.log"
+    return state + "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:] if log.exists() else [])
 
 
 def _wait_all(sampler, ids, finals, timeout=120):
@@ -279,7 +291,7 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
         ids, _ = _submit_long(sampler, tokenizer, server_url)
         sampler.abort(ids)
         assert not sampler.pending
-        _wait(lambda: _counter(server_url, "vllm:num_requests_running") == 0, "the aborted requests kept running")
+        _wait(lambda: _counter(server_url, "vllm:num_requests_running") == 0, "the aborted requests kept running", server_url)
         assert all(not c.finished for c in sampler.poll(timeout=0.5))  # at most chunks that were on their way
     # stopped short (ignore_eos: run to the end, they would make all len(ids) * 110 tokens); how short depends on
     # how fast the server turns round, which a loaded machine decides, so only the stop itself is checked
