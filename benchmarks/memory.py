@@ -239,12 +239,10 @@ def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, respo
     mask = cmask[:, 1:].float()
     batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask),
                        advantages=rloo.rloo_advantages(torch.zeros(prompts, group)).view(-1))
-    contract = dict(temperature=args.temperature, top_p=args.top_p, bf16=args.autocast_bf16)
-    hyperparameters = {name: getattr(args, name) for name in ("ppo_clip", "iw_level", "iw_clip", "kl_estimator", "kl_coef", "ent_coef")}
-    batch.ref_logp = batch.logprobs(ref, args.micro_batch_tokens, **contract)
+    batch.ref_logp = batch.logprobs(ref, args)
     batch.old_logp = batch.sampler_logp
     for k_step in range(steps):  # K steps reuse the batch
-        loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, logprob_diff=k_step == 0, **contract, **hyperparameters)
+        loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, args=args, logprob_diff=k_step == 0)
         loss, _ = common.accumulate(loss_fn, lengths, args.micro_batch_tokens)
         common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
     return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens)), rows=n, tokens=sum(lengths))

@@ -120,17 +120,17 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
     mask = cmask[:, 1:].float()
     advantages = rloo.rloo_advantages(torch.tensor([[1.0, 0.0], [0.1, 1.0], [0.0, 0.5]])).view(-1)
     results = []
-    contract = dict(temperature=0.8, top_p=0.95, bf16=False)
     for iw_level in ("sequence", "token"):
-        hyperparameters = dict(ppo_clip=None, iw_level=iw_level, iw_clip=None, kl_estimator="k3", kl_coef=0.01, ent_coef=0.05)
         per_budget = []
         for budget in (BIG, 30):
+            args = rloo.Args(temperature=0.8, top_p=0.95, iw_level=iw_level, kl_estimator="k3", kl_coef=0.01,
+                             ent_coef=0.05, micro_batch_tokens=budget)
             assert len(common.micro_batches(lengths, budget)) == (1 if budget == BIG else 4)
             batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask), advantages=advantages)
-            batch.ref_logp = batch.logprobs(ref, budget, **contract)
-            batch.old_logp = batch.logprobs(policy, budget, **contract) - 0.01 * mask  # K-reuse: w != 1
+            batch.ref_logp = batch.logprobs(ref, args)
+            batch.old_logp = batch.logprobs(policy, args) - 0.01 * mask  # K-reuse: w != 1
             policy.zero_grad()
-            loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, **contract, **hyperparameters)
+            loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, args=args)
             loss, out = common.accumulate(loss_fn, lengths, budget)
             per_budget.append((batch.ref_logp, loss, out, _grads(policy)))  # out["w"]: one per row, in row order
         (ref_a, loss_a, out_a, grads_a), (ref_b, loss_b, out_b, grads_b) = per_budget
