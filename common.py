@@ -383,3 +383,32 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
     for row, (s, plen) in enumerate(zip(samples, prompt_lens)):
         out[row, plen - 1: plen - 1 + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
     return out
+
+
+# the training-inference mismatch correction and its diagnostics, shared by the scripts whose samples can be off-policy
+MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
+
+
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
+    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
+    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
+    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    if level == "sequence":
+        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
+        considered = torch.ones_like(ratio, dtype=torch.bool)
+    else:
+        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
+        considered = mask.bool()
+    measured = bool(considered.any())
+    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
+                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
+    return ratio.clamp(max=cap), stats
+
+
+def ess(weights: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    """Normalised effective sample size (sum w)^2 / (N sum w^2) of the weights (those where `mask` is 1), in (0, 1]: 1
+    when every weight is the same (on-policy), 1/N when one weight carries them all."""
+    w = weights if mask is None else weights[mask.bool()]
+    return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()

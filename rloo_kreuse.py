@@ -22,9 +22,9 @@ import torch
 
 import common
 import tasks
+from common import MAX_LOG_WEIGHT, ess, truncated_is_weights  # (shared with pipeline_rl, ppo_oppo)
 from fastrl import checks
 from fastrl.run import Run, RunArgs
-from fastrl.util import load_tokenizer
 
 ON_GPU = torch.cuda.is_available()
 
@@ -93,7 +93,7 @@ class Args(RunArgs):
         super().__post_init__()
         for ok, flag, message in [
             (self.k >= 1, "--k", f"must be >= 1, got {self.k}"),
-            (self.group_size >= 2, "--group-size", f"RLOO needs at least 2 responses per prompt, got {self.group_size}"),
+            (self.group_size >= 2, "--group-size", f"RLOO needs 2 or more responses per prompt, got {self.group_size}"),
             (self.num_prompts >= 1 and self.num_rounds >= 1, "--num-prompts/--num-rounds", "must be >= 1"),
             (self.learning_rate > 0, "--learning-rate", "must be > 0"),
             (0 < self.top_p <= 1 and self.temperature > 0, "--top-p/--temperature",
@@ -120,7 +120,7 @@ PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, 
 SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=12, learning_rate=2e-5, kl_coef=0.0,
                        ent_coef=0.0, max_new_tokens=64, max_prompt_tokens=128, eval_problems=50, eval_samples=4,
                        autocast_bf16=False, gradient_checkpointing=False)
-MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
+
 
 
 # ALGO LOGIC: the method's math, each piece checked by hand in tests/test_rloo_kreuse.py
@@ -204,31 +204,6 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
     return loss, dict(pg=pg.mean(), kl=kl.mean(), entropy=mean_entropy.mean(), w=w_seq)
 
 
-def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
-    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
-    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
-    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
-    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
-    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
-    if level == "sequence":
-        ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
-        considered = torch.ones_like(ratio, dtype=torch.bool)
-    else:
-        ratio = torch.exp((logp - behaviour_logp).clamp(max=MAX_LOG_WEIGHT)) * mask
-        considered = mask.bool()
-    measured = bool(considered.any())
-    stats = dict(max_ratio=ratio[considered].max().item() if measured else math.nan,
-                 truncated_fraction=(ratio[considered] > cap).float().mean().item() if measured else math.nan)
-    return ratio.clamp(max=cap), stats
-
-
-def ess(weights: torch.Tensor, mask: torch.Tensor | None = None) -> float:
-    """Normalised effective sample size (sum w)^2 / (N sum w^2) of the weights (those where `mask` is 1), in (0, 1]: 1
-    when every weight is the same (on-policy), 1/N when one weight carries them all."""
-    w = weights if mask is None else weights[mask.bool()]
-    return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
-
-
 # ALGO LOGIC: one K step's loss on a micro-batch (main() adds the micro-batches up to the batch's gradient)
 @dataclass
 class Batch:
@@ -287,19 +262,17 @@ def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, args: Args, lo
 
 # TRY NOT TO MODIFY: the round's problems, loading
 class Rounds:
-    """The training problems in data order, sent to the sampler one round at a time (rank 0; elsewhere no-ops)."""
+    """Sampling rounds (rank 0; no-ops elsewhere): the next --num-prompts problems, --group-size samples each."""
 
-    def __init__(self, sampler, task, tokenizer, args: Args, position: int):
-        self.sampler, self.task, self.tokenizer, self.args, self.position = sampler, task, tokenizer, args, position
+    def __init__(self, sampler, problems: tasks.TrainProblems, args: Args):
+        self.sampler, self.problems, self.args = sampler, problems, args
 
     def submit(self):
-        """Send the next --num-prompts problems, --group-size samples each; returns what collect() waits for."""
+        """Send the next round; returns what collect() waits for."""
         if self.sampler is None:
             return None
+        problems, prompts, skipped = self.problems.take(self.args.num_prompts)
         a = self.args
-        problems = [self.task.problem("train", self.position + i) for i in range(a.num_prompts)]
-        problems, prompts, skipped = tasks.encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
-        self.position += a.num_prompts
         ids = self.sampler.submit(prompts, n=a.group_size, temperature=a.temperature, top_p=a.top_p,
                                   max_tokens=a.max_new_tokens)
         return problems, ids, skipped, time.perf_counter()
@@ -320,16 +293,6 @@ def mismatch_correction_on(args: Args) -> bool:
     return not args.overlap and checks.mismatch_correction(args.tis, args.sampler_dtype, args.placement, learner_bf16)
 
 
-def load_task(args: Args, model_path: str):
-    """The tokenizer and the task, with the check that needs the tokenizer (some prompt fits --max-prompt-tokens)."""
-    tokenizer = load_tokenizer(model_path)
-    task = tasks.make_task(args.task, args.seed, tiny_prompts=args.model == checks.TINY, reward=args.reward,
-                           prompt_field=args.prompt_field, answer_field=args.answer_field,
-                           system_prompt=args.system_prompt)
-    tasks.check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    return tokenizer, task
-
-
 def load_models(args: Args, run: Run, model_path: str):
     """The policy (the model the sampler gets), the frozen reference (only when --kl-coef uses it) and Adam."""
     dtype = getattr(torch, args.dtype)
@@ -337,8 +300,10 @@ def load_models(args: Args, run: Run, model_path: str):
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
         policy.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: the numbers do not change)
-    ref_policy = common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False) if args.kl_coef else None
-    policy, ref_policy = run.learner_model(policy), run.frozen_model(ref_policy)
+    ref_policy = None
+    if args.kl_coef:
+        ref_policy = run.frozen_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False))
+    policy = run.learner_model(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all
     return policy, ref_policy, optimizer
 
@@ -349,7 +314,7 @@ def main():
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
     run = Run(args, "rloo", tasks.HUB_TASKS, common.resolve_model, overlapped=args.overlap)  # flags, sampler's start
     with run:  # the sampler closes however this ends
-        tokenizer, task = load_task(args, run.model_path)
+        tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
         # pass@k on the held-out split, sampling as in training (the paper's Table 4)
         evaluate = lambda: tasks.evaluate(run.sampler, task, tokenizer, args.eval_problems, args.eval_samples,  # noqa: E731
@@ -357,7 +322,7 @@ def main():
                                           top_p=args.top_p, max_tokens=args.max_new_tokens)
         start = run.begin(policy, optimizer, evaluate)  # resume, weight sync, pass@k at the start
         step, sampler_rng = start.step, start.sampler_rng
-        rounds = Rounds(run.sampler, task, tokenizer, args, start.data_position)
+        rounds = Rounds(run.sampler, tasks.TrainProblems(task, tokenizer, args, start.data_position), args)
         pending = rounds.submit()
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
@@ -429,17 +394,12 @@ def main():
             push_seconds = run.push(step)
             if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = rounds.submit()
-            run.totals["episodes"] += len(samples)
-            run.totals["generate_seconds"] += generate_seconds
-            run.totals["train_seconds"] += train_seconds
-            lags = [round_start_step - v for s in samples for v, start_, end in s.versions for _ in range(end - start_)]
+            run.count(episodes=len(samples), generate_seconds=generate_seconds, train_seconds=train_seconds)
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-                "charts/skipped_long_prompts": skipped,
-                "charts/lag_min": min(lags or [0]), "charts/lag_mean": float(np.mean(lags or [0])),
-                "charts/lag_max": max(lags or [0]),
+                "charts/skipped_long_prompts": skipped, **run.lags(samples, round_start_step),
                 # charts/kl, the same in every script: k3 of the sampled responses, whatever the penalty's estimator
                 "charts/kl": (common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item()
                               if ref_policy is not None else math.nan),
@@ -457,19 +417,10 @@ def main():
                 **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)},
             } | run.throughput(step)
             run.warn_logprob_diff(logprob_diff, tis_on)  # (a NaN: not measured this round)
-            run.log(step, metrics, f"round {round_index + 1}/{args.num_rounds} step {step}: reward "
-                    f"{metrics['charts/reward']:.3f} acc {correct:.3f} kl {metrics['charts/kl']:.3f} ent "
-                    f"{metrics['losses/entropy']:.3f} iw {' '.join(f'{w:.2f}' for w in iw_means)} ess "
-                    f"{metrics['charts/ess']:.2f} sample {generate_seconds:.2f}s update {train_seconds:.2f}s")
-            run.end_round(round_index + 1, step, rounds.position, sampler_rng, tokenizer)  # snapshot, eval, checkpoint
+            run.log(round_index + 1, step, metrics, show=("charts/ess", f"charts/iw_mean_k{args.k}"))
+            run.end_round(round_index + 1, step, rounds.problems.position, sampler_rng, tokenizer)
         run.finish(step)  # pass@k at the end, peak memory
-    totals = run.totals
-    run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4",
-               {"K": str(args.k), "wall (s)": totals["wall_seconds"], "sample (s)": totals["generate_seconds"],
-                "update (s)": totals["train_seconds"],
-                "sample %": f"{100 * totals['generate_seconds'] / totals['wall_seconds']:.0f}%",
-                "grad steps/s": step / totals["wall_seconds"]})
-
+    run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4", {"K": str(args.k)})
 
 if __name__ == "__main__":
     main()

@@ -672,3 +672,30 @@ def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, sample
 def eval_ks(samples_per_problem: int) -> list[int]:
     """The k of pass@k that n samples per problem allow: the powers of two up to n, and n itself (n = 6: 1, 2, 4, 6)."""
     return sorted({2**i for i in range(samples_per_problem.bit_length())} | {samples_per_problem})
+
+
+def load(args, model_path: str):
+    """The tokenizer and the task the flags name (--task, --reward, --prompt-field, --answer-field, --system-prompt,
+    DPO's --gsm8k-match), with the check that needs the tokenizer: some prompt fits --max-prompt-tokens. It runs
+    while the sampler starts, and a failure closes it."""
+    tokenizer = load_tokenizer(model_path)
+    task = make_task(args.task, args.seed, tiny_prompts=args.model == "tiny",
+                     gsm8k_match=getattr(args, "gsm8k_match", "strict"), reward=args.reward, prompt_field=args.prompt_field, answer_field=args.answer_field,
+                     system_prompt=args.system_prompt)
+    check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
+    return tokenizer, task
+
+
+class TrainProblems:
+    """The training split in data order, encoded for the sampler; `position` is the next problem's index (a checkpoint
+    keeps it, so a resumed run goes on with the problems it had not seen)."""
+
+    def __init__(self, task, tokenizer, args, position: int = 0):
+        self.task, self.tokenizer, self.args, self.position = task, tokenizer, args, position
+
+    def take(self, n: int):
+        """The next n problems: (the problems kept, their prompts' token ids, how many were skipped as longer than
+        --max-prompt-tokens)."""
+        problems = [self.task.problem("train", self.position + i) for i in range(n)]
+        self.position += n
+        return encode_prompts(self.tokenizer, problems, self.args.max_prompt_tokens, self.args.chat_template)

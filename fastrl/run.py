@@ -31,12 +31,16 @@ import dataclasses
 import time
 from typing import Any, Callable, Literal
 
+import numpy as np
 import torch
 
 from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 
 TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, push_seconds=0.0, wall_seconds=0.0,
               nonfinite_skipped=0)
+# the metrics every round's console line shows, in this order (Run.log)
+CONSOLE = ("charts/reward", "charts/accuracy", "charts/kl", "losses/entropy", "time/generate_seconds",
+           "time/train_seconds")
 
 
 @dataclasses.dataclass
@@ -261,9 +265,14 @@ class Run:
         self.eval_end = self.evaluate()
         self.memory = launch.peak_memory_mib(self.sampler)
 
-    def report(self, title: str, row: dict) -> None:
-        """After the with block (the sampler closed): the summary (its table `row`, pass@k start -> end, peak
-        memory) printed and written to <run>/summary.md; the run's log closed."""
+    def report(self, title: str, columns: dict) -> None:
+        """After the with block (the sampler closed): the summary printed and written to <run>/summary.md: its table
+        (the method's `columns`, then the wall, generate and train seconds, the share generating, optimizer steps
+        per second), pass@k at the start and the end, and the peak memory; the run's log closed."""
+        t, wall = self.totals, max(self.totals["wall_seconds"], 1e-9)
+        row = columns | {"wall (s)": t["wall_seconds"], "sample (s)": t["generate_seconds"],
+                         "update (s)": t["train_seconds"], "sample %": f"{100 * t['generate_seconds'] / wall:.0f}%",
+                         "grad steps/s": self.step / wall}
         self.logger.report(self.step, title, row, self.eval_start, self.eval_end, self.memory)
         self.logger.close()
 
@@ -310,6 +319,18 @@ class Run:
         precisions explain (a NaN: not measured)."""
         checks.warn_logprob_diff(logprob_diff, mismatch_expected, self._warned)
 
+    def count(self, episodes: int = 0, generate_seconds: float = 0.0, train_seconds: float = 0.0) -> None:
+        """Add a round's episodes and seconds to the run's totals."""
+        self.totals["episodes"] += episodes
+        self.totals["generate_seconds"] += generate_seconds
+        self.totals["train_seconds"] += train_seconds
+
+    @staticmethod
+    def lags(samples, version: int) -> dict:
+        """charts/lag_min|mean|max: the learner's policy `version` minus the version that sampled each token."""
+        lags = [version - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
+        return {"charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags)}
+
     def throughput(self, step: int) -> dict:
         """The run's counters as metrics: episodes so far and per second of the loop's wall time (the whole run,
         resumes included), the share of it spent generating, optimizer steps per second, skipped steps."""
@@ -319,13 +340,17 @@ class Run:
                 "time/sample_fraction": t["generate_seconds"] / wall, "time/grad_steps_per_second": step / wall,
                 "charts/nonfinite_skipped": t["nonfinite_skipped"]}
 
-    def log(self, step: int, metrics: dict, line: str) -> None:
-        """One round's metrics: metrics.jsonl and TensorBoard at `step`, the progress bar, and `line` on the console."""
+    def log(self, rounds_done: int, step: int, metrics: dict, show: tuple = ()) -> None:
+        """One round's metrics: metrics.jsonl and TensorBoard at `step`, the progress bar, and one console line (every
+        round, in every script): the reward, accuracy, KL, entropy and seconds, then the `show` metrics."""
         self.step = step
         self.logger.log(step, metrics, echo=False)
-        self._progress.update(1, step=step, reward=metrics["charts/reward"],
-                              acc=float(metrics["charts/accuracy"]), kl=metrics["charts/kl"])
-        self._progress.write(line)
+        self._progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(metrics["charts/accuracy"]),
+                              kl=metrics["charts/kl"])
+        shown = [(k.split("/")[-1], metrics[k]) for k in CONSOLE + tuple(show) if k in metrics]
+        self._progress.write(f"round {rounds_done}/{self.args.num_rounds} step {step}: " + " ".join(
+            f"{name[:-len('_seconds')]} {value:.2f}s" if name.endswith("_seconds") else f"{name} {value:.3f}"
+            for name, value in shown))
 
     def end_round(self, rounds_done: int, step: int, data_position: int, sampler_rng=None, tokenizer=None) -> None:
         """After a round is logged: --snapshot-every's weights, --eval-every's pass@k, and the checkpoint
