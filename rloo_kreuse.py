@@ -94,7 +94,8 @@ class Args:
     max_prompt_tokens: int = 64
     """prompt budget: longer prompts are skipped and counted [paper 256; tiny 64]"""
     iw_level: Literal["sequence", "token"] = "sequence"
-    """importance weights per `sequence` (the paper) or per `token`"""
+    """importance weights per `sequence` (the paper) or per `token` (either with --tis-level; --ppo-clip's ratio is
+    the sequence's at both)"""
     iw_clip: float | None = None
     """rho-bar: clip importance weights at this value (off by default; the paper's next step)"""
     ppo_clip: float | None = None
@@ -246,12 +247,14 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
               kl_estimator: str, kl_coef: float, ent_coef: float, tis=None):
     """The paper's Eq. 4 for one minibatch: -E[w A log pi] - ent_coef H + kl_coef KL(pi||pi_ref).
     logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated IS weights
-    (--tis-cap) per sequence ([N]) or per token ([N, T]: each token's gradient weighted by its own) or None.
-    Returns (loss, stats): the mean pg, kl and entropy terms and the importance weights w [N]."""
+    (--tis-cap) per sequence ([N]: one weight for every token of its row) or per token ([N, T]: each token's
+    gradient weighted by its own) or None. Every iw_level x tis level x ppo_clip combines; under ppo_clip the
+    ratio is the sequence's whatever iw_level (Proximal RLOO's). Returns (loss, stats): the mean pg, kl and
+    entropy terms and the importance weights w [N] (per token: their mean over the response)."""
     token_tis = tis is not None and tis.dim() == 2
     # per-token TIS weights each token's log pi inside the method's sum; per-sequence TIS multiplies the whole term
     tis_logp = logp * tis if token_tis else logp
-    tis = 1.0 if tis is None or token_tis else tis  # a number broadcasts at either level
+    tis = 1.0 if tis is None or token_tis else tis  # [N] or a number: multiplies a row's term, never a [N, T]
     seq_logp = (tis_logp * mask).sum(1)
     if ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
@@ -267,7 +270,7 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
         if iw_level == "sequence":
             pg = -w * tis * advantages * seq_logp
         else:
-            pg = -(w * tis * tis_logp * mask).sum(1) * advantages
+            pg = -(w * tis_logp * mask).sum(1) * tis * advantages
     no_kl_loss = kl_estimator == "k1" or ref_logp is None  # (None: --kl-coef 0, no reference model)
     kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, kl_estimator)
     tokens = mask.sum(1).clamp(min=1)

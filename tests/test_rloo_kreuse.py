@@ -3,6 +3,7 @@ real sampler, and the script from its real command line."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -440,6 +441,74 @@ def test_truncated_is_per_token_by_default_whatever_the_iw_level():
     logp = learner.clone().requires_grad_(True)
     rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(), tis=seq_tis)[0].backward()
     assert torch.allclose(logp.grad, -seq_tis.expand(1, 3))
+
+
+# rloo_loss's inputs for the flag-combination test: 3 responses of 3 tokens (N == T, where a [N] weight broadcast
+# against [N, T] scales columns instead of rows without an error); the second response's last token is padding
+COMBO_LOGP = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0], [-2.0, -0.7, -1.1]]
+COMBO_LOG_RATIO = [[0.05, 0.1, -0.05], [0.3, 0.2, 5.0], [0.1, 0.2, 0.1]]  # log pi_theta - log pi_theta0 per token
+COMBO_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+COMBO_ADV = [1.0, -0.5, 2.0]
+COMBO_TIS = {"token": [[1.5, 0.5, 2.0], [0.8, 1.2, 0.0], [0.3, 1.0, 1.7]], "sequence": [2.0, 0.4, 1.3]}
+
+
+def _combo_by_hand(iw_level, tis_level, ppo_clip, rows):
+    """rloo_loss's value, d loss / d log pi and w in scalars (no broadcasting): row i's term, token t's gradient."""
+    m, adv = COMBO_MASK, COMBO_ADV
+    token_tis = lambda i, t: COMBO_TIS["token"][i][t] if tis_level == "token" else 1.0  # noqa: E731
+    seq_tis = lambda i: COMBO_TIS["sequence"][i] if tis_level == "sequence" else 1.0  # noqa: E731
+    seq_w = lambda i: math.exp(sum(COMBO_LOG_RATIO[i][t] * m[i][t] for t in range(3)))  # noqa: E731
+    if ppo_clip is not None:  # the sequence's ratio r whatever --iw-level: -min(r A, clip(r) A) * tis_seq
+        def term(i):
+            r = seq_w(i)
+            return -min(r * adv[i], min(max(r, 1 - ppo_clip), 1 + ppo_clip) * adv[i]) * seq_tis(i)
+
+        def grad(i, t):  # the unclipped side carries d r / d log pi_t = r (weighted by token tis_t); the clipped, none
+            r = seq_w(i)
+            unclipped = r * adv[i] <= min(max(r, 1 - ppo_clip), 1 + ppo_clip) * adv[i]
+            return -seq_tis(i) * adv[i] * r * token_tis(i, t) * m[i][t] if unclipped else 0.0
+        weights = [seq_w(i) for i in range(rows)]
+    elif iw_level == "sequence":  # -w tis_seq A sum_t tis_t log pi_t
+        def term(i):
+            return -seq_w(i) * seq_tis(i) * adv[i] * sum(token_tis(i, t) * COMBO_LOGP[i][t] * m[i][t] for t in range(3))
+
+        def grad(i, t):
+            return -seq_w(i) * seq_tis(i) * adv[i] * token_tis(i, t) * m[i][t]
+        weights = [seq_w(i) for i in range(rows)]
+    else:  # -tis_seq A sum_t w_t tis_t log pi_t
+        token_w = lambda i, t: math.exp(COMBO_LOG_RATIO[i][t]) * m[i][t]  # noqa: E731
+
+        def term(i):
+            return -seq_tis(i) * adv[i] * sum(token_w(i, t) * token_tis(i, t) * COMBO_LOGP[i][t] for t in range(3))
+
+        def grad(i, t):
+            return -seq_tis(i) * adv[i] * token_w(i, t) * token_tis(i, t)
+        weights = [sum(token_w(i, t) for t in range(3)) / sum(m[i]) for i in range(rows)]
+    loss = sum(term(i) for i in range(rows)) / rows
+    return loss, [[grad(i, t) / rows for t in range(3)] for i in range(rows)], weights
+
+
+@pytest.mark.parametrize("ppo_clip", [None, 0.2])
+@pytest.mark.parametrize("tis_level", [None, "token", "sequence"])
+@pytest.mark.parametrize("iw_level", ["sequence", "token"])
+def test_every_iw_tis_and_ppo_combination_by_hand(iw_level, tis_level, ppo_clip):
+    """--iw-level x --tis-level (none: --tis off) x --ppo-clip combine freely: the loss, its gradient and the reported
+    weights equal a scalar hand computation, with N == T (3 x 3) and with N != T (2 x 3). A sequence-level TIS weight
+    multiplies every token of its own row. Under --ppo-clip the ratio is the sequence's at either --iw-level (the
+    second response's ratio e^0.5 lies above 1 + eps at a negative advantage, so its unclipped side is the minimum;
+    the third's is clipped: no gradient)."""
+    for rows in (3, 2):
+        logp = torch.tensor(COMBO_LOGP[:rows], requires_grad=True)
+        old = logp.detach() - torch.tensor(COMBO_LOG_RATIO[:rows])
+        tis = None if tis_level is None else torch.tensor(COMBO_TIS[tis_level][:rows])
+        hyperparameters = _hp(iw_level=iw_level, ppo_clip=ppo_clip)
+        loss, stats = rloo.rloo_loss(logp, old, old, torch.zeros(rows, 3), torch.tensor(COMBO_MASK[:rows]),
+                                     torch.tensor(COMBO_ADV[:rows]), **hyperparameters, tis=tis)
+        loss.backward()
+        expected_loss, expected_grad, expected_w = _combo_by_hand(iw_level, tis_level, ppo_clip, rows)
+        assert loss.item() == pytest.approx(expected_loss, rel=1e-5), rows
+        assert torch.allclose(logp.grad, torch.tensor(expected_grad), atol=1e-6), rows
+        assert torch.allclose(stats["w"], torch.tensor(expected_w), atol=1e-6), rows
 
 
 def test_sequence_weights_never_overflow():
