@@ -105,16 +105,19 @@ class Args:
     recomputed whenever --tis is on; costs one extra forward per round)"""
     tis: Literal["auto", "on", "off"] = "auto"
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
-    numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL
-    (vllm_importance_sampling_correction) and verl do. On: log pi_theta0 is the learner's own recomputation, the
-    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level, kept apart from
-    K-reuse's own weights (--tis-level). Not with --overlap (the learner no longer holds the sampling weights)"""
+    numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL 1.16's
+    GRPOTrainer is by default (vllm_importance_sampling_correction=True; verl's default config has its rollout
+    correction off, rollout_is null). On: log pi_theta0 is the learner's own recomputation, the sampler's logprobs
+    enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level, kept apart from K-reuse's own
+    weights (--iw-level). Not with --overlap (the learner no longer holds the sampling weights)"""
     tis_cap: float = 2.0
-    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
+    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16's GRPOTrainer sets a
+    weight above its vllm_importance_sampling_clip_max 3.0 to zero instead of truncating it)"""
     tis_level: Literal["token", "sequence"] = "token"
-    """the truncated IS weight per `token` (TRL's and verl's default: each token's gradient weighted by its own
-    min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response, which down-weights long ones), whatever
-    --iw-level K-reuse's own weights use"""
+    """the truncated IS weight per `token` (verl's token-TIS preset, RolloutCorrectionConfig.decoupled_token_is: each
+    token's gradient weighted by its own min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response,
+    which down-weights long ones; TRL 1.16's GRPOTrainer default is per sequence, masked rather than truncated:
+    vllm_importance_sampling_mode "sequence_mask"), whatever --iw-level K-reuse's own weights use"""
     chat_template: bool = False
     """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending in
     -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""

@@ -423,9 +423,9 @@ def test_truncated_is_weights_by_hand():
 
 
 def test_truncated_is_per_token_by_default_whatever_the_iw_level():
-    """--tis-level token (the default, TRL's and verl's): each token's gradient is weighted by its own truncated
-    ratio, at sequence-level K-reuse weights and under Proximal RLOO too; a long answer is not down-weighted as a
-    whole (a sequence-level weight would be min(prod, C))."""
+    """--tis-level token (the default; verl's token-TIS preset, while TRL 1.16's GRPOTrainer masks per sequence): each
+    token's gradient is weighted by its own truncated ratio, at sequence-level K-reuse weights and under Proximal RLOO
+    too; a long answer is not down-weighted as a whole (a sequence-level weight would be min(prod, C))."""
     assert rloo.Args().tis_level == "token" and rloo.Args().iw_level == "sequence"
     learner = torch.tensor([[-1.0, -1.0, -1.0]])
     sampler = torch.tensor([[-1.5, -0.5, -1.0]])
