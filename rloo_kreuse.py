@@ -80,7 +80,8 @@ class Args:
     """KL penalty coefficient (the paper's beta_KL, Eq. 4); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """how the KL penalty enters (see kl_penalty): k1 folded into the reward (the gradient of the report's sequence-level
-    KL(pi || pi_ref), Eq. 4), or as a loss term k2 (the per-token KLs' gradient only) or k3 (GRPO's; neither)"""
+    KL(pi || pi_ref), Eq. 4; below top-p 1 see shaped_advantages), or as a loss term k2 (the per-token KLs' gradient
+    only) or k3 (GRPO's; neither)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient (the paper's beta_ent, Eq. 4) [paper 0.05; tiny 0.01]"""
     max_grad_norm: float = 0.5
@@ -221,7 +222,8 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     - k1 = log pi - log pi_ref (the default): its gradient as a loss is zero in expectation, so it
       is not used as a loss; main() subtracts kl_coef * k1 from the reward instead (RLHF's KL-shaped
       reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4 (k1 of the
-      current policy at every k-step: shaped_advantages);
+      current policy at every k-step) at top-p 1, and below it only where the reference's nucleus holds
+      the policy's (shaped_advantages says what it is otherwise);
     - k2 = (log pi - log pi_ref)^2 / 2 per token: as a loss, the gradient of each token's
       KL(pi || pi_ref) at the sampled prefix, which leaves out how earlier tokens move later tokens' KL;
     - k3 = r - log r - 1 with r = pi_ref/pi: its value estimates KL(pi || pi_ref) without bias and
@@ -238,8 +240,16 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
 def shaped_advantages(rewards, logp, ref_logp, mask, *, kl_coef: float, kl_estimator: str, group_size: int) -> torch.Tensor:
     """Leave-one-out advantages [N] of the reward shaped by k1 (r - kl_coef * sum_t log(pi / pi_ref)) under the policy
     `logp` is of. main() calls it at every k-step with the current policy's logprobs: w * (r - kl_coef * k1_theta)
-    * grad log pi_theta is then the exact gradient of Eq. 4's sequence-level KL off-policy too (theta != theta0),
-    where k1 of pi_theta0 would be stale and vanish with the weights. rewards: [N]; ref_logp None: no KL."""
+    * grad log pi_theta is then the exact gradient of E_pi[sum_t log pi - log pi_ref] off-policy too (theta !=
+    theta0), where k1 of pi_theta0 would be stale and vanish with the weights. rewards: [N]; ref_logp None: no KL.
+
+    Both logprobs are the learner's under the sampler's processing (the logprob contract: temperature, then each
+    model's own top-p nucleus, the sampled token always kept). At top-p 1 that expectation is Eq. 4's KL(pi ||
+    pi_ref). Below top-p 1 it is the KL between the two nucleus distributions wherever the reference's nucleus holds
+    every token the policy's nucleus can sample. A sampled token outside the reference's nucleus, where that KL is
+    infinite, enters with log rho instead: its reference probability renormalised over the reference's nucleus and
+    itself. That is finite, but rho is no distribution (it sums to more than 1 at such a position), so the term is
+    then a finite stand-in for an infinite penalty (tests/test_rloo_kreuse.py: both cases at T 0.8, top-p 0.95)."""
     shaped = rewards
     if kl_estimator == "k1" and ref_logp is not None:
         shaped = shaped - kl_coef * kl_penalty(logp, ref_logp, mask, "k1")

@@ -397,6 +397,103 @@ def test_k1_in_the_reward_is_the_exact_kl_gradient_off_policy():
     assert not close(expected_grad(lambda logp: old), true_grad)  # k1 of pi_theta0: stale
 
 
+# the paper's sampling (T 0.8, top-p 0.95) over a two-step, three-token vocabulary; the reference's nucleus (by hand:
+# each row's smallest token has probability 0.002-0.012 at T 0.8) leaves one token out at every position
+PAPER_T, PAPER_TOP_P = 0.8, 0.95
+NUCLEUS_REF1 = torch.tensor([2.0, 1.0, -2.0])
+NUCLEUS_REF2 = torch.tensor([[2.0, 1.0, -2.0], [-2.5, 2.0, 1.5], [1.0, -1.5, 1.8]])
+NUCLEUS_REF_KEEP1 = torch.tensor([True, True, False])
+NUCLEUS_REF_KEEP2 = torch.tensor([[True, True, False], [False, True, True], [True, False, True]])
+
+
+def _nucleus_logps(logits, keep):
+    """log-probabilities of the nucleus distribution at PAPER_T, by hand: softmax over the kept tokens, -inf else."""
+    return (logits / PAPER_T).masked_fill(~keep, -math.inf).log_softmax(-1)
+
+
+def _log_rho(logits, keep, token):
+    """the reference term of `token`, by hand: its probability renormalised over the nucleus and itself."""
+    kept = keep.clone()
+    kept[token] = True
+    return logits[token] / PAPER_T - (logits / PAPER_T)[kept].logsumexp(0)
+
+
+def _learner_logp(logits, token):
+    """what the learner computes for a sampled token: common.sampling_logits (its own nucleus, the token kept)."""
+    return common.sampling_logits(logits, torch.tensor(token), PAPER_T, PAPER_TOP_P).log_softmax(-1)[token]
+
+
+@pytest.mark.parametrize("case", ["inside", "outside"])
+def test_k1_in_the_reward_at_the_papers_top_p(case):
+    """At T 0.8, top-p 0.95, every logprob as the learner computes it (each model's own nucleus, the sampled token
+    kept), off-policy (theta != theta0, the same nucleus); exact expectation over every pair (group size 2) of
+    sequences. `inside`: the reference's nucleus holds every token the policy's does, and the loss main() builds has
+    exactly the gradient of E[r] - kl_coef KL(pi || pi_ref) between the two nucleus distributions (Eq. 4 at top-p
+    0.95). `outside`: the policy samples tokens outside the reference's nucleus, where that KL is infinite; such a
+    token's reference term is rho, its probability renormalised over the reference's nucleus and itself (finite, and
+    not a distribution: it sums to more than 1), and the gradient is exactly that of
+    E[r] - kl_coef E_pi[log pi - log rho]."""
+    if case == "inside":  # at each position the policy's nucleus leaves out the token the reference's does
+        theta1 = torch.tensor([2.2, 0.9, -1.5], requires_grad=True)
+        theta2 = torch.tensor([[1.8, 1.2, -2.5], [-2.6, 1.5, 1.4], [1.6, -2.2, 2.1]], requires_grad=True)
+        keep1, keep2 = NUCLEUS_REF_KEEP1, NUCLEUS_REF_KEEP2
+    else:  # flat: the policy's nucleus holds all three tokens everywhere
+        theta1 = torch.tensor([1.0, 0.5, 0.8], requires_grad=True)
+        theta2 = torch.tensor([[1.0, 0.5, 0.8], [0.3, 1.0, 0.2], [0.5, 0.1, 0.9]], requires_grad=True)
+        keep1, keep2 = torch.ones(3, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool)
+    theta01 = theta1.detach() + torch.tensor([0.1, -0.1, 0.05])  # the sampling policy: off-policy, the same nucleus
+    theta02 = theta2.detach() + torch.tensor([[0.1, -0.05, 0.0], [0.0, 0.1, -0.1], [-0.1, 0.0, 0.1]])
+    for logits, keep in [(theta1, keep1), (theta01, keep1), (NUCLEUS_REF1, NUCLEUS_REF_KEEP1),
+                         *zip([*theta2, *theta02, *NUCLEUS_REF2], [*keep2, *keep2, *NUCLEUS_REF_KEEP2])]:
+        kept = common.sampling_logits(logits.detach(), logits.detach().argmax(), PAPER_T, PAPER_TOP_P).isfinite()
+        assert torch.equal(kept, keep)  # the nuclei above, by hand, are the learner's
+    seqs = [(a, b) for a in range(3) for b in range(3)]
+    reward = torch.tensor([1.0, 0.0, 0.3, 0.7, 0.2, 0.9, 0.0, 0.5, 0.4])
+    kl_coef = 0.5
+
+    def learner_logps(t1, t2):  # [9 sequences, 2 tokens]
+        return torch.stack([torch.stack([_learner_logp(t1, a), _learner_logp(t2[a], b)]) for a, b in seqs])
+
+    def nucleus_logp(t1, t2):  # [9]: log pi of each sequence under the nucleus distributions (-inf outside)
+        return torch.stack([_nucleus_logps(t1, keep1)[a] + _nucleus_logps(t2[a], keep2[a])[b] for a, b in seqs])
+
+    ref = learner_logps(NUCLEUS_REF1, NUCLEUS_REF2)
+    log_rho = torch.stack([_log_rho(NUCLEUS_REF1, NUCLEUS_REF_KEEP1, a)
+                           + _log_rho(NUCLEUS_REF2[a], NUCLEUS_REF_KEEP2[a], b) for a, b in seqs])
+    assert torch.allclose(ref.sum(1), log_rho, atol=1e-6)  # the learner's reference term is rho
+    old = learner_logps(theta01, theta02)
+    p0 = nucleus_logp(theta01, theta02).exp()
+    support = p0 > 0
+    assert support.sum() == (4 if case == "inside" else 9)
+
+    def expected_grad():
+        logp = learner_logps(theta1, theta2)
+        total = 0.0
+        for i in range(9):
+            for j in range(9):
+                rows = [i, j]
+                adv = rloo.shaped_advantages(reward[rows], logp[rows].detach(), ref[rows], torch.ones(2, 2),
+                                             kl_coef=kl_coef, kl_estimator="k1", group_size=2)
+                loss, _ = rloo.rloo_loss(logp[rows], old[rows], ref[rows], torch.zeros(2, 2), torch.ones(2, 2), adv,
+                                         **_hp(kl_coef=kl_coef, kl_estimator="k1"))
+                total = total + p0[i] * p0[j] * loss
+        return torch.autograd.grad(-total, (theta1, theta2))
+
+    log_pi = nucleus_logp(theta1, theta2)[support]
+    ref_nucleus = torch.stack([_nucleus_logps(NUCLEUS_REF1, NUCLEUS_REF_KEEP1)[a]
+                               + _nucleus_logps(NUCLEUS_REF2[a], NUCLEUS_REF_KEEP2[a])[b] for a, b in seqs])[support]
+    if case == "inside":
+        assert torch.allclose(ref_nucleus, log_rho[support])  # rho is the reference's nucleus distribution here
+        against = ref_nucleus
+    else:
+        assert torch.isinf(ref_nucleus).any()  # KL(pi || pi_ref) between the nucleus distributions is infinite
+        assert sum(_log_rho(NUCLEUS_REF1, NUCLEUS_REF_KEEP1, y).exp() for y in range(3)) > 1.001  # rho: no distribution
+        against = log_rho[support]
+    objective = (log_pi.exp() * reward[support]).sum() - kl_coef * (log_pi.exp() * (log_pi - against)).sum()
+    true_grad = torch.autograd.grad(objective, (theta1, theta2))
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(expected_grad(), true_grad))
+
+
 def test_k1_is_folded_into_the_reward_not_the_loss():
     logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -1.0]])
     loss, stats = rloo.rloo_loss(logp, logp, ref, torch.zeros_like(logp), torch.ones_like(logp), torch.zeros(1),
