@@ -51,8 +51,8 @@ class Args(RunArgs):
     """KL penalty coefficient (the paper's beta_KL, Eq. 4); 0 loads no reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """how the KL penalty enters (see kl_penalty): k1 folded into the reward (the gradient of the report's
-    sequence-level KL(pi || pi_ref), Eq. 4), or as a loss term k2 (the per-token KLs' gradient only) or k3 (GRPO's;
-    neither)"""
+    sequence-level KL(pi || pi_ref), Eq. 4; below top-p 1 see shaped_advantages), or as a loss term k2 (the
+    per-token KLs' gradient only) or k3 (GRPO's; neither)"""
     ent_coef: float = 0.01
     """entropy bonus coefficient (the paper's beta_ent, Eq. 4) [paper 0.05; tiny 0.01]"""
     max_grad_norm: float = 0.5
@@ -66,7 +66,8 @@ class Args(RunArgs):
     max_prompt_tokens: int = 64
     """prompt budget: longer prompts are skipped and counted [paper 256; tiny 64]"""
     iw_level: Literal["sequence", "token"] = "sequence"
-    """importance weights per `sequence` (the paper) or per `token`"""
+    """importance weights per `sequence` (the paper) or per `token` (either with --tis-level; --ppo-clip's ratio is
+    the sequence's at both)"""
     iw_clip: float | None = None
     """rho-bar: clip importance weights at this value (off by default; the paper's next step)"""
     ppo_clip: float | None = None
@@ -76,16 +77,19 @@ class Args(RunArgs):
     recomputed whenever --tis is on; costs one extra forward per round)"""
     tis: Literal["auto", "on", "off"] = "auto"
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
-    numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL
-    (vllm_importance_sampling_correction) and verl do. On: log pi_theta0 is the learner's own recomputation, the
-    sampler's logprobs enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level, kept apart from
-    K-reuse's own weights (--tis-level). Not with --overlap (the learner no longer holds the sampling weights)"""
+    numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL 1.16's
+    GRPOTrainer is by default (vllm_importance_sampling_correction=True; verl's default config has its rollout
+    correction off, rollout_is null). On: log pi_theta0 is the learner's own recomputation, the sampler's logprobs
+    enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level, kept apart from K-reuse's own
+    weights (--iw-level). Not with --overlap (the learner no longer holds the sampling weights)"""
     tis_cap: float = 2.0
-    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
+    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16's GRPOTrainer sets a
+    weight above its vllm_importance_sampling_clip_max 3.0 to zero instead of truncating it)"""
     tis_level: Literal["token", "sequence"] = "token"
-    """the truncated IS weight per `token` (TRL's and verl's default: each token's gradient weighted by its own
-    min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response, which down-weights long ones), whatever
-    --iw-level K-reuse's own weights use"""
+    """the truncated IS weight per `token` (verl's token-TIS preset, RolloutCorrectionConfig.decoupled_token_is: each
+    token's gradient weighted by its own min(ratio, C)) or per `sequence` (one min(prod of ratios, C) per response,
+    which down-weights long ones; TRL 1.16's GRPOTrainer default is per sequence, masked rather than truncated:
+    vllm_importance_sampling_mode "sequence_mask"), whatever --iw-level K-reuse's own weights use"""
     overlap: bool = False
     """generate round r+1 while the learner does the K steps of round r (one round off-policy)"""
 
@@ -144,7 +148,8 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     - k1 = log pi - log pi_ref (the default): its gradient as a loss is zero in expectation, so it
       is not used as a loss; main() subtracts kl_coef * k1 from the reward instead (RLHF's KL-shaped
       reward), which gives exactly the gradient of the sequence-level KL(pi || pi_ref) of Eq. 4 (k1 of the
-      current policy at every k-step: shaped_advantages);
+      current policy at every k-step) at top-p 1, and below it only where the reference's nucleus holds
+      the policy's (shaped_advantages says what it is otherwise);
     - k2 = (log pi - log pi_ref)^2 / 2 per token: as a loss, the gradient of each token's
       KL(pi || pi_ref) at the sampled prefix, which leaves out how earlier tokens move later tokens' KL;
     - k3 = r - log r - 1 with r = pi_ref/pi: its value estimates KL(pi || pi_ref) without bias and
@@ -161,8 +166,16 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
 def shaped_advantages(rewards, logp, ref_logp, mask, *, kl_coef: float, kl_estimator: str, group_size: int) -> torch.Tensor:
     """Leave-one-out advantages [N] of the reward shaped by k1 (r - kl_coef * sum_t log(pi / pi_ref)) under the policy
     `logp` is of. main() calls it at every k-step with the current policy's logprobs: w * (r - kl_coef * k1_theta)
-    * grad log pi_theta is then the exact gradient of Eq. 4's sequence-level KL off-policy too (theta != theta0),
-    where k1 of pi_theta0 would be stale and vanish with the weights. rewards: [N]; ref_logp None: no KL."""
+    * grad log pi_theta is then the exact gradient of E_pi[sum_t log pi - log pi_ref] off-policy too (theta !=
+    theta0), where k1 of pi_theta0 would be stale and vanish with the weights. rewards: [N]; ref_logp None: no KL.
+
+    Both logprobs are the learner's under the sampler's processing (the logprob contract: temperature, then each
+    model's own top-p nucleus, the sampled token always kept). At top-p 1 that expectation is Eq. 4's KL(pi ||
+    pi_ref). Below top-p 1 it is the KL between the two nucleus distributions wherever the reference's nucleus holds
+    every token the policy's nucleus can sample. A sampled token outside the reference's nucleus, where that KL is
+    infinite, enters with log rho instead: its reference probability renormalised over the reference's nucleus and
+    itself. That is finite, but rho is no distribution (it sums to more than 1 at such a position), so the term is
+    then a finite stand-in for an infinite penalty (tests/test_rloo_kreuse.py: both cases at T 0.8, top-p 0.95)."""
     shaped = rewards
     if kl_estimator == "k1" and ref_logp is not None:
         shaped = shaped - kl_coef * kl_penalty(logp, ref_logp, mask, "k1")
@@ -173,12 +186,14 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
               kl_estimator: str, kl_coef: float, ent_coef: float, tis=None):
     """The paper's Eq. 4 for one minibatch: -E[w A log pi] - ent_coef H + kl_coef KL(pi||pi_ref).
     logp, old_logp, ref_logp, entropy, mask: [N, T]; advantages: [N]; tis: the truncated IS weights
-    (--tis-cap) per sequence ([N]) or per token ([N, T]: each token's gradient weighted by its own) or None.
-    Returns (loss, stats): the mean pg, kl and entropy terms and the importance weights w [N]."""
+    (--tis-cap) per sequence ([N]: one weight for every token of its row) or per token ([N, T]: each token's
+    gradient weighted by its own) or None. Every iw_level x tis level x ppo_clip combines; under ppo_clip the
+    ratio is the sequence's whatever iw_level (Proximal RLOO's). Returns (loss, stats): the mean pg, kl and
+    entropy terms and the importance weights w [N] (per token: their mean over the response)."""
     token_tis = tis is not None and tis.dim() == 2
     # per-token TIS weights each token's log pi inside the method's sum; per-sequence TIS multiplies the whole term
     tis_logp = logp * tis if token_tis else logp
-    tis = 1.0 if tis is None or token_tis else tis  # a number broadcasts at either level
+    tis = 1.0 if tis is None or token_tis else tis  # [N] or a number: multiplies a row's term, never a [N, T]
     seq_logp = (tis_logp * mask).sum(1)
     if ppo_clip is not None:  # Proximal RLOO: ratio carries the gradient, PPO-clipped
         ratio = importance_weights(logp, old_logp, mask, "sequence")
@@ -194,7 +209,7 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
         if iw_level == "sequence":
             pg = -w * tis * advantages * seq_logp
         else:
-            pg = -(w * tis * tis_logp * mask).sum(1) * advantages
+            pg = -(w * tis_logp * mask).sum(1) * tis * advantages
     no_kl_loss = kl_estimator == "k1" or ref_logp is None  # (None: --kl-coef 0, no reference model)
     kl = torch.zeros_like(advantages) if no_kl_loss else kl_penalty(logp, ref_logp, mask, kl_estimator)
     tokens = mask.sum(1).clamp(min=1)

@@ -3,6 +3,7 @@ real sampler, and the script from its real command line."""
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -396,6 +397,103 @@ def test_k1_in_the_reward_is_the_exact_kl_gradient_off_policy():
     assert not close(expected_grad(lambda logp: old), true_grad)  # k1 of pi_theta0: stale
 
 
+# the paper's sampling (T 0.8, top-p 0.95) over a two-step, three-token vocabulary; the reference's nucleus (by hand:
+# each row's smallest token has probability 0.002-0.012 at T 0.8) leaves one token out at every position
+PAPER_T, PAPER_TOP_P = 0.8, 0.95
+NUCLEUS_REF1 = torch.tensor([2.0, 1.0, -2.0])
+NUCLEUS_REF2 = torch.tensor([[2.0, 1.0, -2.0], [-2.5, 2.0, 1.5], [1.0, -1.5, 1.8]])
+NUCLEUS_REF_KEEP1 = torch.tensor([True, True, False])
+NUCLEUS_REF_KEEP2 = torch.tensor([[True, True, False], [False, True, True], [True, False, True]])
+
+
+def _nucleus_logps(logits, keep):
+    """log-probabilities of the nucleus distribution at PAPER_T, by hand: softmax over the kept tokens, -inf else."""
+    return (logits / PAPER_T).masked_fill(~keep, -math.inf).log_softmax(-1)
+
+
+def _log_rho(logits, keep, token):
+    """the reference term of `token`, by hand: its probability renormalised over the nucleus and itself."""
+    kept = keep.clone()
+    kept[token] = True
+    return logits[token] / PAPER_T - (logits / PAPER_T)[kept].logsumexp(0)
+
+
+def _learner_logp(logits, token):
+    """what the learner computes for a sampled token: common.sampling_logits (its own nucleus, the token kept)."""
+    return common.sampling_logits(logits, torch.tensor(token), PAPER_T, PAPER_TOP_P).log_softmax(-1)[token]
+
+
+@pytest.mark.parametrize("case", ["inside", "outside"])
+def test_k1_in_the_reward_at_the_papers_top_p(case):
+    """At T 0.8, top-p 0.95, every logprob as the learner computes it (each model's own nucleus, the sampled token
+    kept), off-policy (theta != theta0, the same nucleus); exact expectation over every pair (group size 2) of
+    sequences. `inside`: the reference's nucleus holds every token the policy's does, and the loss main() builds has
+    exactly the gradient of E[r] - kl_coef KL(pi || pi_ref) between the two nucleus distributions (Eq. 4 at top-p
+    0.95). `outside`: the policy samples tokens outside the reference's nucleus, where that KL is infinite; such a
+    token's reference term is rho, its probability renormalised over the reference's nucleus and itself (finite, and
+    not a distribution: it sums to more than 1), and the gradient is exactly that of
+    E[r] - kl_coef E_pi[log pi - log rho]."""
+    if case == "inside":  # at each position the policy's nucleus leaves out the token the reference's does
+        theta1 = torch.tensor([2.2, 0.9, -1.5], requires_grad=True)
+        theta2 = torch.tensor([[1.8, 1.2, -2.5], [-2.6, 1.5, 1.4], [1.6, -2.2, 2.1]], requires_grad=True)
+        keep1, keep2 = NUCLEUS_REF_KEEP1, NUCLEUS_REF_KEEP2
+    else:  # flat: the policy's nucleus holds all three tokens everywhere
+        theta1 = torch.tensor([1.0, 0.5, 0.8], requires_grad=True)
+        theta2 = torch.tensor([[1.0, 0.5, 0.8], [0.3, 1.0, 0.2], [0.5, 0.1, 0.9]], requires_grad=True)
+        keep1, keep2 = torch.ones(3, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool)
+    theta01 = theta1.detach() + torch.tensor([0.1, -0.1, 0.05])  # the sampling policy: off-policy, the same nucleus
+    theta02 = theta2.detach() + torch.tensor([[0.1, -0.05, 0.0], [0.0, 0.1, -0.1], [-0.1, 0.0, 0.1]])
+    for logits, keep in [(theta1, keep1), (theta01, keep1), (NUCLEUS_REF1, NUCLEUS_REF_KEEP1),
+                         *zip([*theta2, *theta02, *NUCLEUS_REF2], [*keep2, *keep2, *NUCLEUS_REF_KEEP2])]:
+        kept = common.sampling_logits(logits.detach(), logits.detach().argmax(), PAPER_T, PAPER_TOP_P).isfinite()
+        assert torch.equal(kept, keep)  # the nuclei above, by hand, are the learner's
+    seqs = [(a, b) for a in range(3) for b in range(3)]
+    reward = torch.tensor([1.0, 0.0, 0.3, 0.7, 0.2, 0.9, 0.0, 0.5, 0.4])
+    kl_coef = 0.5
+
+    def learner_logps(t1, t2):  # [9 sequences, 2 tokens]
+        return torch.stack([torch.stack([_learner_logp(t1, a), _learner_logp(t2[a], b)]) for a, b in seqs])
+
+    def nucleus_logp(t1, t2):  # [9]: log pi of each sequence under the nucleus distributions (-inf outside)
+        return torch.stack([_nucleus_logps(t1, keep1)[a] + _nucleus_logps(t2[a], keep2[a])[b] for a, b in seqs])
+
+    ref = learner_logps(NUCLEUS_REF1, NUCLEUS_REF2)
+    log_rho = torch.stack([_log_rho(NUCLEUS_REF1, NUCLEUS_REF_KEEP1, a)
+                           + _log_rho(NUCLEUS_REF2[a], NUCLEUS_REF_KEEP2[a], b) for a, b in seqs])
+    assert torch.allclose(ref.sum(1), log_rho, atol=1e-6)  # the learner's reference term is rho
+    old = learner_logps(theta01, theta02)
+    p0 = nucleus_logp(theta01, theta02).exp()
+    support = p0 > 0
+    assert support.sum() == (4 if case == "inside" else 9)
+
+    def expected_grad():
+        logp = learner_logps(theta1, theta2)
+        total = 0.0
+        for i in range(9):
+            for j in range(9):
+                rows = [i, j]
+                adv = rloo.shaped_advantages(reward[rows], logp[rows].detach(), ref[rows], torch.ones(2, 2),
+                                             kl_coef=kl_coef, kl_estimator="k1", group_size=2)
+                loss, _ = rloo.rloo_loss(logp[rows], old[rows], ref[rows], torch.zeros(2, 2), torch.ones(2, 2), adv,
+                                         **_hp(kl_coef=kl_coef, kl_estimator="k1"))
+                total = total + p0[i] * p0[j] * loss
+        return torch.autograd.grad(-total, (theta1, theta2))
+
+    log_pi = nucleus_logp(theta1, theta2)[support]
+    ref_nucleus = torch.stack([_nucleus_logps(NUCLEUS_REF1, NUCLEUS_REF_KEEP1)[a]
+                               + _nucleus_logps(NUCLEUS_REF2[a], NUCLEUS_REF_KEEP2[a])[b] for a, b in seqs])[support]
+    if case == "inside":
+        assert torch.allclose(ref_nucleus, log_rho[support])  # rho is the reference's nucleus distribution here
+        against = ref_nucleus
+    else:
+        assert torch.isinf(ref_nucleus).any()  # KL(pi || pi_ref) between the nucleus distributions is infinite
+        assert sum(_log_rho(NUCLEUS_REF1, NUCLEUS_REF_KEEP1, y).exp() for y in range(3)) > 1.001  # rho: no distribution
+        against = log_rho[support]
+    objective = (log_pi.exp() * reward[support]).sum() - kl_coef * (log_pi.exp() * (log_pi - against)).sum()
+    true_grad = torch.autograd.grad(objective, (theta1, theta2))
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(expected_grad(), true_grad))
+
+
 def test_k1_is_folded_into_the_reward_not_the_loss():
     logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -1.0]])
     loss, stats = rloo.rloo_loss(logp, logp, ref, torch.zeros_like(logp), torch.ones_like(logp), torch.zeros(1),
@@ -422,9 +520,9 @@ def test_truncated_is_weights_by_hand():
 
 
 def test_truncated_is_per_token_by_default_whatever_the_iw_level():
-    """--tis-level token (the default, TRL's and verl's): each token's gradient is weighted by its own truncated
-    ratio, at sequence-level K-reuse weights and under Proximal RLOO too; a long answer is not down-weighted as a
-    whole (a sequence-level weight would be min(prod, C))."""
+    """--tis-level token (the default; verl's token-TIS preset, while TRL 1.16's GRPOTrainer masks per sequence): each
+    token's gradient is weighted by its own truncated ratio, at sequence-level K-reuse weights and under Proximal RLOO
+    too; a long answer is not down-weighted as a whole (a sequence-level weight would be min(prod, C))."""
     assert rloo.Args().tis_level == "token" and rloo.Args().iw_level == "sequence"
     learner = torch.tensor([[-1.0, -1.0, -1.0]])
     sampler = torch.tensor([[-1.5, -0.5, -1.0]])
@@ -440,6 +538,74 @@ def test_truncated_is_per_token_by_default_whatever_the_iw_level():
     logp = learner.clone().requires_grad_(True)
     rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(), tis=seq_tis)[0].backward()
     assert torch.allclose(logp.grad, -seq_tis.expand(1, 3))
+
+
+# rloo_loss's inputs for the flag-combination test: 3 responses of 3 tokens (N == T, where a [N] weight broadcast
+# against [N, T] scales columns instead of rows without an error); the second response's last token is padding
+COMBO_LOGP = [[-1.0, -2.0, -0.5], [-0.3, -1.2, -9.0], [-2.0, -0.7, -1.1]]
+COMBO_LOG_RATIO = [[0.05, 0.1, -0.05], [0.3, 0.2, 5.0], [0.1, 0.2, 0.1]]  # log pi_theta - log pi_theta0 per token
+COMBO_MASK = [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+COMBO_ADV = [1.0, -0.5, 2.0]
+COMBO_TIS = {"token": [[1.5, 0.5, 2.0], [0.8, 1.2, 0.0], [0.3, 1.0, 1.7]], "sequence": [2.0, 0.4, 1.3]}
+
+
+def _combo_by_hand(iw_level, tis_level, ppo_clip, rows):
+    """rloo_loss's value, d loss / d log pi and w in scalars (no broadcasting): row i's term, token t's gradient."""
+    m, adv = COMBO_MASK, COMBO_ADV
+    token_tis = lambda i, t: COMBO_TIS["token"][i][t] if tis_level == "token" else 1.0  # noqa: E731
+    seq_tis = lambda i: COMBO_TIS["sequence"][i] if tis_level == "sequence" else 1.0  # noqa: E731
+    seq_w = lambda i: math.exp(sum(COMBO_LOG_RATIO[i][t] * m[i][t] for t in range(3)))  # noqa: E731
+    if ppo_clip is not None:  # the sequence's ratio r whatever --iw-level: -min(r A, clip(r) A) * tis_seq
+        def term(i):
+            r = seq_w(i)
+            return -min(r * adv[i], min(max(r, 1 - ppo_clip), 1 + ppo_clip) * adv[i]) * seq_tis(i)
+
+        def grad(i, t):  # the unclipped side carries d r / d log pi_t = r (weighted by token tis_t); the clipped, none
+            r = seq_w(i)
+            unclipped = r * adv[i] <= min(max(r, 1 - ppo_clip), 1 + ppo_clip) * adv[i]
+            return -seq_tis(i) * adv[i] * r * token_tis(i, t) * m[i][t] if unclipped else 0.0
+        weights = [seq_w(i) for i in range(rows)]
+    elif iw_level == "sequence":  # -w tis_seq A sum_t tis_t log pi_t
+        def term(i):
+            return -seq_w(i) * seq_tis(i) * adv[i] * sum(token_tis(i, t) * COMBO_LOGP[i][t] * m[i][t] for t in range(3))
+
+        def grad(i, t):
+            return -seq_w(i) * seq_tis(i) * adv[i] * token_tis(i, t) * m[i][t]
+        weights = [seq_w(i) for i in range(rows)]
+    else:  # -tis_seq A sum_t w_t tis_t log pi_t
+        token_w = lambda i, t: math.exp(COMBO_LOG_RATIO[i][t]) * m[i][t]  # noqa: E731
+
+        def term(i):
+            return -seq_tis(i) * adv[i] * sum(token_w(i, t) * token_tis(i, t) * COMBO_LOGP[i][t] for t in range(3))
+
+        def grad(i, t):
+            return -seq_tis(i) * adv[i] * token_w(i, t) * token_tis(i, t)
+        weights = [sum(token_w(i, t) for t in range(3)) / sum(m[i]) for i in range(rows)]
+    loss = sum(term(i) for i in range(rows)) / rows
+    return loss, [[grad(i, t) / rows for t in range(3)] for i in range(rows)], weights
+
+
+@pytest.mark.parametrize("ppo_clip", [None, 0.2])
+@pytest.mark.parametrize("tis_level", [None, "token", "sequence"])
+@pytest.mark.parametrize("iw_level", ["sequence", "token"])
+def test_every_iw_tis_and_ppo_combination_by_hand(iw_level, tis_level, ppo_clip):
+    """--iw-level x --tis-level (none: --tis off) x --ppo-clip combine freely: the loss, its gradient and the reported
+    weights equal a scalar hand computation, with N == T (3 x 3) and with N != T (2 x 3). A sequence-level TIS weight
+    multiplies every token of its own row. Under --ppo-clip the ratio is the sequence's at either --iw-level (the
+    second response's ratio e^0.5 lies above 1 + eps at a negative advantage, so its unclipped side is the minimum;
+    the third's is clipped: no gradient)."""
+    for rows in (3, 2):
+        logp = torch.tensor(COMBO_LOGP[:rows], requires_grad=True)
+        old = logp.detach() - torch.tensor(COMBO_LOG_RATIO[:rows])
+        tis = None if tis_level is None else torch.tensor(COMBO_TIS[tis_level][:rows])
+        hyperparameters = _hp(iw_level=iw_level, ppo_clip=ppo_clip)
+        loss, stats = rloo.rloo_loss(logp, old, old, torch.zeros(rows, 3), torch.tensor(COMBO_MASK[:rows]),
+                                     torch.tensor(COMBO_ADV[:rows]), **hyperparameters, tis=tis)
+        loss.backward()
+        expected_loss, expected_grad, expected_w = _combo_by_hand(iw_level, tis_level, ppo_clip, rows)
+        assert loss.item() == pytest.approx(expected_loss, rel=1e-5), rows
+        assert torch.allclose(logp.grad, torch.tensor(expected_grad), atol=1e-6), rows
+        assert torch.allclose(stats["w"], torch.tensor(expected_w), atol=1e-6), rows
 
 
 def test_sequence_weights_never_overflow():
