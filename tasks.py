@@ -293,8 +293,10 @@ ARITHMETIC_QUESTION = "What is {a} {op} {b}? Give the final answer as a number."
 @dataclass
 class ArithmeticTask:
     """Offline two-digit arithmetic in words (module docstring): train problem i is a pure function of
-    (seed, i), test problem i of i alone (HELD_OUT_SEED); train and test are disjoint by a hash of the
-    problem (a tenth of the 16,200 problems is the test split)."""
+    (seed, i), test problem i of i alone (HELD_OUT_SEED). The 16,200 draws (a, b, op) are 12,195 distinct
+    questions (8,100 sums, 4,095 differences a - b with a >= b), 8,190 up to the order of a sum's terms; a hash
+    of that canonical problem puts about a tenth of them (871, asked as 1,277 questions) in the test split, so no
+    held-out sum has its commuted twin (b + a) in the train split."""
 
     seed: int = 0
     name: str = "arithmetic"
@@ -307,14 +309,22 @@ class ArithmeticTask:
             attempt += 1
             a, b = (int(x) for x in rng.integers(10, 100, size=2))
             op = "+" if rng.random() < 0.5 else "-"
-            if op == "-" and b > a:
-                a, b = b, a  # no negative results
-            in_test = int(hashlib.sha1(f"{a}{op}{b}".encode()).hexdigest(), 16) % 10 == 0
+            (a, op, b), in_test = self.question(a, b, op)
             if in_test != (split == "test"):
                 continue
             question = ARITHMETIC_QUESTION.format(a=a, op=op, b=b)
             return Problem(prompt=f"Question: {question}\nAnswer:", numbers=[a, b], target=a + b if op == "+" else a - b,
                            answer=str(a + b if op == "+" else a - b), user=question)
+
+    @staticmethod
+    def question(a: int, b: int, op: str) -> tuple[tuple[int, str, int], bool]:
+        """The question a draw asks, (a, op, b) with a difference's larger term first (no negative results), and
+        whether it is held out: a hash of the problem up to the order of a sum's terms, so that a + b and b + a fall
+        on the same side (a hash of the ordered problem put 673 of 766 held-out sums' twins in the train split)."""
+        if op == "-" and b > a:
+            a, b = b, a
+        canonical = f"{min(a, b)}+{max(a, b)}" if op == "+" else f"{a}-{b}"
+        return (a, op, b), int(hashlib.sha1(canonical.encode()).hexdigest(), 16) % 10 == 0
 
     def reward(self, completion: str, problem: Problem) -> float:
         return float(self.is_correct(completion, problem))
