@@ -412,3 +412,35 @@ def ess(weights: torch.Tensor, mask: torch.Tensor | None = None) -> float:
     when every weight is the same (on-policy), 1/N when one weight carries them all."""
     w = weights if mask is None else weights[mask.bool()]
     return (w.sum() ** 2 / (len(w) * (w ** 2).sum())).item()
+
+
+@dataclasses.dataclass
+class Batch:
+    """A round's completions on the learner, row i = sample i: right-padded prompt + completion rows ([N, T]), each
+    row's length, and `mask` and the sampler's token logprobs ([N, T - 1], aligned with input_ids[:, 1:]:
+    token_logprobs' layout). A script's Batch extends it with its method's tensors, in the same layout."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    lengths: list[int]
+    mask: torch.Tensor
+    sampler_logp: torch.Tensor
+
+    @classmethod
+    def from_samples(cls, samples, pad_token_id: int, device):
+        """The completions (the sampler's Completion objects) as padded rows on `device`, with their logprobs."""
+        input_ids, attention_mask, completion_mask = (t.to(device) for t in pad_prompt_completions(
+            [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
+        mask = completion_mask[:, 1:].float()
+        prompt_lengths = [len(s.prompt_token_ids) for s in samples]
+        sampler_logp = sampler_logprob_tensor(samples, prompt_lengths, mask.shape[1]).to(device)
+        lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
+        return cls(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+    def logprobs(self, model, args, dist=None) -> torch.Tensor:
+        """No-grad token logprobs of every row under `model`, processed as the sampler's (args.temperature and
+        args.top_p: the logprob contract), within --micro-batch-tokens, under --autocast-bf16; whole on every rank."""
+        return batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths,
+                              args.micro_batch_tokens, dist, bf16=args.autocast_bf16, temperature=args.temperature,
+                              top_p=args.top_p)

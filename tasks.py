@@ -741,3 +741,11 @@ class TrainProblems:
         problems = [self.task.problem("train", self.position + i) for i in range(n)]
         self.position += n
         return encode_prompts(self.tokenizer, problems, self.args.max_prompt_tokens, self.args.chat_template)
+
+
+def evaluator(sampler, task, tokenizer, args):
+    """pass@k on the held-out split as the flags say (--eval-problems, --eval-samples), sampling as in training
+    (--temperature, --top-p, --max-new-tokens): a function of no arguments, for Run.begin."""
+    return lambda: evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
+                            args.chat_template, temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_new_tokens)

@@ -75,7 +75,8 @@ class RunArgs:
     """wrap prompts in the tokenizer's chat template; on by default for an instruct model (`smollm2`, a name ending
     in -Instruct, -it or -Chat: checks.instruct_model), off otherwise"""
     system_prompt: str | None = None
-    """the system turn under --chat-template, instead of the task's own ("" for none)"""
+    """the system turn under --chat-template, instead of the task's own or the template's default ("" for none: no
+    system turn at all, not even the default one a template such as SmolLM2's inserts)"""
 
     # the sampler
     placement: Literal["auto", "cpu", "colocate", "separate"] = "auto"
@@ -136,6 +137,13 @@ class RunArgs:
             (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
             (self.sampler_threads >= 0, "--sampler-threads", f"must be >= 0, got {self.sampler_threads}"),
             (self.eval_samples >= 1 and self.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1"),
+            # the method's flags that every script has (a copy without one is not checked for it)
+            (getattr(self, "num_rounds", 1) >= 1, "--num-rounds", "must be >= 1"),
+            (getattr(self, "learning_rate", 1) > 0, "--learning-rate", "must be > 0"),
+            (0 < getattr(self, "top_p", 1) <= 1 and getattr(self, "temperature", 1) > 0, "--top-p/--temperature",
+             "need 0 < top_p <= 1, temperature > 0"),
+            (getattr(self, "max_new_tokens", 1) >= 1, "--max-new-tokens", "must be >= 1"),
+            (getattr(self, "max_prompt_tokens", 1) >= 1, "--max-prompt-tokens", "must be >= 1"),
         ]:
             checks.check_args(ok, flag, message)
         checks.check_sampler_urls(self.sampler_url)
@@ -207,8 +215,12 @@ class Run:
         return self.dist.device
 
     def learner_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model whose weights the sampler gets: keeps rank 0's full copy for the pushes (the model itself
-        without torchrun) and returns the model sharded under torchrun. Build its optimizer after this call."""
+        """The model whose weights the sampler gets: with --gradient-checkpointing set up, rank 0's full copy kept
+        for the pushes (the model itself without torchrun), returned sharded under torchrun. Build its optimizer
+        after this call."""
+        if self.args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: same numbers)
         self.push_model = distributed.push_copy(model, self.dist)
         return distributed.shard(model, self.dist)
 
@@ -277,6 +289,28 @@ class Run:
         self.logger.close()
 
     # ---- each round ----
+    def submit_round(self, train_problems, num_prompts: int, group_size: int, **sampling):
+        """Send the next `num_prompts` training problems (tasks.TrainProblems) to the sampler, `group_size` samples
+        each, sampled as --temperature, --top-p and --max-new-tokens say unless `sampling` overrides them (rank 0;
+        None elsewhere). Returns what collect() waits for, tagged (problems, prompts skipped as too long)."""
+        if self.sampler is None:
+            return None
+        problems, prompts, skipped = train_problems.take(num_prompts)
+        settings = dict(temperature=self.args.temperature, top_p=self.args.top_p, max_tokens=self.args.max_new_tokens)
+        ids = self.sampler.submit(prompts, n=group_size, **(settings | sampling))
+        return (problems, skipped), ids, time.perf_counter()
+
+    def collect(self, pending):
+        """Wait for a submit()'s completions: (its tag, the completions in prompt order, seconds since it was sent),
+        handed to every rank."""
+        return self.from_main(lambda: (pending[0], self.sampler.wait_for(pending[1]), time.perf_counter() - pending[2]))
+
+    def mismatch_correction(self, tis: str = "auto") -> bool:
+        """--tis (auto: whether the sampler's numbers differ from the learner's: a sampler not in fp32, the GPU
+        default, or a bf16 learner), on or off: whether the truncated IS correction applies."""
+        learner_bf16 = self.args.autocast_bf16 or self.args.dtype == "bfloat16"
+        return checks.mismatch_correction(tis, self.args.sampler_dtype, self.args.placement, learner_bf16)
+
     def from_main(self, fn: Callable, *fn_args):
         """fn(*fn_args) on rank 0 (the sampler's side), its result handed to every rank."""
         return distributed.broadcast(fn(*fn_args) if self.dist.is_main else None, self.dist)
@@ -319,12 +353,6 @@ class Run:
         precisions explain (a NaN: not measured)."""
         checks.warn_logprob_diff(logprob_diff, mismatch_expected, self._warned)
 
-    def count(self, episodes: int = 0, generate_seconds: float = 0.0, train_seconds: float = 0.0) -> None:
-        """Add a round's episodes and seconds to the run's totals."""
-        self.totals["episodes"] += episodes
-        self.totals["generate_seconds"] += generate_seconds
-        self.totals["train_seconds"] += train_seconds
-
     @staticmethod
     def lags(samples, version: int) -> dict:
         """charts/lag_min|mean|max: the learner's policy `version` minus the version that sampled each token."""
@@ -340,10 +368,16 @@ class Run:
                 "time/sample_fraction": t["generate_seconds"] / wall, "time/grad_steps_per_second": step / wall,
                 "charts/nonfinite_skipped": t["nonfinite_skipped"]}
 
-    def log(self, rounds_done: int, step: int, metrics: dict, show: tuple = ()) -> None:
-        """One round's metrics: metrics.jsonl and TensorBoard at `step`, the progress bar, and one console line (every
-        round, in every script): the reward, accuracy, KL, entropy and seconds, then the `show` metrics."""
+    def log(self, rounds_done: int, step: int, episodes: int, metrics: dict, show: tuple = ()) -> dict:
+        """One round's metrics, with `episodes` trained on and its time/generate_seconds and time/train_seconds added
+        to the run's totals and the totals' metrics added (throughput): metrics.jsonl and TensorBoard at `step`, the
+        progress bar, and one console line (every round, in every script): the reward, accuracy, KL, entropy and
+        seconds, then the `show` metrics. Returns the metrics logged."""
         self.step = step
+        self.totals["episodes"] += episodes
+        self.totals["generate_seconds"] += metrics["time/generate_seconds"]
+        self.totals["train_seconds"] += metrics["time/train_seconds"]
+        metrics = metrics | self.throughput(step)
         self.logger.log(step, metrics, echo=False)
         self._progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(metrics["charts/accuracy"]),
                               kl=metrics["charts/kl"])
@@ -351,6 +385,7 @@ class Run:
         self._progress.write(f"round {rounds_done}/{self.args.num_rounds} step {step}: " + " ".join(
             f"{name[:-len('_seconds')]} {value:.2f}s" if name.endswith("_seconds") else f"{name} {value:.3f}"
             for name, value in shown))
+        return metrics
 
     def end_round(self, rounds_done: int, step: int, data_position: int, sampler_rng=None, tokenizer=None) -> None:
         """After a round is logged: --snapshot-every's weights, --eval-every's pass@k, and the checkpoint
