@@ -375,12 +375,12 @@ class Run:
         seconds, then the `show` metrics. Returns the metrics logged."""
         self.step = step
         self.totals["episodes"] += episodes
-        self.totals["generate_seconds"] += metrics["time/generate_seconds"]
-        self.totals["train_seconds"] += metrics["time/train_seconds"]
+        self.totals["generate_seconds"] += metrics.get("time/generate_seconds", 0.0)
+        self.totals["train_seconds"] += metrics.get("time/train_seconds", 0.0)
         metrics = metrics | self.throughput(step)
         self.logger.log(step, metrics, echo=False)
-        self._progress.update(1, step=step, reward=metrics["charts/reward"], acc=float(metrics["charts/accuracy"]),
-                              kl=metrics["charts/kl"])
+        shown = {k.split("/")[-1]: float(metrics[k]) for k in CONSOLE[:3] if k in metrics}  # reward, accuracy, kl
+        self._progress.update(1, step=step, **shown)
         shown = [(k.split("/")[-1], metrics[k]) for k in CONSOLE + tuple(show) if k in metrics]
         self._progress.write(f"round {rounds_done}/{self.args.num_rounds} step {step}: " + " ".join(
             f"{name[:-len('_seconds')]} {value:.2f}s" if name.endswith("_seconds") else f"{name} {value:.3f}"
