@@ -100,7 +100,12 @@ class Args:
     beta: float = 0.1
     """DPO beta [0.1; gsm8k 0.05]"""
     learning_rate: float = 1e-4
-    """Adam learning rate, constant [paper 3e-6; tiny 1e-4]"""
+    """Adam learning rate (the start of --lr-schedule) [paper 3e-6; tiny 1e-4]"""
+    lr_schedule: Literal["linear", "constant"] = "constant"
+    """linear: decay from --learning-rate to 0 over --num-rounds, one value per round for its N steps (Table 4's
+    'Linear'; the authors' trainer: HF's default lr_scheduler_type linear over its batches); constant (Table 10 for
+    GSM8K). A resumed run continues it; a run extended on --resume stretches what is left of it to the new length
+    [paper linear; gsm8k constant; smollm2 constant; tiny constant]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     temperature: float = 1.0
@@ -205,12 +210,13 @@ class Args:
 
 @dataclass
 class GSM8KArgs(Args):
-    """--task gsm8k's defaults, for any model: Table 10 (Appendix A.3), §A.3's evaluation (greedy pass@1 on the whole test
-    set) and the authors' GSM8K configs (no missing-EOS penalty)."""
+    """--task gsm8k's defaults, for any model: Table 10 (Appendix A.3: beta 0.05, a constant learning rate), §A.3's
+    evaluation (greedy pass@1 on the whole test set) and the authors' GSM8K configs (no missing-EOS penalty)."""
 
     task: str = "gsm8k"
     group_size: int = 4
     beta: float = 0.05
+    lr_schedule: Literal["linear", "constant"] = "constant"
     eos_penalty_mode: Literal["replace", "subtract", "off"] = "off"
     eval_decoding: Literal["greedy", "sample"] = "greedy"
     eval_problems: int = 0
@@ -219,14 +225,16 @@ class GSM8KArgs(Args):
 GPU = torch.cuda.is_available()
 # the defaults that differ for a real model (checks.parse_args applies them unless --model tiny); on a GPU a real
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
-PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, temperature=0.7, max_new_tokens=512,
-             max_prompt_tokens=512, eval_problems=50, autocast_bf16=GPU, gradient_checkpointing=GPU)
+PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, lr_schedule="linear", temperature=0.7,
+             max_new_tokens=512, max_prompt_tokens=512, eval_problems=50, autocast_bf16=GPU, gradient_checkpointing=GPU)
 # --task gsm8k with a real model: Table 10's batch, 252 prompts a step; 129024 prompts (516096 episodes, 4 a prompt) = 512
 # steps of one minibatch (num_mini_batches 1), so one round = one step
 GSM8K_PAPER = dict(num_prompts=252, num_rounds=512)
-# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, 16 prompts x 4 samples a round
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, 16 prompts x 4 samples a round, at a constant
+# rate (1e-5 was chosen as one: a linear decay would halve the mean step of its 20 rounds)
 SMOLLM2 = PAPER | dict(task="arithmetic", group_size=4, num_prompts=16, num_rounds=20, learning_rate=1e-5,
-                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, autocast_bf16=False, gradient_checkpointing=False)
+                       lr_schedule="constant", max_new_tokens=64, max_prompt_tokens=128, eval_problems=100,
+                       autocast_bf16=False, gradient_checkpointing=False)
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -304,6 +312,15 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
     if loss_type == "dpo":
         return -F.logsigmoid(beta * h), beta * h
     return (h - 1 / (2 * beta)) ** 2, beta * h
+
+
+def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
+    """The learning rate of round `round_index` (0-based), for all its N steps: constant, or a linear decay to 0 (HF's
+    get_linear_schedule_with_warmup without warmup, one step a round as the authors' trainer takes one a batch, theirs
+    before it: docs/defaults.md): lr * (1 - round_index / num_rounds), ppo_oppo.py's schedule."""
+    if schedule == "constant":
+        return learning_rate
+    return learning_rate * max(0.0, 1 - round_index / num_rounds)
 
 
 def pair_lengths(lengths: list[int], chosen_rows, rejected_rows) -> list[int]:
@@ -594,6 +611,9 @@ def main():
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs
             round_start_step, losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = step, [], [], [], [], 0.0, 0.0
+            learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, round_index, args.num_rounds)
+            for group in optimizer.param_groups:  # from the round alone, not Adam's saved lr: a resume continues it
+                group["lr"] = learning_rate
             for mb, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
@@ -653,6 +673,7 @@ def main():
             metrics = round_metrics(samples, rewards, correct, batch.mask, generated["skipped"], round_start_step, (chosen, rejected, keep), losses,
                                     accuracies, margins, grad_norms, kl, logprob_diff, totals,
                                     (train_seconds, generate_seconds, time.time() - round_start, learner_wait, sampler_idle, push_seconds))
+            metrics["charts/learning_rate"] = learning_rate  # this round's steps' (--lr-schedule)
             checks.warn_logprob_diff(logprob_diff, mismatch_expected, warned)  # (a NaN: not measured this round)
             log_round(logger, progress, args, round_index, step, metrics)
             if not last:

@@ -5,6 +5,7 @@ steps skipped; the logprob contract on the realistic fixture."""
 import functools
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -489,3 +490,57 @@ def test_loss_average_all_by_default_is_the_authors_gradient():
 
     assert torch.allclose(ours("all"), authors_grad, atol=1e-7)
     assert not torch.allclose(ours("kept"), authors_grad, atol=1e-7)
+
+
+def test_learning_rate_schedule_per_task_as_the_paper():
+    """Table 4 (TL;DR): 'Linear', as the authors' trainer (HF's default lr_scheduler_type linear over its batches, one
+    step a batch); Table 10 (GSM8K): constant. A real model's TL;DR-like default decays, GSM8K and the tiny and smollm2
+    presets keep a constant rate; the flag wins."""
+    assert dpo.parse_args(["--model", "some/model"]).lr_schedule == "linear"
+    assert dpo.parse_args(["--model", "some/model", "--task", "gsm8k"]).lr_schedule == "constant"
+    presets = ([], ["--task", "gsm8k"], ["--model", "smollm2"])  # tiny, tiny on GSM8K, smollm2
+    assert [dpo.parse_args(f).lr_schedule for f in presets] == ["constant"] * 3
+    assert dpo.parse_args(["--model", "some/model", "--lr-schedule", "constant"]).lr_schedule == "constant"
+    gsm8k_linear = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--lr-schedule", "linear"])
+    assert gsm8k_linear.lr_schedule == "linear"
+    rates = [dpo.scheduled_learning_rate(3e-6, "linear", r, 4) for r in range(4)]
+    assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
+    # HF's get_linear_schedule_with_warmup without warmup, stepped once per round (ppo_oppo.py's schedule too)
+    from transformers import get_linear_schedule_with_warmup
+
+    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=3e-6)
+    schedule = get_linear_schedule_with_warmup(optimizer, 0, 4)
+    hf = []
+    for _ in range(4):
+        hf.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx(hf)
+    assert dpo.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6
+
+
+@pytest.mark.slow
+def test_linear_schedule_resumes_exactly(tmp_path):
+    """--lr-schedule linear under --sync on a fixed seed, 3 rounds with a checkpoint after each; a copy of the run
+    resumed from the checkpoint after round 2 trains its third round at the uninterrupted run's rate, with its numbers,
+    to its weights. The rate follows the round the checkpoint keeps, not the Adam state it saves (round 2's lr)."""
+    i = SYNC.index("--num-rounds")
+    flags = [*SYNC[:i], *SYNC[i + 2:], "--lr-schedule", "linear", "--num-rounds", "3", "--save-every", "1",
+             "--keep-checkpoints", "3", "--exp-name", "pytest_dpo_lr_resume"]
+    full = _run_dir(_run(*flags, cwd=tmp_path), tmp_path)
+    rounds = [r for r in runlog.read_metrics(full) if "charts/reward" in r]
+    assert [r["charts/learning_rate"] for r in rounds] == pytest.approx([1e-4, 1e-4 * 2 / 3, 1e-4 / 3])
+    assert rounds[2]["charts/pairs"] > 0 and rounds[2]["step"] > rounds[1]["step"]  # the third round steps
+    copy = tmp_path / "copy"
+    shutil.copytree(full, copy)
+    saved = {torch.load(f, weights_only=False)["round"]: f for f in (copy / "checkpoints").glob("*.pt")}
+    second = torch.load(saved[2], weights_only=False)
+    assert second["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-4 * 2 / 3)  # Adam's saved lr: round 2's
+    out = _run("--resume", str(saved[2]), cwd=tmp_path)
+    assert out.returncode == 0 and "resumed from" in out.stdout, out.stderr[-3000:]
+    timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")
+    resumed = [{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(copy) if "charts/reward" in r]
+    assert len(resumed) == 4 and resumed[3] == {k: v for k, v in rounds[2].items() if not timing(k)}
+    weights = [torch.load(d / "checkpoint.pt", weights_only=False)["model"] for d in (full, copy)]
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
