@@ -99,6 +99,11 @@ class Args:
     fraction), so rounds with many ties weigh more than rounds with few. The paper does not say"""
     beta: float = 0.1
     """DPO beta [0.1; gsm8k 0.05]"""
+    eos_logprob: Literal["include", "exclude"] = "include"
+    """whether the EOS that ends a completion counts in its sequence logprob (policy's and reference's alike, so
+    log pi(EOS) - log pi_ref(EOS) enters every margin): include: log pi(y) of the whole sampled response (the authors'
+    TL;DR runs, whose tokenizer pads with its own <|padding|>; TRL 1.16's online DPO); exclude: only the tokens before
+    it (the authors' GSM8K runs: pad = eos there, so their padding mask starts at the EOS) [gsm8k exclude; include]"""
     learning_rate: float = 1e-4
     """Adam learning rate (the start of --lr-schedule) [paper 3e-6; tiny 1e-4]"""
     lr_schedule: Literal["linear", "constant"] = "constant"
@@ -211,11 +216,13 @@ class Args:
 @dataclass
 class GSM8KArgs(Args):
     """--task gsm8k's defaults, for any model: Table 10 (Appendix A.3: beta 0.05, a constant learning rate), §A.3's
-    evaluation (greedy pass@1 on the whole test set) and the authors' GSM8K configs (no missing-EOS penalty)."""
+    evaluation (greedy pass@1 on the whole test set) and the authors' GSM8K code (no missing-EOS penalty; pad = eos, so
+    the EOS is not in a sequence's logprob)."""
 
     task: str = "gsm8k"
     group_size: int = 4
     beta: float = 0.05
+    eos_logprob: Literal["include", "exclude"] = "exclude"
     lr_schedule: Literal["linear", "constant"] = "constant"
     eos_penalty_mode: Literal["replace", "subtract", "off"] = "off"
     eval_decoding: Literal["greedy", "sample"] = "greedy"
@@ -329,10 +336,12 @@ def pair_lengths(lengths: list[int], chosen_rows, rejected_rows) -> list[int]:
 
 
 def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows, rejected_rows, ref_seq, *, beta: float,
-                    loss_type: str, bf16: bool = False, temperature: float = 1.0, top_p: float = 1.0, sampler_logp=None):
+                    loss_type: str, bf16: bool = False, temperature: float = 1.0, top_p: float = 1.0, sampler_logp=None,
+                    logp_mask=None):
     """The DPO loss of one micro-batch of whole pairs (mb.items index chosen_rows / rejected_rows: [pairs] rows of the
     right-padded batch), cut to its width. ref_seq: [rows] the reference's sequence logprobs; temperature and top_p: the
-    sampler's (the logprob contract). Returns (its pairs' mean loss, its number of pairs, outputs): outputs["margins"] =
+    sampler's (the logprob contract); logp_mask: [rows, T - 1] the tokens a sequence's logprob sums (Batch.logp_mask;
+    None: every completion token). Returns (its pairs' mean loss, its number of pairs, outputs): outputs["margins"] =
     beta h [its pairs] and, with the sampler's token logprobs `sampler_logp`, "diff_sum" and "diff_tokens": the summed
     |learner - sampler| over its pairs' completion tokens and their count."""
     k, width = len(mb.items), mb.width
@@ -340,6 +349,8 @@ def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows
     with common.autocast(ids.device, bf16):
         token_logp = common.token_logprobs(policy, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
                                            temperature=temperature, top_p=top_p)
+    if logp_mask is not None:
+        token_logp = token_logp * logp_mask[rows, :width - 1]
     logp, ref = token_logp.sum(1), ref_seq[rows]
     loss, margins = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], beta=beta, loss_type=loss_type)
     outputs = {"margins": margins}
@@ -353,7 +364,9 @@ def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows
 @dataclass
 class Batch:
     """One round on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt + completion);
-    `mask` and the sampler's token logprobs: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs' layout)."""
+    `mask`, the sampler's token logprobs and `logp_mask`: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs'
+    layout). logp_mask: the tokens that a sequence's logprob sums (the DPO margins), `mask` less an ending EOS under
+    --eos-logprob exclude; `mask`: every completion token (KL, logprob_diff)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -361,6 +374,7 @@ class Batch:
     lengths: list[int]
     mask: torch.Tensor
     sampler_logp: torch.Tensor
+    logp_mask: torch.Tensor
 
     def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
         """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
@@ -368,14 +382,21 @@ class Batch:
                                      **contract)
 
 
-def learner_batch(samples, pad_token_id: int, device) -> Batch:
-    """The round's completions as padded rows, with the sampler's per-token logprobs."""
+def learner_batch(samples, pad_token_id: int, device, eos_logprob: str = "include") -> Batch:
+    """The round's completions as padded rows, with the sampler's per-token logprobs. eos_logprob exclude: a completion
+    that ended on EOS (finish reason stop: the sampler's last token, which the authors' pad = eos mask leaves out) sums
+    its tokens before it."""
     input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
         [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
     mask = completion_mask[:, 1:].float()
     sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
     lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+    logp_mask = mask
+    if eos_logprob == "exclude":
+        logp_mask = mask.clone()
+        ended = [row for row, s in enumerate(samples) if s.finish_reason == "stop" and s.token_ids]
+        logp_mask[ended, [lengths[row] - 2 for row in ended]] = 0  # the last token's column (input position length - 1)
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp, logp_mask)
 
 
 # TRY NOT TO MODIFY: sampling rounds, loading, resuming, logging, reporting
@@ -596,7 +617,7 @@ def main():
                 checks.check_sampler_version(samples, step)  # on-policy: generated by the weights the learner holds
             # fresh: the learner still holds this batch's sampling weights (sync: always; async: round 1, or after one without a step)
             fresh = all(s.version_min == s.version_max == step for s in samples)
-            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device)
+            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device, args.eos_logprob)
 
             # ALGO LOGIC: pairs, the best and worst of each prompt's group; the reference's sequence logprobs
             rewards = rounds.rewards(generated)
@@ -606,7 +627,7 @@ def main():
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
             ref_logp = batch.logprobs(ref_policy, args.micro_batch_tokens, dist, bf16=args.autocast_bf16, **processing)
-            ref_seq = ref_logp.sum(1)
+            ref_seq = (ref_logp * batch.logp_mask).sum(1)  # --eos-logprob: with or without an ending EOS
             kl = common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item()  # charts/kl: k3 of the sampled responses vs pi_init
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs
@@ -625,7 +646,7 @@ def main():
                     mb_loss, size, mb_out = dpo_micro_batch(policy, batch.input_ids, batch.attention_mask, batch.completion_mask, micro,
                                                             chosen_rows[mb], rejected_rows[mb], ref_seq, beta=args.beta, loss_type=args.loss_type,
                                                             bf16=args.autocast_bf16, sampler_logp=batch.sampler_logp if fresh else None,
-                                                            **processing)
+                                                            logp_mask=batch.logp_mask, **processing)
                     share = micro.weight * size / total  # (weight 0: a torchrun stand-in)
                     (mb_loss * share).backward()
                     loss = loss + mb_loss.detach() * share
