@@ -99,8 +99,18 @@ class Args:
     fraction), so rounds with many ties weigh more than rounds with few. The paper does not say"""
     beta: float = 0.1
     """DPO beta [0.1; gsm8k 0.05]"""
+    eos_logprob: Literal["include", "exclude"] = "include"
+    """whether the EOS that ends a completion counts in its sequence logprob (policy's and reference's alike, so
+    log pi(EOS) - log pi_ref(EOS) enters every margin): include: log pi(y) of the whole sampled response (the authors'
+    TL;DR runs, whose tokenizer pads with its own <|padding|>; TRL 1.16's online DPO); exclude: only the tokens before
+    it (the authors' GSM8K runs: pad = eos there, so their padding mask starts at the EOS) [gsm8k exclude; include]"""
     learning_rate: float = 1e-4
-    """Adam learning rate, constant [paper 3e-6; tiny 1e-4]"""
+    """Adam learning rate (the start of --lr-schedule) [paper 3e-6; tiny 1e-4]"""
+    lr_schedule: Literal["linear", "constant"] = "constant"
+    """linear: decay from --learning-rate to 0 over --num-rounds, one value per round for its N steps (Table 4's
+    'Linear'; the authors' trainer: HF's default lr_scheduler_type linear over its batches); constant (Table 10 for
+    GSM8K). A resumed run continues it; a run extended on --resume stretches what is left of it to the new length
+    [paper linear; gsm8k constant; smollm2 constant; tiny constant]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     temperature: float = 1.0
@@ -205,12 +215,15 @@ class Args:
 
 @dataclass
 class GSM8KArgs(Args):
-    """--task gsm8k's defaults, for any model: Table 10 (Appendix A.3), §A.3's evaluation (greedy pass@1 on the whole test
-    set) and the authors' GSM8K configs (no missing-EOS penalty)."""
+    """--task gsm8k's defaults, for any model: Table 10 (Appendix A.3: beta 0.05, a constant learning rate), §A.3's
+    evaluation (greedy pass@1 on the whole test set) and the authors' GSM8K code (no missing-EOS penalty; pad = eos, so
+    the EOS is not in a sequence's logprob)."""
 
     task: str = "gsm8k"
     group_size: int = 4
     beta: float = 0.05
+    eos_logprob: Literal["include", "exclude"] = "exclude"
+    lr_schedule: Literal["linear", "constant"] = "constant"
     eos_penalty_mode: Literal["replace", "subtract", "off"] = "off"
     eval_decoding: Literal["greedy", "sample"] = "greedy"
     eval_problems: int = 0
@@ -219,14 +232,16 @@ class GSM8KArgs(Args):
 GPU = torch.cuda.is_available()
 # the defaults that differ for a real model (checks.parse_args applies them unless --model tiny); on a GPU a real
 # model needs bf16 autocast and checkpointing to fit beside a colocated sampler
-PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, temperature=0.7, max_new_tokens=512,
-             max_prompt_tokens=512, eval_problems=50, autocast_bf16=GPU, gradient_checkpointing=GPU)
+PAPER = dict(group_size=2, num_prompts=64, num_rounds=2000, learning_rate=3e-6, lr_schedule="linear", temperature=0.7,
+             max_new_tokens=512, max_prompt_tokens=512, eval_problems=50, autocast_bf16=GPU, gradient_checkpointing=GPU)
 # --task gsm8k with a real model: Table 10's batch, 252 prompts a step; 129024 prompts (516096 episodes, 4 a prompt) = 512
 # steps of one minibatch (num_mini_batches 1), so one round = one step
 GSM8K_PAPER = dict(num_prompts=252, num_rounds=512)
-# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, 16 prompts x 4 samples a round
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, 16 prompts x 4 samples a round, at a constant
+# rate (1e-5 was chosen as one: a linear decay would halve the mean step of its 20 rounds)
 SMOLLM2 = PAPER | dict(task="arithmetic", group_size=4, num_prompts=16, num_rounds=20, learning_rate=1e-5,
-                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, autocast_bf16=False, gradient_checkpointing=False)
+                       lr_schedule="constant", max_new_tokens=64, max_prompt_tokens=128, eval_problems=100,
+                       autocast_bf16=False, gradient_checkpointing=False)
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -306,16 +321,27 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
     return (h - 1 / (2 * beta)) ** 2, beta * h
 
 
+def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
+    """The learning rate of round `round_index` (0-based), for all its N steps: constant, or a linear decay to 0 (HF's
+    get_linear_schedule_with_warmup without warmup, one step a round as the authors' trainer takes one a batch, theirs
+    before it: docs/defaults.md): lr * (1 - round_index / num_rounds), ppo_oppo.py's schedule."""
+    if schedule == "constant":
+        return learning_rate
+    return learning_rate * max(0.0, 1 - round_index / num_rounds)
+
+
 def pair_lengths(lengths: list[int], chosen_rows, rejected_rows) -> list[int]:
     """Each pair's length (its longer row): what its micro-batch's padded width is cut to."""
     return [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
 
 
 def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows, rejected_rows, ref_seq, *, beta: float,
-                    loss_type: str, bf16: bool = False, temperature: float = 1.0, top_p: float = 1.0, sampler_logp=None):
+                    loss_type: str, bf16: bool = False, temperature: float = 1.0, top_p: float = 1.0, sampler_logp=None,
+                    logp_mask=None):
     """The DPO loss of one micro-batch of whole pairs (mb.items index chosen_rows / rejected_rows: [pairs] rows of the
     right-padded batch), cut to its width. ref_seq: [rows] the reference's sequence logprobs; temperature and top_p: the
-    sampler's (the logprob contract). Returns (its pairs' mean loss, its number of pairs, outputs): outputs["margins"] =
+    sampler's (the logprob contract); logp_mask: [rows, T - 1] the tokens a sequence's logprob sums (Batch.logp_mask;
+    None: every completion token). Returns (its pairs' mean loss, its number of pairs, outputs): outputs["margins"] =
     beta h [its pairs] and, with the sampler's token logprobs `sampler_logp`, "diff_sum" and "diff_tokens": the summed
     |learner - sampler| over its pairs' completion tokens and their count."""
     k, width = len(mb.items), mb.width
@@ -323,6 +349,8 @@ def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows
     with common.autocast(ids.device, bf16):
         token_logp = common.token_logprobs(policy, ids[rows, :width], attn[rows, :width], cmask[rows, :width],
                                            temperature=temperature, top_p=top_p)
+    if logp_mask is not None:
+        token_logp = token_logp * logp_mask[rows, :width - 1]
     logp, ref = token_logp.sum(1), ref_seq[rows]
     loss, margins = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], beta=beta, loss_type=loss_type)
     outputs = {"margins": margins}
@@ -336,7 +364,9 @@ def dpo_micro_batch(policy, ids, attn, cmask, mb: common.MicroBatch, chosen_rows
 @dataclass
 class Batch:
     """One round on the learner, row i = sample i: right-padded rows ([N, T]) and each row's length (prompt + completion);
-    `mask` and the sampler's token logprobs: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs' layout)."""
+    `mask`, the sampler's token logprobs and `logp_mask`: [N, T - 1], aligned with input_ids[:, 1:] (token_logprobs'
+    layout). logp_mask: the tokens that a sequence's logprob sums (the DPO margins), `mask` less an ending EOS under
+    --eos-logprob exclude; `mask`: every completion token (KL, logprob_diff)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -344,6 +374,7 @@ class Batch:
     lengths: list[int]
     mask: torch.Tensor
     sampler_logp: torch.Tensor
+    logp_mask: torch.Tensor
 
     def logprobs(self, model, max_tokens: int, dist=None, **contract) -> torch.Tensor:
         """No-grad token logprobs of every row under `model` (common.batch_logprobs), whole on every rank."""
@@ -351,14 +382,21 @@ class Batch:
                                      **contract)
 
 
-def learner_batch(samples, pad_token_id: int, device) -> Batch:
-    """The round's completions as padded rows, with the sampler's per-token logprobs."""
+def learner_batch(samples, pad_token_id: int, device, eos_logprob: str = "include") -> Batch:
+    """The round's completions as padded rows, with the sampler's per-token logprobs. eos_logprob exclude: a completion
+    that ended on EOS (finish reason stop: the sampler's last token, which the authors' pad = eos mask leaves out) sums
+    its tokens before it."""
     input_ids, attention_mask, completion_mask = (t.to(device) for t in common.pad_prompt_completions(
         [s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_token_id))
     mask = completion_mask[:, 1:].float()
     sampler_logp = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1]).to(device)
     lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+    logp_mask = mask
+    if eos_logprob == "exclude":
+        logp_mask = mask.clone()
+        ended = [row for row, s in enumerate(samples) if s.finish_reason == "stop" and s.token_ids]
+        logp_mask[ended, [lengths[row] - 2 for row in ended]] = 0  # the last token's column (input position length - 1)
+    return Batch(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp, logp_mask)
 
 
 # TRY NOT TO MODIFY: sampling rounds, loading, resuming, logging, reporting
@@ -579,7 +617,7 @@ def main():
                 checks.check_sampler_version(samples, step)  # on-policy: generated by the weights the learner holds
             # fresh: the learner still holds this batch's sampling weights (sync: always; async: round 1, or after one without a step)
             fresh = all(s.version_min == s.version_max == step for s in samples)
-            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device)
+            batch = learner_batch(samples, tokenizer.pad_token_id, dist.device, args.eos_logprob)
 
             # ALGO LOGIC: pairs, the best and worst of each prompt's group; the reference's sequence logprobs
             rewards = rounds.rewards(generated)
@@ -589,11 +627,14 @@ def main():
             pair_rows = torch.arange(len(rewards))[keep]
             chosen_rows, rejected_rows = pair_rows * args.group_size + chosen[keep], pair_rows * args.group_size + rejected[keep]
             ref_logp = batch.logprobs(ref_policy, args.micro_batch_tokens, dist, bf16=args.autocast_bf16, **processing)
-            ref_seq = ref_logp.sum(1)
+            ref_seq = (ref_logp * batch.logp_mask).sum(1)  # --eos-logprob: with or without an ending EOS
             kl = common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item()  # charts/kl: k3 of the sampled responses vs pi_init
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs
             round_start_step, losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = step, [], [], [], [], 0.0, 0.0
+            learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, round_index, args.num_rounds)
+            for group in optimizer.param_groups:  # from the round alone, not Adam's saved lr: a resume continues it
+                group["lr"] = learning_rate
             for mb, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
                 if len(mb) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
@@ -605,7 +646,7 @@ def main():
                     mb_loss, size, mb_out = dpo_micro_batch(policy, batch.input_ids, batch.attention_mask, batch.completion_mask, micro,
                                                             chosen_rows[mb], rejected_rows[mb], ref_seq, beta=args.beta, loss_type=args.loss_type,
                                                             bf16=args.autocast_bf16, sampler_logp=batch.sampler_logp if fresh else None,
-                                                            **processing)
+                                                            logp_mask=batch.logp_mask, **processing)
                     share = micro.weight * size / total  # (weight 0: a torchrun stand-in)
                     (mb_loss * share).backward()
                     loss = loss + mb_loss.detach() * share
@@ -653,6 +694,7 @@ def main():
             metrics = round_metrics(samples, rewards, correct, batch.mask, generated["skipped"], round_start_step, (chosen, rejected, keep), losses,
                                     accuracies, margins, grad_norms, kl, logprob_diff, totals,
                                     (train_seconds, generate_seconds, time.time() - round_start, learner_wait, sampler_idle, push_seconds))
+            metrics["charts/learning_rate"] = learning_rate  # this round's steps' (--lr-schedule)
             checks.warn_logprob_diff(logprob_diff, mismatch_expected, warned)  # (a NaN: not measured this round)
             log_round(logger, progress, args, round_index, step, metrics)
             if not last:

@@ -5,6 +5,7 @@ steps skipped; the logprob contract on the realistic fixture."""
 import functools
 import json
 import math
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -489,3 +490,138 @@ def test_loss_average_all_by_default_is_the_authors_gradient():
 
     assert torch.allclose(ours("all"), authors_grad, atol=1e-7)
     assert not torch.allclose(ours("kept"), authors_grad, atol=1e-7)
+
+
+def test_learning_rate_schedule_per_task_as_the_paper():
+    """Table 4 (TL;DR): 'Linear', as the authors' trainer (HF's default lr_scheduler_type linear over its batches, one
+    step a batch); Table 10 (GSM8K): constant. A real model's TL;DR-like default decays, GSM8K and the tiny and smollm2
+    presets keep a constant rate; the flag wins."""
+    assert dpo.parse_args(["--model", "some/model"]).lr_schedule == "linear"
+    assert dpo.parse_args(["--model", "some/model", "--task", "gsm8k"]).lr_schedule == "constant"
+    presets = ([], ["--task", "gsm8k"], ["--model", "smollm2"])  # tiny, tiny on GSM8K, smollm2
+    assert [dpo.parse_args(f).lr_schedule for f in presets] == ["constant"] * 3
+    assert dpo.parse_args(["--model", "some/model", "--lr-schedule", "constant"]).lr_schedule == "constant"
+    gsm8k_linear = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--lr-schedule", "linear"])
+    assert gsm8k_linear.lr_schedule == "linear"
+    rates = [dpo.scheduled_learning_rate(3e-6, "linear", r, 4) for r in range(4)]
+    assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
+    # HF's get_linear_schedule_with_warmup without warmup, stepped once per round (ppo_oppo.py's schedule too)
+    from transformers import get_linear_schedule_with_warmup
+
+    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=3e-6)
+    schedule = get_linear_schedule_with_warmup(optimizer, 0, 4)
+    hf = []
+    for _ in range(4):
+        hf.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx(hf)
+    assert dpo.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6
+
+
+@pytest.mark.slow
+def test_linear_schedule_resumes_exactly(tmp_path):
+    """--lr-schedule linear under --sync on a fixed seed, 3 rounds with a checkpoint after each; a copy of the run
+    resumed from the checkpoint after round 2 trains its third round at the uninterrupted run's rate, with its numbers,
+    to its weights. The rate follows the round the checkpoint keeps, not the Adam state it saves (round 2's lr)."""
+    i = SYNC.index("--num-rounds")
+    flags = [*SYNC[:i], *SYNC[i + 2:], "--lr-schedule", "linear", "--num-rounds", "3", "--save-every", "1",
+             "--keep-checkpoints", "3", "--exp-name", "pytest_dpo_lr_resume"]
+    full = _run_dir(_run(*flags, cwd=tmp_path), tmp_path)
+    rounds = [r for r in runlog.read_metrics(full) if "charts/reward" in r]
+    assert [r["charts/learning_rate"] for r in rounds] == pytest.approx([1e-4, 1e-4 * 2 / 3, 1e-4 / 3])
+    assert rounds[2]["charts/pairs"] > 0 and rounds[2]["step"] > rounds[1]["step"]  # the third round steps
+    copy = tmp_path / "copy"
+    shutil.copytree(full, copy)
+    saved = {torch.load(f, weights_only=False)["round"]: f for f in (copy / "checkpoints").glob("*.pt")}
+    second = torch.load(saved[2], weights_only=False)
+    assert second["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-4 * 2 / 3)  # Adam's saved lr: round 2's
+    out = _run("--resume", str(saved[2]), cwd=tmp_path)
+    assert out.returncode == 0 and "resumed from" in out.stdout, out.stderr[-3000:]
+    timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")
+    resumed = [{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(copy) if "charts/reward" in r]
+    assert len(resumed) == 4 and resumed[3] == {k: v for k, v in rounds[2].items() if not timing(k)}
+    weights = [torch.load(d / "checkpoint.pt", weights_only=False)["model"] for d in (full, copy)]
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+
+
+def _first_true_indices(bools: torch.Tensor) -> torch.Tensor:
+    """TRL's first_true_indices (trl/trainer/utils.py), which the authors' trainers import: a row's first True, or its
+    length when it has none."""
+    row_len = bools.size(-1)
+    return torch.min(row_len * (~bools).long() + torch.arange(row_len), dim=-1).values
+
+
+def _authors_kept_tokens(responses: torch.Tensor, eos: int, pad: int) -> torch.Tensor:
+    """The response tokens the authors' sequence logprob sums keep (async_rlhf dev 080e3ad,
+    src/online_dpo_single_vllm_trainer.py:441-447 and 483-485: truncate_response after the first EOS, filling with pad;
+    sequence_length = first pad - 1; padding_mask = index > sequence_length; :599 sum(logprobs * ~padding_mask))."""
+    idxs = torch.arange(responses.shape[1])
+    truncated = torch.masked_fill(responses, idxs > _first_true_indices(responses == eos).unsqueeze(-1), pad)
+    return ~(idxs > (_first_true_indices(truncated == pad) - 1).unsqueeze(1))
+
+
+def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
+    """GSM8K (the authors' odpo_gsm8k.py:86: pad = eos): a completion's ending EOS is left out of its sequence logprob;
+    elsewhere (their TL;DR runs: sft.py:71 pads with <|padding|>, and TRL 1.16's online DPO) it is summed. The margins
+    dpo_micro_batch forms equal beta h of the authors' masked sums on the tiny model, token for token."""
+    gsm8k = (["--task", "gsm8k"], ["--model", "some/model", "--task", "gsm8k"])
+    assert [dpo.parse_args(f).eos_logprob for f in gsm8k] == ["exclude"] * 2
+    others = ([], ["--model", "some/model"], ["--model", "smollm2"])
+    assert [dpo.parse_args(f).eos_logprob for f in others] == ["include"] * 3
+    from fastrl.vllm_sampler import Completion
+
+    eos, dummy = tokenizer.eos_token_id, 0  # dummy: the authors' vLLM padding (DUMMY_PAD_TOKEN) before truncation
+    other_pad = next(t for t in range(1, 50) if t not in (eos, dummy))  # a pad token that is not EOS (TL;DR's Pythia)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+    completions = [([20, 21, eos], "stop"), ([22, 23, 24, 25], "length"), ([eos], "stop"), ([26, eos], "stop")]
+    samples = [Completion(str(i), p, c, [0.0] * len(c), reason, [(0, 0, len(c))]) for i, (p, (c, reason))
+               in enumerate(zip(prompts, completions))]
+    width = max(len(c) for c, _ in completions)
+    responses = torch.tensor([c + [dummy] * (width - len(c)) for c, _ in completions])
+    policy = common.load_policy(tiny_path, "cpu")
+    ref = common.load_policy(tiny_path, "cpu").eval().requires_grad_(False)
+    with torch.no_grad():  # away from the reference: log pi(EOS) - log pi_ref(EOS) is not 0
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    chosen_rows, rejected_rows = torch.tensor([0, 3]), torch.tensor([1, 2])
+    margins = {}
+    for mode, pad in (("exclude", eos), ("include", other_pad)):
+        batch = dpo.learner_batch(samples, 0, "cpu", mode)
+        kept = _authors_kept_tokens(responses, eos, pad)
+        for row, (p, (c, _)) in enumerate(zip(prompts, completions)):  # ours, laid out as the authors' response rows
+            ours = batch.logp_mask[row]
+            assert ours[len(p) - 1: len(p) - 1 + len(c)].bool().tolist() == kept[row, :len(c)].tolist(), (mode, row)
+            assert ours.sum().item() == kept[row].sum().item() and not kept[row, len(c):].any()
+        args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+        ref_logp = common.batch_logprobs(ref, *args, batch.lengths, 8192, temperature=0.7)
+        ref_seq = (ref_logp * batch.logp_mask).sum(1)
+        pair_width = max(dpo.pair_lengths(batch.lengths, chosen_rows, rejected_rows))
+        both_pairs = common.MicroBatch([0, 1], pair_width)
+        _, _, out = dpo.dpo_micro_batch(policy, *args, both_pairs, chosen_rows, rejected_rows, ref_seq, beta=0.1,
+                                        loss_type="dpo", temperature=0.7, logp_mask=batch.logp_mask)
+        with torch.no_grad():  # by hand: each row's token logprobs on the authors' kept tokens
+            seq = {}
+            for name, model in (("policy", policy), ("ref", ref)):
+                logp = common.token_logprobs(model, *args, temperature=0.7)
+                seq[name] = [sum(logp[row, len(p) - 1 + j].item() for j in range(len(c)) if kept[row, j])
+                             for row, (p, (c, _)) in enumerate(zip(prompts, completions))]
+        by_hand = [0.1 * ((seq["policy"][c] - seq["ref"][c]) - (seq["policy"][r] - seq["ref"][r]))
+                   for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
+        assert out["margins"].tolist() == pytest.approx(by_hand, rel=1e-5, abs=1e-6)
+        margins[mode] = out["margins"]
+    assert not torch.allclose(margins["exclude"], margins["include"], atol=1e-5)  # the EOS terms do move every margin
+
+
+@pytest.mark.slow
+def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
+    """What --eos-logprob exclude relies on (learner_batch): a completion the sampler stopped (finish reason stop) holds
+    the EOS as its last token id, and only there (vLLM returns the stop token)."""
+    task = tasks.make_task("countdown", 1, tiny_prompts=True)
+    _, prompts, _ = tasks.encode_prompts(tokenizer, [task.problem("train", i) for i in range(8)], 64, False)
+    samples = sampler.generate(prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert stopped and all(s.token_ids[-1] == tokenizer.eos_token_id for s in stopped)
+    assert all(tokenizer.eos_token_id not in s.token_ids[:-1] for s in samples)
+    batch = dpo.learner_batch(stopped, tokenizer.pad_token_id, "cpu", "exclude")
+    assert (batch.mask.sum(1) - batch.logp_mask.sum(1)).tolist() == [1.0] * len(stopped)
