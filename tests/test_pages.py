@@ -81,16 +81,13 @@ def strip_rloo(source: str) -> str:
 
 @pytest.mark.slow
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(tmp_path):
-    copy = ROOT / "rloo_stripped_pytest.py"  # beside the original: it imports common, tasks and fastrl from there
+    work = scratch_dir("pytest_pages_")
+    copy = work / "rloo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
     copy.write_text(strip_rloo((ROOT / "rloo_kreuse.py").read_text()))
-    try:
-        work = scratch_dir("pytest_pages_")
-        out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3",
-                              "--num-prompts", "4", "--group-size", "4", "--k", "2", "--eval-problems", "4",
-                              "--eval-samples", "1"], cwd=work, capture_output=True, text=True, timeout=600,
-                             env=os.environ | {"OMP_NUM_THREADS": "1"})
-    finally:
-        copy.unlink()
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3",
+                          "--num-prompts", "4", "--group-size", "4", "--k", "2", "--eval-problems", "4",
+                          "--eval-samples", "1"], cwd=work, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     # each round after the first was sampled by the weights pushed after the one before (run.check_version in the
     # copy stops the run otherwise): K=2 steps a round, so round 3 ran on policy version 4
