@@ -102,13 +102,26 @@ class Args:
     flight: B = 1024, 16 generation GPUs at H = 64 each; its Conventional RL keeps all B*G in flight (32 GPUs at H = 128,
     B*G = 4096), as the default here does"""
     group_size: int = 4
-    """samples per prompt; the per-prompt mean reward is the baseline"""
+    """samples per prompt; the per-prompt mean reward is the baseline [paper 8, the authors' `attempts`; tiny 4]"""
     num_steps: int = 120
     """optimizer steps [paper 1000; tiny 120]"""
     learning_rate: float = 1e-4
-    """Adam learning rate [paper 1e-6; tiny 1e-4]"""
+    """AdamW's peak learning rate [paper 1e-6; tiny 1e-4]"""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay, on every weight but biases and LayerNorm weights (the authors' split); the paper
+    names plain Adam [paper 0.01, the authors' code; tiny 0]"""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """after --warmup-steps, constant or a cosine decay to 0 at --lr-schedule-steps (HF's
+    get_cosine_schedule_with_warmup, the authors' `lr_scheduler_type: cosine`; the paper names none) [paper cosine; tiny
+    constant]"""
+    warmup_steps: int = 0
+    """the learning rate rises linearly from 0 over this many optimizer steps (HF's warmup: the first step's rate is 0)
+    [paper 50, the authors' `num_warmup_steps`; tiny 0]"""
+    lr_schedule_steps: int | None = None
+    """the optimizer step where the cosine reaches 0 (None: --num-steps) [paper 100000, the authors' `max_train_steps`:
+    over the paper's 1000 steps the rate stays within 0.03% of its peak after the warmup]"""
     max_grad_norm: float = 1.0
-    """gradient clipping norm"""
+    """gradient clipping norm [paper 0.3, the authors' `gradient_clipping_threshold`; tiny 1.0]"""
     micro_batch_size: int = 16
     """at most this many sequences per forward/backward, grouped by length (memory and padding only: one step per B)"""
     micro_batch_tokens: int = 8192
@@ -190,6 +203,10 @@ class Args:
         for flag, ok, problem in [
             ("--num-steps", self.num_steps >= 1, f"must be >= 1, got {self.num_steps}"),
             ("--learning-rate", self.learning_rate > 0, f"must be > 0, got {self.learning_rate}"),
+            ("--weight-decay", self.weight_decay >= 0, f"must be >= 0, got {self.weight_decay}"),
+            ("--warmup-steps", self.warmup_steps >= 0, f"must be >= 0, got {self.warmup_steps}"),
+            ("--lr-schedule-steps", self.lr_schedule_steps is None or self.lr_schedule_steps > self.warmup_steps,
+             f"must be > --warmup-steps ({self.warmup_steps}), got {self.lr_schedule_steps}"),
             ("--group-size", n >= 2, "the per-prompt baseline needs at least 2 samples per prompt"),
             ("--train-batch-size", n >= 1 and B >= n and B % n == 0, f"must be a positive multiple of --group-size ({B} vs {n})"),
             ("--steps-per-rl-step", self.steps_per_rl_step >= 1, f"must be >= 1, got {self.steps_per_rl_step}"),
@@ -221,13 +238,30 @@ class Args:
 
 GPU = torch.cuda.is_available()
 # the defaults that differ for a real model (checks.parse_args applies them unless --model tiny); on a GPU a real
-# model needs bf16 autocast and checkpointing to fit beside a colocated sampler
+# model needs bf16 autocast and checkpointing to fit beside a colocated sampler. The paper gives no group size, weight
+# decay, schedule or clipping: those are the authors' code's (ServiceNow/PipelineRL conf/finetune/base.yaml)
 PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512, autocast_bf16=GPU,
-             gradient_checkpointing=GPU)
+             gradient_checkpointing=GPU, group_size=8, weight_decay=0.01, lr_schedule="cosine", warmup_steps=50,
+             lr_schedule_steps=100_000, max_grad_norm=0.3)
 
-# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, steps of 32 sequences
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): two-digit arithmetic, steps of 32 sequences; a constant rate without
+# weight decay, clipped at 1.0 (a 20-step run would spend itself in a 50-step warmup)
 SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=1e-5,
-                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False)
+                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False,
+                       gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant", warmup_steps=0,
+                       lr_schedule_steps=None, max_grad_norm=1.0)
+
+
+def scheduled_learning_rate(args: Args, step: int) -> float:
+    """The learning rate of the optimizer step that follows `step` steps (HF's schedulers, stepped once per optimizer
+    step, as the authors' trainer does): lr * step / warmup during the warmup, then constant or lr * (1 + cos(pi *
+    progress)) / 2, progress = (step - warmup) / (--lr-schedule-steps - warmup), at most 1 (HF's would rise again)."""
+    if step < args.warmup_steps:
+        return args.learning_rate * step / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.learning_rate
+    progress = min(1.0, (step - args.warmup_steps) / ((args.lr_schedule_steps or args.num_steps) - args.warmup_steps))
+    return args.learning_rate * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def reward_function(task, args: Args):
@@ -384,6 +418,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
         grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)).item()
         stepped = bool(torch.isfinite(loss)) and math.isfinite(grad_norm)
         if stepped:  # a NaN/inf never reaches the weights nor Adam
+            for group in optimizer.param_groups:  # from the step alone: a resumed run continues the schedule exactly
+                group["lr"] = scheduled_learning_rate(args, step)
             optimizer.step()
     optimizer.zero_grad()
     low_ess = batch_ess < args.ess_threshold and math.isfinite(loss.item())
@@ -391,7 +427,8 @@ def train_step(policy, ref_policy, optimizer, samples: list[vllm_sampler.Complet
     stats = dict(ess=batch_ess, reward=rewards.mean().item(), lag_min=min(lags), lag_mean=float(np.mean(lags)), lag_max=max(lags),
                  tokens=tokens, response_length=tokens / len(samples), loss=loss.item(), pg=out["pg"], kl_penalty=out["kl_penalty"],
                  kl=out["kl"].mean().item() if ref_policy is not None else float("nan"),  # charts/kl (no reference: none)
-                 grad_norm=grad_norm, **tis_stats(out["weights"][mask.bool()], args.tis_cap),
+                 grad_norm=grad_norm, learning_rate=scheduled_learning_rate(args, step),
+                 **tis_stats(out["weights"][mask.bool()], args.tis_cap),
                  outcome="trained" if stepped else "low_ess" if low_ess else "nonfinite", train_seconds=time.time() - start,
                  advantages=advantages.cpu())
     if out["diff_tokens"]:  # absent when no sequence of the batch was generated wholly by the current weights
@@ -569,7 +606,13 @@ def load_models(args: Args, model_path: str, dist):
     push_model = distributed.push_copy(policy, dist)
     policy = distributed.shard(policy, dist)
     ref_policy = distributed.shard(ref_policy, dist) if ref_policy is not None else None
-    optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all tensors
+    # AdamW as the authors' (pipelinerl/finetune/optim.py): biases and LayerNorm weights not decayed. Without decay, one
+    # group as before (AdamW at 0 is Adam to the bit, and an older run's checkpoint still resumes)
+    exempt = lambda name: args.weight_decay > 0 and any(k in name for k in ("bias", "LayerNorm.weight"))  # noqa: E731
+    groups = [dict(params=[p for n, p in policy.named_parameters() if not exempt(n)]),
+              dict(params=[p for n, p in policy.named_parameters() if exempt(n)], weight_decay=0.0)]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, eps=1e-7, fused=True)  # one kernel for all tensors
     return policy, ref_policy, push_model, optimizer
 
 
@@ -598,7 +641,7 @@ def round_metrics(stats: dict, totals: dict, in_flight: int, push_seconds: float
         "charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / totals["wall"],
         "charts/tokens_per_second": totals["tokens"] / totals["wall"],
         "losses/loss": stats["loss"], "losses/pg": stats["pg"], "losses/kl_penalty": stats["kl_penalty"], "charts/kl": stats["kl"],
-        "losses/grad_norm": stats["grad_norm"],
+        "losses/grad_norm": stats["grad_norm"], "charts/learning_rate": stats["learning_rate"],
         "time/push_seconds": push_seconds, "time/learner_wait_seconds": wait_seconds, "time/train_seconds": stats["train_seconds"],
     }
     if "logprob_diff" in stats:

@@ -83,6 +83,8 @@ OPTIONAL = dict(placement="auto", sampler_dtype="auto", sampler_gpu_memory=None,
                 autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=8192, top_p=1.0, kl_coef=0.0,
                 micro_batch_size=None, gen_batch_size=None, mode="pipeline", steps_per_rl_step=1, background_push=False,
                 inter=False, delta=0, delta_max=0, num_minibatches=1)
+# the batch flag fixes halves
+BATCH_FLAG = {"rloo": "num_prompts", "dpo": "num_prompts", "pipeline": "train_batch_size", "ppo": "batch_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +316,7 @@ def plan_line(learner: float, sampler: float, transfer: float, total: float, roo
 def refusal(learner: float, sampler: float, transfer: float, total: float, fixes: list[str], room: Headroom) -> str:
     """The line a run stops with when the plan does not fit: what is needed, and the flags that make it fit."""
     need = learner + sampler + transfer + room.bytes
-    fix = "; or ".join(fixes) if fixes else "a smaller model, batch or --max-new-tokens"
+    fix = "; or ".join(fixes) if fixes else "a smaller model or a larger GPU"
     return (f"error: memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB "
             f"+ {room.text()} = {need / GB:.1f} GB does not fit the GPU's {total / GB:.0f} GB; to fit: {fix}")
 
@@ -371,9 +373,10 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
         placement = "remote"
     learner, sampler, transfer, share, fits, room, sampler_room = _place(script, args, s, total, placement, reward_model_bytes)
     if not fits:
-        return Plan(learner, sampler, transfer, total, share, refusal(learner, sampler, transfer, total,
-                                                                      fixes(script, args, s, total, placement, reward_model_bytes, gpus),
-                                                                      room), False, room)
+        found = fixes(script, args, s, total, placement, reward_model_bytes, gpus)
+        found = found or [no_fix(script, args, s, total, placement, reward_model_bytes)]
+        line = refusal(learner, sampler, transfer, total, found, room)
+        return Plan(learner, sampler, transfer, total, share, line, False, room)
     if placement == "colocate":
         line = plan_line(learner, sampler, transfer, total, room)
     elif placement == "separate":
@@ -412,44 +415,99 @@ def _place(script: str, args, s: Shape, total: float, placement: str, reward_mod
             learner_fits and share * total >= need and learner + transfer + share * total + room.bytes <= total, room, 0.0)
 
 
-def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0, gpus: int = 1) -> list[str]:
-    """Flag changes that make the plan fit and still train as the run would, each alternative in one string. The
-    first that fits of: the memory settings (checkpointing, then bf16 autocast), then with a halved
-    --micro-batch-tokens (down to 1024), then with a halved batch; beside it, a sampler share the plan sizes itself
-    instead of the one given, and a sampler on a second GPU when there is one (`gpus`). Never --dtype bfloat16:
-    Adam steps at the papers' learning rates (1e-6 to 3e-6) round away on most bf16 weights."""
-    import copy
+def _flag(name, value) -> str:
+    """A change as the command line takes it: booleans as --flag / --no-flag, the one style every script parses
+    (tyro's)."""
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
+    return f"--{name.replace('_', '-')} {value}"
 
-    def fits(changes: dict, where: str = placement) -> bool:
-        a = copy.copy(args)
-        for name, value in changes.items():
-            setattr(a, name, value)
-        return _place(script, a, s, total, where, reward_model_bytes)[4]
 
-    def flag(name, value):  # booleans as --flag / --no-flag, the one style every script parses (tyro's)
-        if isinstance(value, bool):
-            return f"--{'' if value else 'no-'}{name.replace('_', '-')}"
-        return f"--{name.replace('_', '-')} {value}"
+def _has(args, name: str) -> bool:
+    """Whether the script has the flag (a copy's refusal names only flags it has: with_defaults)."""
+    return name not in getattr(args, "defaulted", ())
 
-    found = []
-    has = lambda name: name not in getattr(args, "defaulted", ())  # noqa: E731  (a copy's refusal names only flags it has)
-    if placement == "colocate" and has("sampler_gpu_memory") and args.sampler_gpu_memory is not None and fits({"sampler_gpu_memory": None}):
-        found.append("leave --sampler-gpu-memory out (the plan sizes it)")
-    memory = {name: True for name in ("gradient_checkpointing", "autocast_bf16") if has(name) and not getattr(args, name)}
-    budgets = [args.micro_batch_tokens // 2**i for i in range(1, 8) if has("micro_batch_tokens") and args.micro_batch_tokens // 2**i >= 1024]
+
+def _candidates(script: str, args) -> list[dict]:
+    """The flag changes fixes tries, in order: the memory settings (checkpointing, then bf16 autocast), then with a
+    halved --micro-batch-tokens (down to 1024); then, with the last of those, a smaller batch (halved, down to one
+    prompt or PipelineRL's group), shorter responses (--max-new-tokens halved, down to 32), and both. The last is the
+    smallest run the plan tries."""
+    memory = {name: True for name in ("gradient_checkpointing", "autocast_bf16")
+              if _has(args, name) and not getattr(args, name)}
+    budgets = [args.micro_batch_tokens // 2**i for i in range(1, 8)
+               if _has(args, "micro_batch_tokens") and args.micro_batch_tokens // 2**i >= 1024]
     candidates = [dict(list(memory.items())[:i]) for i in range(1, len(memory) + 1)]
     candidates += [memory | {"micro_batch_tokens": b} for b in budgets]
-    batch = {"rloo": "num_prompts", "dpo": "num_prompts", "pipeline": "train_batch_size", "ppo": "batch_size"}[script]
+    batch, size = BATCH_FLAG[script], getattr(args, BATCH_FLAG[script])
+    group = getattr(args, "group_size", 1) if script == "pipeline" else 1  # PipelineRL's B is whole groups
+    batches = sorted({b for b in [size // 2**i for i in range(1, 6)] + [group] if group <= b < size and b % group == 0},
+                     reverse=True)
+    lengths = [t for t in (args.max_new_tokens // 2**i for i in range(1, 6)) if t >= 32]
     smallest = candidates[-1] if candidates else {}
-    candidates += [smallest | {batch: getattr(args, batch) // 2**i} for i in range(1, 6) if getattr(args, batch) // 2**i >= 1]
-    for changes in candidates:
-        if changes and fits(changes):
-            text = " ".join(flag(name, value) for name, value in changes.items())
-            found.append(text + (" (a smaller batch)" if batch in changes else ""))
-            break
-    if placement == "colocate" and gpus >= 2 and has("placement") and fits({"sampler_gpu_memory": None}, "separate"):
+    candidates += [smallest | {batch: b} for b in batches] + [smallest | {"max_new_tokens": t} for t in lengths]
+    return candidates + [smallest | {batch: b, "max_new_tokens": t} for t in lengths for b in batches]
+
+
+def _place_with(script: str, args, changes: dict, s: Shape, total: float, placement: str, reward_model_bytes: int):
+    """_place for the flags with `changes` made."""
+    import copy
+
+    a = copy.copy(args)
+    for name, value in changes.items():
+        setattr(a, name, value)
+    return _place(script, a, s, total, placement, reward_model_bytes)
+
+
+def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0,
+          gpus: int = 1) -> list[str]:
+    """Flag changes that make the plan fit, each alternative in one string: a sampler share the plan sizes itself
+    instead of the one given, the first of _candidates that fits and trains the same run, a sampler on a second GPU
+    when there is one (`gpus`); only when none of those fits, the first candidate with a smaller batch or shorter
+    responses that fits, naming what it gives up. Each is tried through the plan: none is named that does not fit.
+    Never --dtype bfloat16: Adam steps at the papers' learning rates (1e-6 to 3e-6) round away on most bf16 weights."""
+    def fits(changes: dict, where: str = placement) -> bool:
+        return _place_with(script, args, changes, s, total, where, reward_model_bytes)[4]
+
+    found = []
+    if (placement == "colocate" and _has(args, "sampler_gpu_memory") and args.sampler_gpu_memory is not None
+            and fits({"sampler_gpu_memory": None})):
+        found.append("leave --sampler-gpu-memory out (the plan sizes it)")
+    candidates = _candidates(script, args)
+    given_up = lambda changes: [what for name, what in ((BATCH_FLAG[script], "a smaller batch"),  # noqa: E731
+                                                        ("max_new_tokens", "shorter responses")) if name in changes]
+    same_run = next((c for c in candidates if c and not given_up(c) and fits(c)), None)
+    if same_run:
+        found.append(" ".join(_flag(name, value) for name, value in same_run.items()))
+    if (placement == "colocate" and gpus >= 2 and _has(args, "placement")
+            and fits({"sampler_gpu_memory": None}, "separate")):
         found.append("--placement separate (the sampler on a second GPU)")
+    smaller = None if found else next((c for c in candidates if given_up(c) and fits(c)), None)  # a run of less
+    if smaller:
+        changes = " ".join(_flag(name, value) for name, value in smaller.items())
+        found.append(f"{changes} ({' and '.join(given_up(smaller))})")
     return found
+
+
+def no_fix(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0) -> str:
+    """The refusal's advice when no flag change fits: a smaller model or a larger GPU, with what the smallest run tried
+    (_candidates' last) needs on the learner's GPU and what the models alone hold there at any batch: the trained
+    models' weights, gradients and Adam moments, the frozen models (and a colocated sampler's weights)."""
+    candidates = _candidates(script, args)
+    smallest = candidates[-1] if candidates else {}
+    learner, sampler, transfer, _, _, room, _ = _place_with(script, args, smallest, s, total, placement,
+                                                            reward_model_bytes)
+    colocated = placement == "colocate"
+    step, _ = script_step(script, args, s, reward_model_bytes)
+    w = DTYPE_BYTES[getattr(args, "dtype", "float32")]
+    models = 4 * sum(step.trained) * w + sum(step.frozen) * w + step.frozen_bytes
+    if colocated:  # ("auto": bf16 on a GPU)
+        models += s.params * DTYPE_BYTES.get(args.sampler_dtype, 2)
+    run = " ".join(_flag(name, value) for name, value in smallest.items())
+    need = learner + transfer + room.bytes + (sampler if colocated else 0)
+    held = "weights, gradients and Adam moments" + ("; the sampler's weights" if colocated else "")
+    return (f"a smaller model or a larger GPU (even {run} needs ~{need / GB:.1f} GB; the models alone ({held}) "
+            f"~{models / GB:.1f} GB)")
 
 
 def reward_model_bytes(config) -> int:

@@ -349,15 +349,81 @@ def test_rloo_on_a_24_gb_card_fits_with_each_budget_itemised():
 def test_a_card_too_small_for_rloo_beside_its_sampler_is_refused_with_only_fixes_that_train_the_same():
     """16 GB: the learner, its transfer and the headroom leave vLLM less than it needs. With the memory flags on there
     is no flag left that trains the same run in less (a smaller micro-batch budget keeps every gradient alive across
-    passes: the step grows), so one GPU gets no flag; a second GPU gets --placement separate, and that plan fits."""
+    passes: the step grows), so one GPU gets only a smaller run that fits, named as one; a second GPU gets --placement
+    separate alone, and that plan fits."""
     args = _paper_args("rloo", 256, 512, True, True)
     p = memory_plan.plan("rloo", args, QWEN, 16 * GB)
     assert not p.fits and "CUDA contexts 1.0 + the sampler's push clones 0.5 + fragmentation" in p.line, p.line
-    assert p.line.endswith("to fit: a smaller model, batch or --max-new-tokens"), p.line
+    # no flag trains this run in less, but a smaller one fits, and is named as such
+    assert p.line.endswith("to fit: --micro-batch-tokens 1024 --num-prompts 1 --max-new-tokens 128 (a smaller batch "
+                           "and shorter responses)"), p.line
     p = memory_plan.plan("rloo", args, QWEN, 16 * GB, gpus=2)
-    assert p.line.endswith("to fit: --placement separate (the sampler on a second GPU)"), p.line
+    assert p.line.endswith("; to fit: --placement separate (the sampler on a second GPU)"), p.line
     p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 16 * GB, gpus=2)
     assert p.fits and "(CUDA context 0.5 + fragmentation 1.2) of 16 GB; sampler 13.6 GB + its CUDA context and push buffers 1.9 GB" in p.line
+
+
+# PPO on Qwen2.5-0.5B with its GPU defaults on 24 GB: nothing that trains it fits (issue 49, item 7)
+PPO_24_GB_NO_FIX = ("a smaller model or a larger GPU (even --micro-batch-tokens 1024 --batch-size 1 --max-new-tokens "
+                    "32 needs ~24.6 GB; the models alone (weights, gradients and Adam moments; the sampler's weights) "
+                    "~18.8 GB)")
+
+
+def _with_fix(args, fix: str):
+    """args with a suggested fix's flags applied (`--flag`, `--no-flag`, `--flag N`), its words in parentheses left
+    out."""
+    import copy
+    import shlex
+
+    args, words = copy.copy(args), shlex.split(fix.split(" (")[0])
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            name = word[2:].replace("-", "_")
+            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else None
+            if value is not None:
+                setattr(args, name, int(value) if value.isdigit() else value)
+            else:
+                setattr(args, name.removeprefix("no_"), not name.startswith("no_"))
+    return args
+
+
+def test_ppo_on_24_gb_names_no_change_that_does_not_fit():
+    """Issue 49, item 7: PPO with Qwen2.5-0.5B on a 24 GB card does not fit at batch 1 (learner ~18.5 GB) nor at
+    --max-new-tokens 64 (~22.5 GB), so the refusal names neither: a smaller model or a larger GPU, with what the
+    smallest run tried needs and what the models alone hold (actor and critic, ~2P, in fp32 with gradients and two
+    Adam moments: 4 x 4 bytes each; the fp32 reference, 4 bytes; the sampler's bf16 weights, 2 bytes: 38 P bytes,
+    18.8 GB)."""
+    args = _paper_args("ppo", 512, 1024, True, True)
+    for change, learner_gb in [(dict(batch_size=1), 18.5), (dict(max_new_tokens=64), 22.5)]:
+        p = memory_plan.plan("ppo", SimpleNamespace(**vars(args) | change), QWEN, 24 * GB)
+        assert not p.fits and round(p.learner / GB, 1) == learner_gb, (change, p.learner / GB)
+    p = memory_plan.plan("ppo", args, QWEN, 24 * GB)
+    assert not p.fits and p.line.endswith(f"to fit: {PPO_24_GB_NO_FIX}"), p.line
+    models = 4 * 4 * (QWEN.params + QWEN.critic_params) + 4 * QWEN.params + 2 * QWEN.params
+    assert models / GB == pytest.approx(18.8, abs=0.05)
+    smallest = SimpleNamespace(**vars(args) | dict(micro_batch_tokens=1024, batch_size=1, max_new_tokens=32))
+    smallest = memory_plan.plan("ppo", smallest, QWEN, 24 * GB)
+    assert not smallest.fits and "= 24.6 GB does not fit" in smallest.line
+
+
+def test_every_fix_named_fits_when_applied():
+    """Over each script, memory setting, card and GPU count: every flag change a refusal names makes the plan fit (the
+    sampler's share left to the plan, or the sampler on a second GPU, as named)."""
+    named = 0
+    for script in ("rloo", "dpo", "pipeline", "ppo"):
+        prompt, response = dict(rloo=(256, 512), dpo=(512, 512), pipeline=(512, 1024), ppo=(512, 1024))[script]
+        for autocast, checkpointing, extra in [(False, False, {}), (True, True, {}),
+                                               (True, True, {"sampler_gpu_memory": 0.8})]:
+            for total_gb, gpus in [(8, 1), (12, 1), (16, 1), (16, 2), (24, 1), (32, 1), (40, 1)]:
+                args = _paper_args(script, prompt, response, autocast, checkpointing, **extra)
+                for fix in memory_plan.fixes(script, args, QWEN, total_gb * GB, "colocate", gpus=gpus):
+                    changed = SimpleNamespace(**vars(_with_fix(args, fix)) | {"sampler_gpu_memory": None})
+                    if fix.startswith("--placement separate"):
+                        changed.placement = "separate"
+                    plan = memory_plan.plan(script, changed, QWEN, total_gb * GB, gpus=gpus)
+                    assert plan.fits, (script, total_gb, fix)
+                    named += 1
+    assert named > 20
 
 
 @pytest.mark.parametrize("total_gb", [24, 80])
@@ -372,7 +438,7 @@ def test_plan_for_each_script_at_its_memory_defaults(script, total_gb):
     p = memory_plan.plan(script, args, QWEN, total_gb * GB)
     if (script, total_gb) == ("ppo", 24):
         # fp32 actor + critic with Adam leave no room on 24 GB; bf16 weights would fit but not train at lr 3e-6
-        assert not p.fits and p.line.endswith("to fit: a smaller model, batch or --max-new-tokens"), p.line
+        assert not p.fits and p.line.endswith(f"to fit: {PPO_24_GB_NO_FIX}"), p.line
         assert "--dtype" not in p.line and "--placement separate" not in p.line
         return
     assert p.fits, p.line
@@ -390,7 +456,10 @@ def test_plan_refuses_in_one_line_naming_the_flags_that_fit():
     p = memory_plan.plan("ppo", args, QWEN, 24 * GB)
     assert not p.fits and p.share is None
     assert p.line.startswith("error: memory plan: learner ~") and "does not fit the GPU's 24 GB" in p.line
-    assert p.line.endswith("to fit: a smaller model, batch or --max-new-tokens"), p.line  # never --dtype bfloat16
+    # never --dtype bfloat16; the memory flags alone do not fit, nor a smaller batch or shorter responses with them
+    assert p.line.endswith("to fit: a smaller model or a larger GPU (even --gradient-checkpointing --autocast-bf16 "
+                           "--micro-batch-tokens 1024 --batch-size 1 --max-new-tokens 32 needs ~24.6 GB; the models "
+                           "alone (weights, gradients and Adam moments; the sampler's weights) ~18.8 GB)"), p.line
     # 40 GB: checkpointing alone
     p = memory_plan.plan("ppo", args, QWEN, 40 * GB)
     assert not p.fits and p.line.endswith("to fit: --gradient-checkpointing"), p.line

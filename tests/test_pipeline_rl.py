@@ -546,3 +546,83 @@ def test_a_real_model_gets_the_papers_one_or_zero_reward():
     assert [prl.reward_function(task, real)(c, problem) for c in (right, wrong, "no answer")] == [1.0, 0.0, 0.0]
     assert [prl.reward_function(task, tiny)(c, problem) for c in (right, wrong, "no answer")] == \
         [1.0, tasks.COUNTDOWN_FORMAT_SCORE, 0.0]
+
+
+def test_a_real_model_gets_the_authors_optimizer_group_size_and_schedule():
+    """The paper names Adam at 1e-6 and nothing more of the optimizer, nor a group size: a real model gets the authors'
+    code's values. ServiceNow/PipelineRL conf/finetune/base.yaml at 9c755ed (2025-09-13, the paper's month; the same at
+    58d3934, 2026-06): `optim: adamw_torch`, `weight_decay: 0.01`, `learning_rate: 1e-6`, `gradient_clipping_threshold:
+    0.3`, `lr_scheduler_type: cosine`, `num_warmup_steps: 50`, `max_train_steps: 100000` (the cosine's length: its
+    launch command sets no other), `attempts: 8` (conf/base.yaml: `attempts: ${finetune.attempts}`, the group size).
+    The tiny model and --model smollm2 keep a constant rate without decay, clipped at 1.0 (their numbers unchanged)."""
+    real = checks.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=prl.PAPER, smollm2=prl.SMOLLM2)
+    assert (real.group_size, real.learning_rate, real.weight_decay, real.max_grad_norm) == (8, 1e-6, 0.01, 0.3)
+    assert (real.lr_schedule, real.warmup_steps, real.lr_schedule_steps) == ("cosine", 50, 100_000)
+    for argv in ([], ["--model", "smollm2"]):
+        kept = checks.parse_args(prl.Args, argv, paper=prl.PAPER, smollm2=prl.SMOLLM2)
+        assert (kept.weight_decay, kept.lr_schedule, kept.warmup_steps, kept.max_grad_norm) == (0.0, "constant", 0, 1.0)
+        assert [prl.scheduled_learning_rate(kept, s) for s in (0, 7, 10**6)] == [kept.learning_rate] * 3
+    assert checks.parse_args(prl.Args, ["--model", "smollm2"], paper=prl.PAPER, smollm2=prl.SMOLLM2).group_size == 8
+
+
+def test_the_cosine_schedule_by_hand_and_against_transformers():
+    """HF's get_cosine_schedule_with_warmup, stepped after each optimizer step as the authors' trainer does: step s (s
+    steps taken before it) trains at lr * s / 50 in the warmup (the first at 0), then lr * (1 + cos(pi * (s - 50) /
+    99950)) / 2; 0 from the end on."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    args = checks.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=prl.PAPER)
+    by_hand = {0: 0.0, 25: 0.5e-6, 49: 0.98e-6, 50: 1e-6, 1000: 1e-6 * (1 + math.cos(math.pi * 950 / 99950)) / 2,
+               50_025: 0.5e-6, 100_000: 0.0, 150_000: 0.0}
+    assert prl.scheduled_learning_rate(args, 1000) == pytest.approx(0.99977700e-6, rel=1e-7)  # 950/99950 of the half-cosine
+    for step, lr in by_hand.items():
+        assert prl.scheduled_learning_rate(args, step) == pytest.approx(lr, rel=1e-12, abs=1e-18), step
+    short = prl.Args(learning_rate=1.0, lr_schedule="cosine", warmup_steps=3, num_steps=11)  # None: over --num-steps
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    hf = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=11)
+    for step in range(12):
+        assert prl.scheduled_learning_rate(short, step) == pytest.approx(optimizer.param_groups[0]["lr"], abs=1e-12), step
+        optimizer.step()
+        hf.step()
+    constant = prl.Args(learning_rate=2.0, warmup_steps=4)  # a warmup, then constant
+    assert [prl.scheduled_learning_rate(constant, s) for s in (0, 2, 4, 99)] == [0.0, 1.0, 2.0, 2.0]
+
+
+def test_each_step_trains_at_its_scheduled_rate_and_a_resumed_run_continues_exactly(tiny_path, tokenizer, tmp_path):
+    """train_step sets the rate from the step alone, on the optimizer load_models builds (AdamW, biases not decayed);
+    stopped after 2 steps, checkpointed (AdamW's moments) and resumed through the script's resume(), 2 steps more give
+    the straight run's rates and weights to the bit."""
+    from fastrl import distributed
+
+    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
+    prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(2)]
+    responses = [tokenizer(text)["input_ids"] for text in ["1+2=3", "4*5", "7-1=6 ok", "9"]]
+    samples = [vllm_sampler.Completion(str(i), prompts[i // 2], r, [-1.0] * len(r), "stop", [(0, 0, len(r))], tag=(i // 2, i % 2))
+               for i, r in enumerate(responses)]
+    args = prl.mode_defaults(prl.Args(group_size=2, learning_rate=1e-3, weight_decay=0.01, lr_schedule="cosine", warmup_steps=2,
+                                      lr_schedule_steps=5, ess_threshold=0.0))
+    dist = distributed.Dist()
+
+    def run(steps, resume_from=None):
+        policy, _, push_model, optimizer = prl.load_models(args, tiny_path, dist)
+        if resume_from:
+            prl.resume(prl.Args(**vars(args) | dict(resume=str(resume_from))), policy, optimizer, push_model, dist)
+        rates = []
+        for step in steps:
+            stats = prl.train_step(policy, None, optimizer, samples, torch.tensor([1.0, 0.0, 0.0, 1.0]), step, args,
+                                   tokenizer.pad_token_id)
+            assert stats["outcome"] == "trained"
+            rates.append((optimizer.param_groups[0]["lr"], stats["learning_rate"]))
+        return policy, optimizer, rates
+
+    policy, optimizer, rates = run(range(4))
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0] and isinstance(optimizer, torch.optim.AdamW)
+    exempt = [n for n, p in policy.named_parameters() if any(p is q for q in optimizer.param_groups[1]["params"])]
+    assert exempt and all(n.endswith(".bias") for n in exempt)  # the tiny Qwen2's q/k/v biases
+    hand = [0.0, 0.5e-3, 1e-3, 1e-3 * (1 + math.cos(math.pi / 3)) / 2]  # warmup 0, 1/2; then the cosine over 3 steps
+    assert [r for r, _ in rates] == pytest.approx(hand, abs=1e-15) and [a for a, b in rates] == [b for a, b in rates]
+    stopped, stopped_optimizer, first = run(range(2))
+    runlog.save_checkpoint(tmp_path / "checkpoint.pt", stopped, stopped_optimizer, 2, 0, totals={})
+    resumed, _, rest = run(range(2, 4), resume_from=tmp_path / "checkpoint.pt")
+    assert first + rest == rates
+    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), resumed.parameters()))
