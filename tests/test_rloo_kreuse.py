@@ -156,6 +156,15 @@ def test_two_rounds_from_the_command_line_then_resume():
         assert {k: v for k, v in a.items() if not k.startswith(("time/", "wall")) and "per_second" not in k} == \
                {k: v for k, v in b.items() if not k.startswith(("time/", "wall")) and "per_second" not in k}
 
+    # the round's micro-batch loop accumulates exactly the whole batch's gradient: round 1 (sampled before any step)
+    # again, in micro-batches of about one row each instead of one, gives the same loss, gradient norm and weights
+    small = _run(*flags, "--num-rounds", "1", "--micro-batch-tokens", "64")
+    assert small.returncode == 0, small.stderr[-3000:]
+    small_row = [r for r in runlog.read_metrics(WORK / small.stdout.split("run directory: ")[1].split()[0])
+                 if "charts/reward" in r][0]
+    for key in ("losses/loss", "losses/pg", "losses/entropy", "losses/kl_penalty", "losses/grad_norm", "charts/iw_mean_k2"):
+        assert small_row[key] == pytest.approx(straight_rows[0][key], rel=1e-4, abs=1e-6), key
+
     # the trained policy is also a Hugging Face model directory that transformers and vLLM load as is
     from transformers import AutoModelForCausalLM
 
@@ -219,7 +228,7 @@ class _Loaded(Exception):
 @pytest.mark.slow
 @pytest.mark.parametrize("flags, models", [([], 2), (["--kl-coef", "0"], 1)])
 def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tiny_path, flags, models):
-    from fastrl import distributed
+    from fastrl.run import Run
 
     loads = []
     real_load = common.load_policy
@@ -229,7 +238,7 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
     def stop(*a, **k):
         raise _Loaded
 
-    monkeypatch.setattr(distributed, "push_copy", stop)  # right after the models load, before any sampler
+    monkeypatch.setattr(Run, "begin", stop)  # right after the models load, before anything runs
     monkeypatch.setattr(sys, "argv", ["rloo_kreuse.py", "--model", "tiny", *flags])
     with pytest.raises(_Loaded):
         rloo.main()
