@@ -5,6 +5,7 @@ steps skipped; the logprob contract on the realistic fixture."""
 import functools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -626,3 +627,42 @@ def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
     assert all(tokenizer.eos_token_id not in s.token_ids[:-1] for s in samples)
     batch = dpo.Batch.from_samples(stopped, tokenizer.pad_token_id, "cpu", "exclude")
     assert (batch.mask.sum(1) - batch.logp_mask.sum(1)).tolist() == [1.0] * len(stopped)
+
+
+def strip_dpo(source: str) -> str:
+    """online_dpo_async.py as a student strips it to the method (tests/test_pages.py's strip for rloo_kreuse.py): no
+    checkpoints, snapshots or evaluation between rounds (run.end_round), no torchrun calls (all_sum, full_norm), and
+    one metric besides the seconds."""
+    end_round = source.index("            # the data position of the first round not trained on")
+    source = source[:end_round] + source[source.index("        run.finish(step)"):]
+    replacements = [
+        ("                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
+        ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
+         "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
+    ]
+    for old, new in replacements:
+        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
+        source = source.replace(old, new)
+    start = source.index("            metrics = {\n")
+    end = source.index("            }\n", start) + len("            }\n")
+    return source[:start] + ('            metrics = {"charts/reward": rewards.mean().item(), '
+                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n'
+                             ) + source[end:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--sync"], []], ids=["sync", "async"])
+def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(mode):
+    """Issue 48: the copy's obligations are code. Stripped as above it still runs, pushes (run.check_version stops the
+    run otherwise: --sync on the weights just pushed, async a round behind) and stops cleanly, without a checkpoint."""
+    work = scratch_dir("pytest_dpo_stripped_")
+    copy = work / "dpo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
+    copy.write_text(strip_dpo((ROOT / "online_dpo_async.py").read_text()))
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3", *SMALL,
+                          "--num-minibatches", "2", *mode], cwd=work, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "round 3/3 step" in out.stdout and "reward" in out.stdout
+    run_dir = next((work / "runs").glob("pytest_stripped__*"))
+    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
+    assert "Traceback" not in out.stderr and "leaked" not in out.stderr
