@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -743,9 +744,39 @@ class TrainProblems:
         return encode_prompts(self.tokenizer, problems, self.args.max_prompt_tokens, self.args.chat_template)
 
 
-def evaluator(sampler, task, tokenizer, args):
-    """pass@k on the held-out split as the flags say (--eval-problems, --eval-samples), sampling as in training
-    (--temperature, --top-p, --max-new-tokens): a function of no arguments, for Run.begin."""
-    return lambda: evaluate(sampler, task, tokenizer, args.eval_problems, args.eval_samples, args.max_prompt_tokens,
-                            args.chat_template, temperature=args.temperature, top_p=args.top_p,
-                            max_tokens=args.max_new_tokens)
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, size: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(size)
+
+
+def train_index(position: int, split_size: int | None, seed: int, shuffle: bool) -> int:
+    """The train problem read at data position `position` (positions run on across epochs): epoch position //
+    split_size reads the split in a permutation drawn from (seed, epoch), a pure function, so a resumed run reads what
+    the uninterrupted one would have. split_size None (a generator: no epochs) or shuffle off: the position itself (a
+    list task wraps it)."""
+    if split_size is None or not shuffle:
+        return position
+    epoch, offset = divmod(position, split_size)
+    return int(_epoch_order(seed, epoch, split_size)[offset])
+
+
+class ShuffledTrainProblems(TrainProblems):
+    """TrainProblems with a fixed train split (a ListTask: gsm8k, countdown-hub) read in a new order every epoch,
+    drawn from --seed and the epoch (train_index; args.shuffle_train off: the split's own order); online DPO's data
+    order, as the authors' DataLoader(shuffle=True)."""
+
+    def take(self, n: int):
+        a, size = self.args, len(self.task.train) if isinstance(self.task, ListTask) else None  # a fixed split: epochs
+        problems = [self.task.problem("train", train_index(self.position + i, size, a.seed, a.shuffle_train))
+                    for i in range(n)]
+        self.position += n
+        return encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
+
+
+def evaluator(sampler, task, tokenizer, args, greedy: bool = False):
+    """pass@k on the held-out split as the flags say (--eval-problems, 0: a fixed dataset's whole test split;
+    --eval-samples), sampling as in training (--temperature, --top-p, --max-new-tokens), or with `greedy` one greedy
+    completion per problem (DPO's --eval-decoding greedy): a function of no arguments, for Run.begin."""
+    return lambda: evaluate(sampler, task, tokenizer, args.eval_problems or None, args.eval_samples,
+                            args.max_prompt_tokens, args.chat_template, temperature=0.0 if greedy else args.temperature,
+                            top_p=1.0 if greedy else args.top_p, max_tokens=args.max_new_tokens)

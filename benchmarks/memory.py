@@ -266,12 +266,11 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
     sampler_logp = torch.zeros(cmask[:, 1:].shape)
     chosen_rows = real_tensor([i * group for i in range(pairs)])  # the first two samples of each prompt's group
     rejected_rows = real_tensor([i * group + 1 for i in range(pairs)])
-    processing = dict(temperature=args.temperature, top_p=args.top_p)
+    batch = dpo.Batch(ids, attn, cmask, lengths, cmask[:, 1:].float(), sampler_logp, logp_mask=cmask[:, 1:].float())
     for round_index in range(steps):
-        ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, args.micro_batch_tokens, bf16=args.autocast_bf16, **processing).sum(1)
-        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, ids, attn, cmask, chosen_rows=chosen_rows, rejected_rows=rejected_rows,
-                                    ref_seq=ref_seq, beta=args.beta, loss_type=args.loss_type, bf16=args.autocast_bf16,
-                                    sampler_logp=sampler_logp if round_index == 0 else None, **processing)
+        batch.ref_seq = batch.logprobs(ref, args).sum(1)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows, rejected_rows=rejected_rows,
+                                    args=args, logprob_diff=round_index == 0)
         loss, _ = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen_rows, rejected_rows), args.micro_batch_tokens, rows_per_item=2)
         common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]

@@ -554,13 +554,12 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     else:
         rounds = [r for r in rows if "time/step_seconds" in r]
         loop = rounds[-1]["charts/episodes"] / rounds[-1]["charts/episodes_per_second"]
-        steady = rounds[1:-1] if n > 2 else rounds[:-1] or rounds  # round N has no next round to generate
+        steady = rounds[1:-1] if n > 2 else rounds[:-1] or rounds  # round 1 waits for its data, round N trains alone
         step = float(np.mean([r["time/step_seconds"] for r in steady]))
         accuracy = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
-    # online_dpo_async.py waits for its first round before its loop's clock starts, and pushes its
-    # final weights after the loop (N - 1 pushes in it); rloo_kreuse.py pushes after each of its N rounds
-    waits = prof["waits"][1:] if w.method == "dpo" else prof["waits"]
-    pushes = np.array(prof["pushes"][: n - 1 if w.method == "dpo" else n]).reshape(-1, 2)
+    # both scripts wait for every round inside their loop's clock and push after each of their N rounds (fastrl/run.py)
+    waits = prof["waits"]
+    pushes = np.array(prof["pushes"][:n]).reshape(-1, 2)
     phases = {"generation": (sum(waits) + pushes[:, 1].sum()) / n, "weight push": (pushes[:, 0] - pushes[:, 1]).sum() / n}
     learner = ("logprob forwards (no grad)", "policy forward (grad)", "backward", "optimizer", "reward")
     phases |= {k: seconds.get(k, 0.0) / n for k in learner}

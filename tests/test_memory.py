@@ -67,7 +67,7 @@ def test_micro_batches_pack_by_length_within_the_token_budget():
         assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget for b in packed)
 
 
-DPO = dict(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9)  # dpo_micro_batch's hyperparameters
+DPO = SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9, autocast_bf16=False)  # dpo_micro_batch's args
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
@@ -90,8 +90,9 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
             assert len(common.micro_batches(pair_lengths, budget, rows_per_item=2)) == 3
         ref_seq = common.batch_logprobs(ref, ids, attn, cmask, lengths, budget, temperature=0.7, top_p=0.9).sum(1)
         policy.zero_grad()
-        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, ids, attn, cmask, chosen_rows=chosen, rejected_rows=rejected, ref_seq=ref_seq,
-                                    **DPO)
+        mask = cmask[:, 1:].float()
+        batch = dpo.Batch(ids, attn, cmask, lengths, mask, None, logp_mask=mask, ref_seq=ref_seq)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen, rejected_rows=rejected, args=DPO)
         loss, outputs = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen, rejected), budget, rows_per_item=2)
         results.append((ref_seq, loss, outputs["margins"], _grads(policy)))
     (ref_a, loss_a, margins_a, grads_a), (ref_b, loss_b, margins_b, grads_b) = results

@@ -5,6 +5,7 @@ steps skipped; the logprob contract on the realistic fixture."""
 import functools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -113,7 +114,7 @@ def test_help_shows_the_defaults_of_the_model_and_task_given(flags, shown, capsy
         dpo.parse_args([*flags, "--help"])
     text = " ".join(capsys.readouterr().out.replace("\u2502", " ").split())
     assert exit_info.value.code == 0 and all(value in text for value in shown), text
-    assert text.count("(default: None)") == 5, text
+    assert text.count("(default: None)") == 6, text  # (and RunArgs' --sampler-gpu-memory: None, sized by the plan)
     assert "(default: 1; 0 under --sync)" in text and "(default: 1 under greedy decoding, 4 when sampling)" in text
 
 
@@ -151,8 +152,9 @@ def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
     for average in ("kept", "all"):
         [(mb, total)] = dpo.minibatch_pairs(keep, 1, average)
         policy.zero_grad()
-        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, ids, attn, cmask, chosen_rows=chosen_rows[mb], rejected_rows=rejected_rows[mb],
-                                    ref_seq=ref_seq, beta=0.1, loss_type="dpo", temperature=0.7)
+        batch = dpo.Batch(ids, attn, cmask, lengths, cmask[:, 1:].float(), None, logp_mask=cmask[:, 1:].float(), ref_seq=ref_seq)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows[mb], rejected_rows=rejected_rows[mb],
+                                    args=SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0, autocast_bf16=False))
         loss, _ = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), 8192, total=total, rows_per_item=2)
         results[average] = loss.item(), [p.grad.clone() for p in policy.parameters()]
     assert results["all"][0] == pytest.approx(results["kept"][0] * 2 / 3, rel=1e-6)
@@ -162,16 +164,16 @@ def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
 
 
 def test_train_index_reshuffles_every_epoch_from_the_seed():
-    order = [dpo.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # 3 epochs of a 5-problem split
+    order = [tasks.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # 3 epochs of a 5-problem split
     epochs = [order[0:5], order[5:10], order[10:15]]
     assert all(sorted(e) == [0, 1, 2, 3, 4] for e in epochs)  # each epoch reads every problem once
     assert len({tuple(e) for e in epochs}) == 3 and [0, 1, 2, 3, 4] not in epochs  # a new order every epoch, not the split's
     assert epochs[1] == [int(i) for i in np.random.default_rng([1, 1]).permutation(5)]  # drawn from (seed, epoch)
-    assert order == [dpo.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # a pure function: resume reads the same
-    assert order != [dpo.train_index(p, 5, seed=2, shuffle=True) for p in range(15)]
+    assert order == [tasks.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # a pure function: resume reads the same
+    assert order != [tasks.train_index(p, 5, seed=2, shuffle=True) for p in range(15)]
     # --no-shuffle-train (before #27) and the countdown generator (no epochs): the position itself
-    assert [dpo.train_index(p, 5, seed=1, shuffle=False) for p in range(7)] == list(range(7))
-    assert [dpo.train_index(p, None, seed=1, shuffle=True) for p in range(7)] == list(range(7))
+    assert [tasks.train_index(p, 5, seed=1, shuffle=False) for p in range(7)] == list(range(7))
+    assert [tasks.train_index(p, None, seed=1, shuffle=True) for p in range(7)] == list(range(7))
 
 
 def _run(*flags, cwd=WORK, timeout=600):
@@ -314,12 +316,12 @@ def _run_gsm8k_local(*flags, cwd):
         import tasks
         tasks._load_hub_dataset = lambda *args, **kwargs: {GSM8K_LOCAL!r}
         checks.optional_modules = lambda args, hub_tasks: {{}}  # the local data stands in for the Hub's: no datasets package needed
-        read = dpo.train_index
+        read = tasks.train_index
         def spy(position, *args):
             index = read(position, *args)
             print(f"train position {{position}} -> {{index}}", flush=True)
             return index
-        dpo.train_index = spy
+        tasks.train_index = spy
         sys.argv = ["online_dpo_async.py", "--task", "gsm8k", *{list(flags)!r}]
         if __name__ == "__main__":
             dpo.main()
@@ -587,7 +589,7 @@ def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
     chosen_rows, rejected_rows = torch.tensor([0, 3]), torch.tensor([1, 2])
     margins = {}
     for mode, pad in (("exclude", eos), ("include", other_pad)):
-        batch = dpo.learner_batch(samples, 0, "cpu", mode)
+        batch = dpo.Batch.from_samples(samples, 0, "cpu", mode)
         kept = _authors_kept_tokens(responses, eos, pad)
         for row, (p, (c, _)) in enumerate(zip(prompts, completions)):  # ours, laid out as the authors' response rows
             ours = batch.logp_mask[row]
@@ -595,11 +597,11 @@ def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
             assert ours.sum().item() == kept[row].sum().item() and not kept[row, len(c):].any()
         args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
         ref_logp = common.batch_logprobs(ref, *args, batch.lengths, 8192, temperature=0.7)
-        ref_seq = (ref_logp * batch.logp_mask).sum(1)
+        batch.ref_seq = (ref_logp * batch.logp_mask).sum(1)
         pair_width = max(dpo.pair_lengths(batch.lengths, chosen_rows, rejected_rows))
         both_pairs = common.MicroBatch([0, 1], pair_width)
-        _, _, out = dpo.dpo_micro_batch(policy, *args, both_pairs, chosen_rows, rejected_rows, ref_seq, beta=0.1,
-                                        loss_type="dpo", temperature=0.7, logp_mask=batch.logp_mask)
+        _, _, out = dpo.dpo_micro_batch(policy, batch, both_pairs, chosen_rows, rejected_rows, SimpleNamespace(
+            beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0, autocast_bf16=False))
         with torch.no_grad():  # by hand: each row's token logprobs on the authors' kept tokens
             seq = {}
             for name, model in (("policy", policy), ("ref", ref)):
@@ -615,7 +617,7 @@ def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
 
 @pytest.mark.slow
 def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
-    """What --eos-logprob exclude relies on (learner_batch): a completion the sampler stopped (finish reason stop) holds
+    """What --eos-logprob exclude relies on (Batch.from_samples): a completion the sampler stopped (finish reason stop) holds
     the EOS as its last token id, and only there (vLLM returns the stop token)."""
     task = tasks.make_task("countdown", 1, tiny_prompts=True)
     _, prompts, _ = tasks.encode_prompts(tokenizer, [task.problem("train", i) for i in range(8)], 64, False)
@@ -623,5 +625,44 @@ def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
     stopped = [s for s in samples if s.finish_reason == "stop"]
     assert stopped and all(s.token_ids[-1] == tokenizer.eos_token_id for s in stopped)
     assert all(tokenizer.eos_token_id not in s.token_ids[:-1] for s in samples)
-    batch = dpo.learner_batch(stopped, tokenizer.pad_token_id, "cpu", "exclude")
+    batch = dpo.Batch.from_samples(stopped, tokenizer.pad_token_id, "cpu", "exclude")
     assert (batch.mask.sum(1) - batch.logp_mask.sum(1)).tolist() == [1.0] * len(stopped)
+
+
+def strip_dpo(source: str) -> str:
+    """online_dpo_async.py as a student strips it to the method (tests/test_pages.py's strip for rloo_kreuse.py): no
+    checkpoints, snapshots or evaluation between rounds (run.end_round), no torchrun calls (all_sum, full_norm), and
+    one metric besides the seconds."""
+    end_round = source.index("            # the data position of the first round not trained on")
+    source = source[:end_round] + source[source.index("        run.finish(step)"):]
+    replacements = [
+        ("                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
+        ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
+         "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
+    ]
+    for old, new in replacements:
+        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
+        source = source.replace(old, new)
+    start = source.index("            metrics = {\n")
+    end = source.index("            }\n", start) + len("            }\n")
+    return source[:start] + ('            metrics = {"charts/reward": rewards.mean().item(), '
+                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n'
+                             ) + source[end:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--sync"], []], ids=["sync", "async"])
+def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(mode):
+    """Issue 48: the copy's obligations are code. Stripped as above it still runs, pushes (run.check_version stops the
+    run otherwise: --sync on the weights just pushed, async a round behind) and stops cleanly, without a checkpoint."""
+    work = scratch_dir("pytest_dpo_stripped_")
+    copy = work / "dpo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
+    copy.write_text(strip_dpo((ROOT / "online_dpo_async.py").read_text()))
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3", *SMALL,
+                          "--num-minibatches", "2", *mode], cwd=work, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "round 3/3 step" in out.stdout and "reward" in out.stdout
+    run_dir = next((work / "runs").glob("pytest_stripped__*"))
+    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
+    assert "Traceback" not in out.stderr and "leaked" not in out.stderr

@@ -131,9 +131,8 @@ def test_dpo_evaluates_pass_at_k_too():
 
     task = tasks.make_task("countdown", seed=1, tiny_prompts=True)
     args = dpo.parse_args(["--eval-samples", "4", "--eval-problems", "3"])
-    rounds = SimpleNamespace(args=args, dist=SimpleNamespace(is_main=True), sampler=ScriptedSampler(task, [0, 1, 4]), task=task,
-                             tokenizer=CharTokenizer())
-    result = dpo.Rounds.evaluate(rounds)
+    evaluate = tasks.evaluator(ScriptedSampler(task, [0, 1, 4]), task, CharTokenizer(), args, greedy=args.eval_decoding == "greedy")
+    result = evaluate()
     assert {"eval/pass@1", "eval/pass@2", "eval/pass@4"} <= set(result) and result["eval/samples"] == 4
 
 
