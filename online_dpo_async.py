@@ -116,10 +116,7 @@ class Args(RunArgs):
             (self.save_every >= 0, "--save-every", f"must be >= 0, got {self.save_every}"),
         ):
             checks.check_args(ok, flag, message)
-        # RunArgs' own check, with None (set by --eval-decoding in parse_args) and 0 (the whole split) checked above
-        held, (self.eval_samples, self.eval_problems) = (self.eval_samples, self.eval_problems), (1, 1)
         super().__post_init__()
-        self.eval_samples, self.eval_problems = held
 
 
 @dataclass

@@ -136,7 +136,9 @@ class RunArgs:
              "must be in (0, 1)"),
             (self.snapshot_every >= 0, "--snapshot-every", f"must be >= 0, got {self.snapshot_every}"),
             (self.sampler_threads >= 0, "--sampler-threads", f"must be >= 0, got {self.sampler_threads}"),
-            (self.eval_samples >= 1 and self.eval_problems >= 1, "--eval-samples/--eval-problems", "must be >= 1"),
+            # (None: the script decides; a script whose task has a fixed test split may take 0 problems: all of it)
+            (self.eval_samples is None or self.eval_samples >= 1, "--eval-samples", "must be >= 1"),
+            (self.eval_problems >= 0, "--eval-problems", "must be >= 0 (0: the whole test split)"),
             # the method's flags that every script has (a copy without one is not checked for it)
             (getattr(self, "num_rounds", 1) >= 1, "--num-rounds", "must be >= 1"),
             (getattr(self, "learning_rate", 1) > 0, "--learning-rate", "must be > 0"),
