@@ -819,6 +819,8 @@ def round_metrics(batch: list[Rollout], task, scores, no_eos, mask, old_logp, re
     lags = [round_start_step - v for r in batch for v, s, e in r.final.versions for _ in range(e - s)]
     ages = [round_index - r.admitted for r in batch]
     valid = mask.bool()
+    joint, actor = np.array(grad_norms, dtype=float).reshape(-1, 2).T  # per step taken: actor + critic, the actor alone
+    mean = lambda x: float(x.mean()) if len(x) else float("nan")  # noqa: E731  (no step taken: NaN)
     metrics = {
         "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean([task.is_correct(r.final.text, r.problem) for r in batch])),
         "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(),
@@ -839,7 +841,10 @@ def round_metrics(batch: list[Rollout], task, scores, no_eos, mask, old_logp, re
         "charts/episodes": totals["samples"], "charts/episodes_per_second": totals["samples"] / totals["wall"],
         "charts/tokens_per_second": totals["tokens"] / totals["wall"], "charts/skipped_long_prompts": totals["skipped_prompts"],
         **{f"losses/{k}": v / args.num_ppo_epochs for k, v in losses.items()}, "charts/learning_rate": learning_rate,
-        "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
+        # the joint norm of actor and critic (one clip_grad_norm_ over both scales both alike), the fraction of steps it
+        # was clipped, and the actor's share of its square
+        "losses/grad_norm": mean(joint), "losses/grad_clipped_fraction": mean(joint > args.max_grad_norm),
+        "losses/actor_grad_share": mean((actor / joint) ** 2),
     }
     names = ("time/round_seconds", "time/generate_seconds", "time/score_hidden_seconds", "time/score_exposed_seconds",
              "time/train_seconds", "time/push_seconds")
@@ -1019,13 +1024,16 @@ def main():
                         loss = loss + mb_loss.detach() * share
                         common.add_outputs(out, mb, mb_out, len(minibatch))
                     loss, out = distributed.all_sum((loss, out), dist)  # under torchrun: every rank's micro-batches
+                    # the actor's part of the joint norm, before clipping (the critic's part shrinks the actor's step)
+                    actor_grads = [p.grad for p in policy.parameters() if p.grad is not None]
+                    actor_norm = distributed.full_norm(torch.nn.utils.get_total_norm(actor_grads))
                     grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm))
                     stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                     if stepped:
                         optimizer.step()
                     optimizer.zero_grad()
                     if stepped:
-                        grad_norms.append(grad_norm.item())
+                        grad_norms.append((grad_norm.item(), actor_norm.item()))
                     step += stepped
                     totals["nonfinite_skipped"] += not stepped  # NaN/inf: the weights and Adam's moments stay finite
                     for k in sums:
