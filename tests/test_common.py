@@ -353,60 +353,29 @@ def test_verbose_reaches_the_sampler(sampler_start_kwargs, script):
     assert sampler_start_kwargs(module, "--model", "tiny")["verbose"] is False
 
 
-def test_accumulate_gives_the_whole_batch_gradient_and_lays_out_per_item_outputs():
-    """Micro-batches of a tiny budget (several per batch, of unequal sizes), each loss a mean backpropagated
-    with its share: the gradient, the loss and the per-item outputs equal the whole batch's in one pass;
-    scalar outputs add up."""
+def test_micro_batch_plan_and_add_outputs_give_the_whole_batch():
+    """The scripts' update loop on micro-batches of a tiny budget (several per batch, of unequal sizes), each loss a
+    mean backpropagated with its share: the gradient, the loss and the per-item outputs (add_outputs) equal the whole
+    batch's in one pass; scalar outputs add up."""
     torch.manual_seed(0)
     lengths = [3, 7, 2, 7, 5, 1]
     x = torch.randn(len(lengths), 4)
     w = torch.randn(4, requires_grad=True)
-
-    def loss_fn(mb):
+    plan = common.micro_batch_plan(lengths, 10)
+    assert len(plan) > 2 and len({len(mb.items) for mb in plan}) > 1
+    loss, outputs = 0.0, {}
+    for mb in plan:
         per_item = (x[mb.items] @ w) ** 2
-        return per_item.mean(), len(mb.items), {"per_item": per_item, "widths": mb.width}
-
-    loss, outputs = common.accumulate(loss_fn, lengths, max_tokens=10)
-    plan = common.micro_batches(lengths, 10)
-    assert len(plan) > 2 and len({len(p) for p in plan}) > 1
+        share = mb.weight * len(mb.items) / len(lengths)
+        (per_item.mean() * share).backward()
+        loss = loss + per_item.mean().detach() * share
+        common.add_outputs(outputs, mb, {"per_item": per_item, "widths": mb.width}, len(lengths))
     grad, w.grad = w.grad.clone(), None
     whole = ((x @ w) ** 2)
     whole.mean().backward()
     assert torch.allclose(grad, w.grad, atol=1e-6) and torch.allclose(loss, whole.mean().detach(), atol=1e-6)
     assert torch.allclose(outputs["per_item"], whole.detach())
-    assert outputs["widths"] == sum(max(lengths[i] for i in p) for p in plan)
-
-
-def test_accumulate_weights_micro_batches_by_tokens_when_told():
-    """size = a micro-batch's tokens, total = the batch's: the token-weighted mean's gradient."""
-    torch.manual_seed(1)
-    lengths = [4, 2, 6, 3]
-    values = torch.randn(len(lengths), 6)
-    mask = (torch.arange(6)[None] < torch.tensor(lengths)[:, None]).float()
-    w = torch.tensor(0.5, requires_grad=True)
-
-    def loss_fn(mb):
-        m = mask[mb.items]
-        tokens = m.sum().item()
-        return (values[mb.items] * w * m).sum() / tokens, tokens, {}
-
-    common.accumulate(loss_fn, lengths, max_tokens=8, total=mask.sum().item())
-    assert torch.allclose(w.grad, (values * mask).sum() / mask.sum())
-
-
-def test_optimizer_step_skips_a_non_finite_step_and_zeroes_the_gradient():
-    model = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = [p.detach().clone() for p in model.parameters()]
-    loss = model(torch.tensor([[float("inf"), 1.0]])).sum()
-    loss.backward()
-    norm, stepped = common.optimizer_step(model, optimizer, 1.0, loss)
-    assert not stepped and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
-    loss = model(torch.tensor([[1.0, 2.0]])).sum()
-    loss.backward()
-    norm, stepped = common.optimizer_step(model, optimizer, 1e-3, loss)
-    assert stepped and norm > 1e-3 and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert outputs["widths"] == sum(mb.width for mb in plan)
 
 
 def test_parse_args_takes_the_paper_defaults_for_a_real_model_and_the_tiny_ones_otherwise():

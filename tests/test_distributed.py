@@ -87,9 +87,10 @@ def _chunked_head():
 
 
 def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> dict:
-    """One optimizer step on a global batch of n rows through common.accumulate and optimizer_step (each
-    rank on its micro-batches): a policy-gradient term (token_logprobs) and a value loss (critic backbone
-    + score), both normalised by the GLOBAL number of completion tokens."""
+    """One optimizer step on a global batch of n rows, written as the scripts write it (each rank on its
+    micro-batches of common.micro_batch_plan, each loss backpropagated with its share, summed over ranks, one
+    clipped step): a policy-gradient term (token_logprobs) and a value loss (critic backbone + score), both
+    normalised by the GLOBAL number of completion tokens."""
     import common
     from fastrl import runlog, util
 
@@ -99,9 +100,9 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
     mask = cmask[:, 1:].float()
     global_tokens = mask.sum()
-    micro = distributed.my_micro_batches(common.micro_batches(lengths, MICRO_TOKENS), d)  # what accumulate deals this rank
+    micro = common.micro_batch_plan(lengths, MICRO_TOKENS, dist=d)  # this rank's share of the global plan
 
-    def loss_fn(mb):  # the micro-batch's mean over its tokens; accumulate weighs it by its share of the global tokens
+    def loss_fn(mb):  # the micro-batch's mean over its tokens, weighed below by its share of the global tokens
         rows, width = mb.items, mb.width
         x, a, c, m = ids[rows, :width], attn[rows, :width], cmask[rows, :width], mask[rows, :width - 1]
         with _chunked_head():  # the backbone, then the head per chunk (~3 positions), checkpointed
@@ -113,11 +114,19 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
         tokens = m.sum().item()
         return (pg + vf) / tokens, tokens, {}
 
-    loss, _ = common.accumulate(loss_fn, lengths, MICRO_TOKENS, total=global_tokens.item(), dist=d)
-    grad_norm, stepped = common.optimizer_step(learner, optimizer, 1.0, loss, d)
-    assert stepped
-    return dict(loss=float(loss), grad_norm=grad_norm, micro=len(micro),
-                stand_ins=distributed.all_sum(sum(w == 0 for _, w in micro), d))  # over all ranks
+    loss = 0.0
+    for mb in micro:
+        mb_loss, tokens, _ = loss_fn(mb)
+        share = mb.weight * tokens / global_tokens.item()  # (weight 0: a stand-in)
+        (mb_loss * share).backward()
+        loss = loss + mb_loss.detach() * share
+    loss = distributed.all_sum(loss, d)
+    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0))
+    assert bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    optimizer.step()
+    optimizer.zero_grad()
+    return dict(loss=float(loss), grad_norm=grad_norm.item(), micro=len(micro),
+                stand_ins=distributed.all_sum(sum(mb.weight == 0 for mb in micro), d))  # over all ranks
 
 
 def scenario(tiny_path: str, out: Path, other_checkpoint: Path | None, d: distributed.Dist) -> None:

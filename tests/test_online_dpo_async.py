@@ -155,7 +155,10 @@ def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
         batch = dpo.Batch(ids, attn, cmask, lengths, cmask[:, 1:].float(), None, logp_mask=cmask[:, 1:].float(), ref_seq=ref_seq)
         loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows[mb], rejected_rows=rejected_rows[mb],
                                     args=SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0, autocast_bf16=False))
-        loss, _ = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), 8192, total=total, rows_per_item=2)
+        [micro] = common.micro_batch_plan(dpo.pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), 8192, rows_per_item=2)
+        mb_loss, size, _ = loss_fn(micro)  # one micro-batch: its share of the minibatch's loss is size / total
+        loss = mb_loss * size / total
+        loss.backward()
         results[average] = loss.item(), [p.grad.clone() for p in policy.parameters()]
     assert results["all"][0] == pytest.approx(results["kept"][0] * 2 / 3, rel=1e-6)
     for a, k in zip(results["all"][1], results["kept"][1]):
