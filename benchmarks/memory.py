@@ -279,9 +279,11 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
 
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None, autocast: bool = False,
                   checkpointing: bool = False, steps: int = 1, tracker=None):
-    """pipeline_rl.py's train_step itself (its truncated-IS loss, its --micro-batch-size rule, clipping,
+    """pipeline_rl.py's step (its micro_batch_loss: the truncated-IS loss; its --micro-batch-size rule, clipping,
     Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
     --gradient-checkpointing."""
+    import functools
+
     import pipeline_rl as prl
 
     overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing,
@@ -294,10 +296,15 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     samples = [vllm_sampler.Completion(request_id=str(i), prompt_token_ids=[5] * prompt, token_ids=[7] * args.max_new_tokens,
                                  logprobs=[-1.0] * args.max_new_tokens, finish_reason="length", versions=[(0, 0, args.max_new_tokens)])
                for i in range(B)]
-    rewards = torch.zeros(B)
-    for step in range(steps):
-        stats = prl.train_step(policy, ref, optimizer, samples, rewards, step, args, pad_token_id=0)  # its own autocast
-        assert stats["outcome"] == "trained", stats["outcome"]
+    device = next(policy.parameters()).device
+    batch = prl.Batch.from_samples(samples, 0, device)
+    batch.advantages = prl.per_prompt_advantages(torch.zeros(B // args.group_size, args.group_size)).view(-1).to(device)
+    batch.fresh, batch.total = torch.ones(B, dtype=torch.bool, device=device), B  # (--loss-norm sequence)
+    for step in range(steps):  # the round's micro-batch loop, clip and step (its own autocast)
+        loss_fn = functools.partial(prl.micro_batch_loss, policy, ref, batch, args=args)
+        loss, _ = common.accumulate(loss_fn, batch.lengths, args.micro_batch_tokens, total=batch.total,
+                                    max_rows=args.micro_batch_size)
+        common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
     return dict(micro_batches=math.ceil(B / args.micro_batch_size), rows=B, tokens=B * (prompt + args.max_new_tokens),
                 kl_coef=args.kl_coef)
 

@@ -165,10 +165,13 @@ class Resumed:
 class Run:
     """One training run's machinery (module docstring). Construction checks the flags (one line naming a bad one,
     before any process starts), joins torchrun, checks the model against the flags (on a GPU, the memory plan) and
-    starts the sampler process, which builds its engine while the learner loads."""
+    starts the sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
+    length and what one pass of it is, for a loop that is not over --num-rounds (PipelineRL's: --num-steps optimizer
+    steps); `sampler_settings`: more of the sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs)."""
 
     def __init__(self, args, method: str, hub_tasks, resolve_model: Callable[[str, str], str],
-                 overlapped: bool = False, start_sampler: bool = True):
+                 overlapped: bool = False, start_sampler: bool = True, rounds: int | None = None, unit: str = "round",
+                 sampler_settings: dict | None = None):
         vllm_sampler.quiet_libraries(args.verbose)
         checks.check_run_flags(args)
         self.args, self.method = args, method
@@ -182,7 +185,7 @@ class Run:
                 gpu_memory_utilization=self.sampler_gpu_memory,
                 max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
                 threads=launch.sampler_threads(args.sampler_threads, overlapped=overlapped), verbose=args.verbose,
-                wait=False)
+                wait=False, **(sampler_settings or {}))
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
         self.push_model = None
@@ -195,6 +198,8 @@ class Run:
         self._no_signal: dict = {}  # warn_no_learning's streaks
         self._progress = None
         self._clock = 0.0
+        self.rounds, self.unit = args.num_rounds if rounds is None else rounds, unit
+        self.gathered_step = None  # the step whose weights push_model holds (under torchrun: gathered at a push)
 
     # ---- the start and the end ----
     def __enter__(self):
@@ -256,7 +261,7 @@ class Run:
             self.logger.snapshot(resumed.step, self.push_model)  # time 0 of the learning curve
         if resumed.sampler_rng is not None and dist.is_main and hasattr(self.sampler, "set_rng_state"):
             self.sampler.set_rng_state(resumed.sampler_rng)  # after the start's evaluation, which drew from them
-        self._progress = util.Progress(args.num_rounds, "train", unit="round", initial=resumed.round, show=dist.is_main)
+        self._progress = util.Progress(self.rounds, "train", unit=self.unit, initial=resumed.round, show=dist.is_main)
         self._clock = time.perf_counter() - self.totals["wall_seconds"]
         return resumed
 
@@ -334,11 +339,15 @@ class Run:
         """On CPU: every core for the learner while the sampler idles, one while it generates beside it."""
         launch.learner_threads(self.sampler)
 
-    def push(self, step: int, when_idle: bool = False) -> float:
+    def push(self, step: int, when_idle: bool = False, recompute_kv: bool = False, background: bool = False) -> float:
         """The learner's new weights to the sampler, labelled policy version `step` (under torchrun every rank
-        gathers, rank 0 sends). `when_idle`: applied once the requests in flight finish. Returns its seconds."""
+        gathers, rank 0 sends). `when_idle`: applied once the requests in flight finish; else in flight, between two
+        decode steps (`recompute_kv`: running sequences re-prefilled with them; `background`: sent from a thread,
+        begin(background_push=True)). Returns its seconds."""
         distributed.gather_into(self.policy, self.push_model, self.dist)
-        seconds = self.sampler.push_weights(step, when_idle=when_idle) if self.dist.is_main else 0.0
+        self.gathered_step = step
+        seconds = (self.sampler.push_weights(step, recompute_kv=recompute_kv, when_idle=when_idle,
+                                             background=background) if self.dist.is_main else 0.0)
         self.totals["push_seconds"] += seconds
         return seconds
 
@@ -348,7 +357,7 @@ class Run:
 
     def warn_no_learning(self, signal, what: str) -> None:
         """One warning when the learning signal has been empty for 10 rounds in a row (the whole run if shorter)."""
-        checks.warn_no_learning(signal, what, self._no_signal, min(10, self.args.num_rounds))
+        checks.warn_no_learning(signal, what, self._no_signal, min(10, self.rounds))
 
     def warn_logprob_diff(self, logprob_diff: float, mismatch_expected: bool) -> None:
         """One warning when the sampler's logprobs on fresh weights are further from the learner's than the
@@ -384,7 +393,7 @@ class Run:
         shown = {k.split("/")[-1]: float(metrics[k]) for k in CONSOLE[:3] if k in metrics}  # reward, accuracy, kl
         self._progress.update(1, step=step, **shown)
         shown = [(k.split("/")[-1], metrics[k]) for k in CONSOLE + tuple(show) if k in metrics]
-        self._progress.write(f"round {rounds_done}/{self.args.num_rounds} step {step}: " + " ".join(
+        self._progress.write(f"{self.unit} {rounds_done}/{self.rounds} step {step}: " + " ".join(
             f"{name[:-len('_seconds')]} {value:.2f}s" if name.endswith("_seconds") else f"{name} {value:.3f}"
             for name, value in shown))
         return metrics
@@ -393,7 +402,11 @@ class Run:
         """After a round is logged: --snapshot-every's weights, --eval-every's pass@k, and the checkpoint
         (--save-every, and always after the last round; `data_position`: the first problem not trained on yet,
         `sampler_rng`: the sampler's generators for that round)."""
-        args, last = self.args, rounds_done == self.args.num_rounds
+        args, last = self.args, rounds_done == self.rounds
+        if self.gathered_step != step and ((args.snapshot_every and rounds_done % args.snapshot_every == 0) or last
+                                           or (args.save_every and rounds_done % args.save_every == 0)):
+            distributed.gather_into(self.policy, self.push_model, self.dist)  # a step that was not pushed
+            self.gathered_step = step
         if self.dist.is_main and args.snapshot_every and rounds_done % args.snapshot_every == 0:
             self.logger.snapshot(step, self.push_model)
         if args.eval_every and rounds_done % args.eval_every == 0 and not last:
@@ -408,3 +421,21 @@ class Run:
         runlog.save_checkpoint(path, self.policy, self.optimizer, step, data_position, dist=self.dist,
                                hf_model=self.push_model, tokenizer=tokenizer, round=rounds_done, totals=self.totals,
                                sampler_rng=sampler_rng, keep=self.args.keep_checkpoints)
+
+    def seconds(self) -> float:
+        """The loop's wall time so far (the whole run, resumes included; what charts/episodes_per_second divides by):
+        for a method's own rates (PipelineRL's tokens per second)."""
+        return max(time.perf_counter() - self._clock, 1e-9)
+
+    @staticmethod
+    def wait_until(done: Callable[[], bool], pump: Callable[[], int], timeout: float,
+                   describe: Callable[[], str]) -> float:
+        """Call pump() (receive, admit: it returns how many things happened) until done(); raise, saying describe(),
+        after `timeout` seconds without progress: a clear error, never a silent spin. Returns the seconds waited."""
+        start = last_progress = time.monotonic()
+        while not done():
+            if pump():
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > timeout:
+                raise RuntimeError(f"no sequence arrived and no prompt was admitted for {timeout:.0f}s: {describe()}")
+        return time.monotonic() - start

@@ -3,6 +3,7 @@ weight updates on the real sampler, both modes from the command line, zero-lag p
 Conventional RL, the realistic fixture."""
 
 import json
+import os
 import math
 import random
 import subprocess
@@ -16,9 +17,9 @@ import pytest
 import torch
 
 import common
-from fastrl import checks, runlog
+from fastrl import checks, launch, runlog, vllm_sampler, weight_sync
+from fastrl.run import Run
 import tasks
-from fastrl import vllm_sampler
 import pipeline_rl as prl
 from conftest import scratch_dir
 
@@ -90,13 +91,16 @@ def test_flags_are_checked_where_they_are_declared_and_help_shows_real_defaults(
 
 
 def test_truncated_is_weights_and_their_stats_by_hand():
-    w = torch.tensor([0.5, 1.0, 5.0, 7.0, 2.0])  # c = 5: only 7 is cut (5 is at the clamp, not beyond it)
-    stats = prl.tis_stats(w, tis_cap=5.0)
-    assert stats["tis_max_ratio"] == 7.0 and stats["tis_truncated_fraction"] == pytest.approx(1 / 5)
-    assert prl.tis_stats(torch.ones(4), 5.0) == {"tis_max_ratio": 1.0, "tis_truncated_fraction": 0.0}
+    # c = 5: only 7 is cut (5 is at the clamp, not beyond it): main()'s charts/tis_max_ratio and tis_truncated_fraction
+    # are these stats of the untruncated weights, (w > c).mean() (a run's values: test_the_guards_in_main)
+    w = torch.log(torch.tensor([[0.5, 1.0, 5.0, 7.0, 2.0]]))
+    _, stats = prl.truncated_is_weights(w, torch.zeros_like(w), torch.ones_like(w), "token", 5.0)
+    assert stats["max_ratio"] == pytest.approx(7.0) and stats["truncated_fraction"] == pytest.approx(1 / 5)
+    _, stats = prl.truncated_is_weights(torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1, 4), "token", 1.0)
+    assert stats == {"max_ratio": 1.0, "truncated_fraction": 0.0}  # at the cap exactly: not cut
     # a far off-policy token: a tiny ESS, not inf / inf = NaN
     far, _ = prl.truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2), "token", math.inf)
-    assert far[0, 0].item() == pytest.approx(math.exp(prl.MAX_LOG_WEIGHT)) and 0 < prl.ess(far, torch.ones(1, 2)) < 0.6
+    assert far[0, 0].item() == pytest.approx(math.exp(common.MAX_LOG_WEIGHT)) and 0 < prl.ess(far, torch.ones(1, 2)) < 0.6
     # truncated at c, zero off the response
     w, stats = prl.truncated_is_weights(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-3.0, -0.5, -3.0]]), torch.tensor([[1.0, 1.0, 0.0]]),
                                         "token", 5.0)
@@ -105,8 +109,9 @@ def test_truncated_is_weights_and_their_stats_by_hand():
 
 
 def test_token_lags_follow_version_spans():
+    """Run.lags, main()'s charts/lag_min|mean|max: per token, 5 - [3, 3, 4, 4, 4] = [2, 2, 1, 1, 1]."""
     c = vllm_sampler.Completion("0", [1], [5, 6, 7, 8, 9], [0.0] * 5, "stop", versions=[(3, 0, 2), (4, 2, 5)])
-    assert prl.token_lags(c, learner_version=5) == [2, 2, 1, 1, 1]
+    assert Run.lags([c], 5) == {"charts/lag_min": 1, "charts/lag_mean": pytest.approx(1.4), "charts/lag_max": 2}
 
 
 def _perturbed(model, scale=0.05, seed=0):
@@ -243,9 +248,9 @@ def test_a_larger_generation_batch_is_staler():
 
 def test_wait_until_has_a_deadline():
     with pytest.raises(RuntimeError, match="no sequence arrived.*3 of 8 queued"):
-        prl.wait_until(lambda: False, lambda: 0, timeout=0.2, describe=lambda: "3 of 8 queued")
+        Run.wait_until(lambda: False, lambda: 0, timeout=0.2, describe=lambda: "3 of 8 queued")
     progress = iter([1, 1, 1, 0])
-    assert prl.wait_until(lambda: next(progress, None) is None, lambda: 1, timeout=0.2, describe=str) < 0.2
+    assert Run.wait_until(lambda: next(progress, None) is None, lambda: 1, timeout=0.2, describe=str) < 0.2
 
 
 def test_conventional_batches_are_shuffled_whole_groups():
@@ -262,65 +267,178 @@ def test_conventional_batches_are_shuffled_whole_groups():
     assert first_is_shortest <= 10  # ~1 in 4 at random; always, in completion order
 
 
-# ---- one optimizer step on the tiny model: the guards ----
+# ---- main()'s own round on the tiny model, fed by a scripted sampler: the guards, the loss, the schedule ----
 
-def test_train_step_skips_nonfinite_and_low_ess(tiny_path, tokenizer):
-    """A NaN ESS (poisoned sampler logprob) or a NaN loss (poisoned reward) must not step the
-    optimizer: NaN < threshold is False, so the ESS guard alone lets a NaN through."""
-    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
-    prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(2)]
-    responses = [tokenizer(text)["input_ids"] for text in ["1+2=3", "4*5", "7-1=6 ok", "9"]]
-    args = prl.mode_defaults(prl.Args(group_size=2, micro_batch_size=3, top_p=0.9, temperature=0.8, ess_threshold=0.5))
-    policy = common.load_policy(tiny_path, "cpu")
-    ids, attn, cmask = common.pad_prompt_completions([prompts[i // 2] for i in range(4)], responses, tokenizer.pad_token_id)
-    with torch.no_grad():  # behaviour = the learner's own logprobs: exactly on-policy
-        own = common.token_logprobs(policy, ids, attn, cmask, 0.8, top_p=0.9)
+RESPONSES = ["1+2=3", "4*5", "7-1=6 ok", "9"]  # prompt `key`'s sample i: RESPONSES[(key * 2 + i) % 4], text "r<that>"
 
-    def samples(offset=0.0):
-        out = []
-        for i, r in enumerate(responses):
-            start = len(prompts[i // 2]) - 1
-            logprobs = [v - offset * (t % 2) for t, v in enumerate(own[i, start: start + len(r)].tolist())]
-            out.append(vllm_sampler.Completion(str(i), prompts[i // 2], r, logprobs, "stop", [(0, 0, len(r))], tag=(i // 2, i % 2)))
+
+class ScriptedSampler:
+    """The sampler's interface without an engine, answering every request at once, so that main() runs in this process:
+    its training samples' logprobs are the learner's own at the weights it holds when asked (exactly on-policy: the
+    logprob contract), or `fixed` (-1 a token), then `offset` less on every other token of the prompts in
+    `offset_keys` and `poison`ed (a function of (key, sample index, logprobs)); the evaluation's samples are empty."""
+
+    def __init__(self, tokenizer, fixed=None, offset=0.0, offset_keys=(), poison=None):
+        self.responses = [tokenizer(text)["input_ids"] for text in RESPONSES]
+        self.fixed, self.offset, self.offset_keys, self.poison = fixed, offset, offset_keys, poison
+        self.pending, self.done, self.ready, self.pushes, self.version, self.paused = set(), {}, [], [], 0, False
+
+    def submit(self, prompts, n=1, tags=None, per_prompt=None, temperature=1.0, top_p=1.0, **sampling):
+        ids = []
+        for p, prompt in enumerate(prompts):
+            for i in range(n):
+                c = self.sample(prompt, tags[p], i, temperature, top_p) if tags else \
+                    vllm_sampler.Completion(str(len(self.done)), prompt, [], [], "stop", [(self.version, 0, 0)])
+                self.done[c.request_id] = c
+                self.pending.add(c.request_id)
+                self.ready += [c] if tags else []
+                ids.append(c.request_id)
+        return ids
+
+    def sample(self, prompt, key, i, temperature, top_p):
+        r = (key * 2 + i) % len(self.responses)
+        response = self.responses[r]
+        ids, attn, cmask = common.pad_prompt_completions([prompt], [response], 0)
+        with torch.no_grad():
+            own = common.token_logprobs(self.model, ids, attn, cmask, temperature, top_p=top_p)[0, len(prompt) - 1:]
+        logprobs = [self.fixed if self.fixed is not None else v for v in own[:len(response)].tolist()]
+        logprobs = [v - self.offset * (t % 2) * (key in self.offset_keys) for t, v in enumerate(logprobs)]
+        if self.poison:
+            self.poison(key, i, logprobs)
+        return vllm_sampler.Completion(str(len(self.done)), prompt, response, logprobs, "stop",
+                                       [(self.version, 0, len(response))], text=f"r{r}", tag=(key, i))
+
+    def poll(self, timeout=0.0, min_items=1):
+        out, self.ready = self.ready, []
+        self.pending.difference_update(c.request_id for c in out)
         return out
 
-    def step(batch, rewards, **kw):
-        model = common.load_policy(tiny_path, "cpu")
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        before = [p.detach().clone() for p in model.parameters()]
-        stats = prl.train_step(model, None, optimizer, batch, torch.tensor(rewards), 0, prl.Args(**vars(args) | kw), tokenizer.pad_token_id)
-        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        return stats, changed, optimizer
+    def wait_for(self, ids, timeout=0.0):
+        self.pending.difference_update(ids)
+        return [self.done[i] for i in ids]
 
-    stats, changed, _ = step(samples(), [1.0, 0.0, 0.0, 1.0])
-    assert stats["outcome"] == "trained" and changed and stats["ess"] == pytest.approx(1.0, abs=1e-6)
-    assert stats["logprob_diff"] < 1e-6 and stats["tis_max_ratio"] == pytest.approx(1.0, abs=1e-5) and stats["tis_truncated_fraction"] == 0
-    # the micro-batches (at most 3 sequences each) add up to the batch's loss: on-policy (w = 1) it is -sum A_i log pi(y_i) over
-    # the 4 sequences (the default, Eq. 4-5) or over the response tokens (--loss-norm token)
-    seq_logp = [own[i, len(prompts[i // 2]) - 1: len(prompts[i // 2]) - 1 + len(r)].sum().item() for i, r in enumerate(responses)]
+    def push_weights(self, version, **kw):
+        self.version = version
+        self.pushes.append(version)
+        return 0.0
+
+    def init_weight_sync(self, model, background=False):
+        self.model = model
+
+    def abort(self, ids):
+        self.pending.difference_update(ids)
+
+    def wait_ready(self): pass
+    def wait_for_push(self): pass
+    def close(self): pass
+    def peak_rss_mib(self): return 0.0
+
+
+@pytest.fixture
+def scripted_main(monkeypatch, tmp_path, tokenizer):
+    """`scripted_main(*flags, rewards=..., **sampler)`: main() with those flags on a ScriptedSampler, the rewards by
+    response (RESPONSES' order). Returns (its sampler, its models (policy, reference, optimizer), its run directory's
+    rows; with `error`, the exception it raised instead of the rows)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # (launch.learner_threads: the threads as they are)
+    monkeypatch.setattr(weight_sync, "register_engines", lambda: None)  # (vLLM's factories: not needed here)
+    monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)
+    load_models = prl.load_models
+
+    def run(*flags, rewards=(1.0, 0.0, 0.0, 1.0), error=None, **sampler_kw):
+        sampler, models = ScriptedSampler(tokenizer, **sampler_kw), []
+        monkeypatch.setattr(launch, "start_sampler", lambda *a, **k: sampler)
+        monkeypatch.setattr(prl, "reward_function", lambda task, args: lambda text, problem: rewards[int(text[1:])])
+        monkeypatch.setattr(prl, "load_models", lambda *a: models.extend(load_models(*a)) or tuple(models))
+        base = [] if "--resume" in flags else ["--exp-name", f"scripted{len(list(tmp_path.glob('runs/*')))}",
+                                               "--group-size", "2", "--train-batch-size", "4", "--gen-batch-size", "4",
+                                               "--eval-problems", "2", "--eval-samples", "1"]  # (a resume: the saved)
+        monkeypatch.setattr(sys, "argv", ["pipeline_rl.py", *base, *flags])
+        if error:
+            with pytest.raises(error) as raised:
+                prl.main()
+        else:
+            prl.main()
+        run_dir = max(tmp_path.glob("runs/*"), key=lambda d: d.stat().st_mtime)
+        return sampler, models, raised.value if error else runlog.read_metrics(run_dir), run_dir
+
+    return run
+
+
+def _trained(rows):
+    return [r for r in rows if "losses/loss" in r]
+
+
+def _unchanged(policy, tiny_path):
+    return all(torch.equal(a, b) for a, b in zip(common.load_policy(tiny_path, "cpu").parameters(), policy.parameters()))
+
+
+def test_the_guards_and_the_loss_in_mains_round(scripted_main, tiny_path):
+    """main()'s round on hand-made batches: on-policy data trains (ESS 1, the learner's logprobs = the sampler's) with
+    the loss -sum_i A_i log pi(y_i) / 4 (Eq. 4-5; the micro-batches of at most 3 add up to it) or / the tokens; a NaN ESS
+    (a poisoned sampler logprob) or a NaN loss (a poisoned reward) never steps the optimizer (Adam holds no moments,
+    the weights stay, nothing is pushed), is logged, and 10 in a row stop the run; a batch below the ESS threshold is
+    skipped and the next, of the current weights, trained; Conventional RL's default (no guard) trains it."""
+    shared = ("--micro-batch-size", "3", "--top-p", "0.9", "--temperature", "0.8", "--num-steps", "1")
+    flags = (*shared, "--ess-threshold", "0.5")
+    sampler, (policy, _, optimizer), rows, _ = scripted_main(*flags)
+    [row] = _trained(rows)
+    assert row["charts/ess"] == pytest.approx(1.0, abs=1e-6) and row["charts/logprob_diff"] < 1e-6
+    assert row["charts/tis_max_ratio"] == pytest.approx(1.0, abs=1e-5) and row["charts/tis_truncated_fraction"] == 0
+    assert sampler.pushes == [1] and not _unchanged(policy, tiny_path)
+    batch = sorted((c for c in sampler.done.values() if c.tag and c.tag[0] < 2), key=lambda c: c.tag)  # keys 0, 1
+    seq_logp = [sum(c.logprobs) for c in batch]  # on-policy: w = 1
     weighted = -sum(a * lp for a, lp in zip([0.5, -0.5, -0.5, 0.5], seq_logp))
-    assert stats["pg"] == pytest.approx(weighted / 4, rel=1e-4)
-    token_stats, _, _ = step(samples(), [1.0, 0.0, 0.0, 1.0], loss_norm="token")
-    assert token_stats["pg"] == pytest.approx(weighted / sum(map(len, responses)), rel=1e-4)
+    assert row["losses/pg"] == pytest.approx(weighted / 4, rel=1e-4)
+    _, _, rows, _ = scripted_main(*flags, "--loss-norm", "token")
+    assert _trained(rows)[0]["losses/pg"] == pytest.approx(weighted / sum(len(c.token_ids) for c in batch), rel=1e-4)
 
-    poisoned = samples()
-    poisoned[2].logprobs[1] = float("nan")
-    stats, changed, optimizer = step(poisoned, [1.0, 0.0, 0.0, 1.0])
-    assert math.isnan(stats["ess"]) and stats["outcome"] == "nonfinite" and not changed
-    assert optimizer.state_dict()["state"] == {}  # Adam never stepped: no moments from a NaN gradient
+    def nan_logprob(key, i, logprobs):
+        if i == 0:
+            logprobs[1] = float("nan")
 
-    stats, changed, _ = step(samples(), [1.0, float("nan"), 0.0, 1.0])
-    assert math.isfinite(stats["ess"]) and math.isnan(stats["loss"]) and stats["outcome"] == "nonfinite" and not changed
+    for kw, ess_is_nan in [(dict(poison=nan_logprob), True), (dict(rewards=(1.0, float("nan"), 0.0, 1.0)), False)]:
+        sampler, (policy, _, optimizer), error, run_dir = scripted_main(*flags, error=RuntimeError, **kw)
+        assert "10 batches in a row" in str(error) and sampler.pushes == [] and _unchanged(policy, tiny_path)
+        assert optimizer.state_dict()["state"] == {}  # Adam never stepped: no moments from a NaN gradient
+        skips = runlog.read_metrics(run_dir)[1:]  # (the 10th stops the run before its row)
+        assert [(r["step"], r["charts/nonfinite_skipped"]) for r in skips] == [(0, n) for n in range(1, 10)]
+        assert all(math.isnan(r["charts/ess"]) == ess_is_nan for r in skips)
 
-    # every other token 1 nat less likely under the sampler: weights e and 1, ESS ~0.82, half cut at c = 2
-    stats, changed, _ = step(samples(offset=1.0), [1.0, 0.0, 0.0, 1.0], ess_threshold=0.9, tis_cap=2.0)
-    assert stats["outcome"] == "low_ess" and not changed and 0.7 < stats["ess"] < 0.9
-    assert stats["tis_max_ratio"] == pytest.approx(math.e, rel=1e-4) and 0.3 < stats["tis_truncated_fraction"] < 0.7
+    # every other token 1 nat less likely under the sampler in the first batch: weights e and 1, ESS ~0.82, half cut
+    # at c = 2; skipped below 0.9, and the next batch (the current weights') trained
+    off_policy = dict(offset=1.0, offset_keys=(0, 1))
+    sampler, _, rows, _ = scripted_main(*shared, "--ess-threshold", "0.9", "--tis-cap", "2", **off_policy)
+    [skip] = [r for r in rows if "charts/ess" in r and "losses/loss" not in r]
+    assert skip["step"] == 0 and skip["charts/skipped_steps"] == 1 and 0.7 < skip["charts/ess"] < 0.9
+    assert skip["charts/tis_max_ratio"] == pytest.approx(math.e, rel=1e-4) and sampler.pushes == [1]
+    assert _trained(rows)[0]["charts/ess"] > 0.9
     # Conventional RL's default threshold (Algorithm 1 has no ESS guard) trains the same batch
-    conventional = vars(prl.mode_defaults(prl.Args(mode="conventional")))
-    stats, changed, _ = step(samples(offset=1.0), [1.0, 0.0, 0.0, 1.0], tis_cap=2.0, mode="conventional",
-                             ess_threshold=conventional["ess_threshold"])
-    assert stats["outcome"] == "trained" and changed and 0.7 < stats["ess"] < 0.9
+    sampler, (policy, _, _), rows, _ = scripted_main(*shared, "--tis-cap", "2", "--mode", "conventional",
+                                                     "--steps-per-rl-step", "1", **off_policy)
+    [row] = _trained(rows)
+    assert 0.7 < row["charts/ess"] < 0.9 and row["charts/tis_max_ratio"] == pytest.approx(math.e, rel=1e-4)
+    assert 0.3 < row["charts/tis_truncated_fraction"] < 0.7 and not _unchanged(policy, tiny_path)
+
+
+def test_each_step_trains_at_its_scheduled_rate_and_a_resumed_run_continues_exactly(scripted_main):
+    """main() sets each step's rate from the step alone, on the optimizer load_models builds (AdamW, biases not
+    decayed); stopped after 2 steps, checkpointed (AdamW's moments) and resumed (Run.begin), 2 steps more give the
+    straight run's rates and weights to the bit. Fixed sampler logprobs: the batches are the same whatever the weights."""
+    flags = ("--mode", "conventional", "--steps-per-rl-step", "1", "--learning-rate", "1e-3", "--weight-decay", "0.01",
+             "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-schedule-steps", "5", "--ess-threshold", "0")
+    _, (policy, _, optimizer), rows, _ = scripted_main(*flags, "--num-steps", "4", fixed=-1.0)
+    rates = [r["charts/learning_rate"] for r in _trained(rows)]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0] and isinstance(optimizer, torch.optim.AdamW)
+    exempt = [n for n, p in policy.named_parameters() if any(p is q for q in optimizer.param_groups[1]["params"])]
+    assert exempt and all(n.endswith(".bias") for n in exempt)  # the tiny Qwen2's q/k/v biases
+    hand = [0.0, 0.5e-3, 1e-3, 1e-3 * (1 + math.cos(math.pi / 3)) / 2]  # warmup 0, 1/2; then the cosine over 3 steps
+    assert rates == pytest.approx(hand, abs=1e-15)
+    _, _, first, stopped = scripted_main(*flags, "--num-steps", "2", fixed=-1.0)
+    _, (resumed, _, _), rest, _ = scripted_main("--resume", str(stopped), "--num-steps", "4", fixed=-1.0)
+    assert [r["charts/learning_rate"] for r in _trained(first)] == rates[:2]  # the resumed run goes on in its directory
+    assert [r["charts/learning_rate"] for r in _trained(rest)] == rates
+    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), resumed.parameters()))
 
 
 # ---- from the command line ----
@@ -588,41 +706,39 @@ def test_the_cosine_schedule_by_hand_and_against_transformers():
     assert [prl.scheduled_learning_rate(constant, s) for s in (0, 2, 4, 99)] == [0.0, 1.0, 2.0, 2.0]
 
 
-def test_each_step_trains_at_its_scheduled_rate_and_a_resumed_run_continues_exactly(tiny_path, tokenizer, tmp_path):
-    """train_step sets the rate from the step alone, on the optimizer load_models builds (AdamW, biases not decayed);
-    stopped after 2 steps, checkpointed (AdamW's moments) and resumed through the script's resume(), 2 steps more give
-    the straight run's rates and weights to the bit."""
-    from fastrl import distributed
+def strip_pipeline(source: str) -> str:
+    """pipeline_rl.py as a student strips it to the method: no checkpoints, snapshots or evaluation between steps
+    (run.end_round), no torchrun calls (from_main, all_sum, full_norm), and one metric besides the seconds."""
+    replacements = [
+        ("            run.end_round(step, step, actor.data_position, tokenizer=tokenizer)\n", ""),
+        ("            loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
+        ("run.from_main(lambda: actor.next_batch(step))", "actor.next_batch(step)"),
+        ("run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
+         "torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
+    ]
+    for old, new in replacements:
+        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
+        source = source.replace(old, new)
+    start = source.index("            metrics = {\n")
+    end = source.index("            }\n", start) + len("            }\n")
+    return source[:start] + ('            metrics = {"charts/reward": rewards.mean().item(), '
+                             '"time/generate_seconds": wait_seconds, "time/train_seconds": train_seconds}\n'
+                             ) + source[end:]
 
-    task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
-    prompts = [tokenizer(task.problem("train", i).prompt)["input_ids"] for i in range(2)]
-    responses = [tokenizer(text)["input_ids"] for text in ["1+2=3", "4*5", "7-1=6 ok", "9"]]
-    samples = [vllm_sampler.Completion(str(i), prompts[i // 2], r, [-1.0] * len(r), "stop", [(0, 0, len(r))], tag=(i // 2, i % 2))
-               for i, r in enumerate(responses)]
-    args = prl.mode_defaults(prl.Args(group_size=2, learning_rate=1e-3, weight_decay=0.01, lr_schedule="cosine", warmup_steps=2,
-                                      lr_schedule_steps=5, ess_threshold=0.0))
-    dist = distributed.Dist()
 
-    def run(steps, resume_from=None):
-        policy, _, push_model, optimizer = prl.load_models(args, tiny_path, dist)
-        if resume_from:
-            prl.resume(prl.Args(**vars(args) | dict(resume=str(resume_from))), policy, optimizer, push_model, dist)
-        rates = []
-        for step in steps:
-            stats = prl.train_step(policy, None, optimizer, samples, torch.tensor([1.0, 0.0, 0.0, 1.0]), step, args,
-                                   tokenizer.pad_token_id)
-            assert stats["outcome"] == "trained"
-            rates.append((optimizer.param_groups[0]["lr"], stats["learning_rate"]))
-        return policy, optimizer, rates
-
-    policy, optimizer, rates = run(range(4))
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0] and isinstance(optimizer, torch.optim.AdamW)
-    exempt = [n for n, p in policy.named_parameters() if any(p is q for q in optimizer.param_groups[1]["params"])]
-    assert exempt and all(n.endswith(".bias") for n in exempt)  # the tiny Qwen2's q/k/v biases
-    hand = [0.0, 0.5e-3, 1e-3, 1e-3 * (1 + math.cos(math.pi / 3)) / 2]  # warmup 0, 1/2; then the cosine over 3 steps
-    assert [r for r, _ in rates] == pytest.approx(hand, abs=1e-15) and [a for a, b in rates] == [b for a, b in rates]
-    stopped, stopped_optimizer, first = run(range(2))
-    runlog.save_checkpoint(tmp_path / "checkpoint.pt", stopped, stopped_optimizer, 2, 0, totals={})
-    resumed, _, rest = run(range(2, 4), resume_from=tmp_path / "checkpoint.pt")
-    assert first + rest == rates
-    assert all(torch.equal(a, b) for a, b in zip(policy.parameters(), resumed.parameters()))
+@pytest.mark.slow
+def test_a_copy_stripped_to_its_method_runs_pushes_and_stops():
+    """Issue 48: the copy's obligations are code. --max-lag 0: each batch is admitted only once the sampler holds the
+    learner's weights, so the copy finishes only if every step's in-flight push landed."""
+    work = scratch_dir("pytest_pages_prl_")
+    copy = work / "pipeline_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
+    copy.write_text(strip_pipeline((ROOT / "pipeline_rl.py").read_text()))
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_prl_stripped", "--max-lag", "0",
+                          "--num-steps", "3", "--train-batch-size", "8", "--group-size", "4", "--eval-problems", "4",
+                          "--eval-samples", "1"], cwd=work, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "step 3/3 step 3" in out.stdout and "reward" in out.stdout
+    run_dir = next((work / "runs").glob("pytest_prl_stripped__*"))
+    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
+    assert "Traceback" not in out.stderr and "leaked" not in out.stderr
