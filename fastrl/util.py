@@ -175,3 +175,15 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def cpu_bf16() -> bool:
+    """Whether this CPU computes bf16 matrix products natively (x86: AVX512-BF16 or AMX-BF16 in /proc/cpuinfo's
+    flags, e.g. Intel Sapphire Rapids and later, AMD Zen 4 and later; Arm: the BF16 feature), where bf16 autocast is
+    faster than fp32 rather than emulated and slower. False where it cannot tell (not Linux)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    words = set(cpuinfo.split())
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})

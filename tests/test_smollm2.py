@@ -126,6 +126,25 @@ def test_rloo_k2_bf16_sampler_corrects_the_mismatch_on_a_real_model(smollm2_path
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not util.cpu_bf16(), reason="this CPU has no native bf16 (AVX512-BF16, AMX or Arm BF16): "
+                    "bf16 autocast would be emulated, and the split is run on CPUs that have it")
+def test_the_gpu_precision_split_end_to_end_on_a_bf16_cpu(smollm2_path):
+    """The GPU's precision split on a CPU with bf16: a bf16 sampler and the learner under bf16 autocast (weights,
+    gradients and Adam in fp32) at K=2. The mismatch correction turns on by itself; pi_theta0 is the learner's own
+    recomputation (under the same autocast), so K-reuse's first weight is on-policy; the sampler's logprobs differ
+    from the learner's by bf16's error, and the truncated weights stay near 1 (issue 50)."""
+    out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_bf16", "--k", "2", "--num-prompts", "4",
+                           "--group-size", "2", "--num-rounds", "1", "--sampler-dtype", "bfloat16", "--autocast-bf16",
+                           *SHORT)
+    assert (args["autocast_bf16"], args["sampler_dtype"]) == (True, "bfloat16")
+    (r,) = [r for r in rows if "charts/reward" in r]
+    assert r["step"] == 2 and r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3)
+    assert 1e-4 < r["charts/logprob_diff"] < 5e-2
+    assert 0.5 < r["charts/tis_max_ratio"] <= 2.0 and 0.0 <= r["charts/tis_truncated_fraction"] < 0.05
+    assert abs(r["losses/loss"]) < float("inf")
+
+
+@pytest.mark.slow
 def test_async_dpo_runs_on_a_real_model(smollm2_path):
     out, args, rows = _run("online_dpo_async.py", "--exp-name", "pytest_smollm2_dpo", "--num-prompts", "4", "--group-size", "4",
                            "--num-rounds", "2", *SHORT)
