@@ -17,7 +17,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fastrl import launch, runlog  # noqa: E402
+from fastrl import runlog  # noqa: E402
 
 
 @dataclass

@@ -59,7 +59,7 @@ import tyro
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from fastrl import checks, launch, util
+from fastrl import checks, launch, util  # noqa: E402
 import tasks  # noqa: E402
 
 # script, flags every arm shares, and per arm: (flags, rounds between snapshots ~ every 4-5 s on 2 cores)

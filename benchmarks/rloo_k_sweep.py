@@ -19,7 +19,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fastrl import launch, runlog  # noqa: E402
+from fastrl import runlog  # noqa: E402
 
 
 # the papers' regime: generation >= 70% of a synchronous round on 2 cores (docs/results.md "The papers' regime")

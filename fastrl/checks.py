@@ -61,7 +61,6 @@ def check_run_flags(args) -> None:
     line naming it: an NVIDIA driver too old for CUDA 13, a GPU placement without a GPU, a local --model directory
     that does not exist (rather than the Hub's repo-id rules), --system-prompt without --chat-template, a --task
     file that does not exist."""
-    import importlib.util
 
     check_nvidia_driver()
     if getattr(args, "sampler_url", None) is None and getattr(args, "placement", "auto") in ("colocate", "separate"):

@@ -178,7 +178,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         for batch in [weights] if in_place else [[pair] for pair in weights]:
             try:
                 loaded = self.model.load_weights(batch)
-            except Exception as e:
+            except Exception:
                 for name, tensor in batch if in_place else []:
                     try:
                         self.model.load_weights([(name, tensor)])

@@ -70,23 +70,20 @@ def _slow_tests_are_marked(request, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_path():
     import common
-    from fastrl import launch, runlog, util
 
     return str(common.tiny_model_path())
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_path):
-    import common
-    from fastrl import launch, runlog, util
+    from fastrl import util
 
     return util.load_tokenizer(tiny_path)
 
 
 @pytest.fixture(scope="session")
 def _session_sampler(tiny_path):
-    import common
-    from fastrl import launch, runlog, util
+    from fastrl import launch
 
     s = launch.start_sampler(tiny_path, placement="cpu", seed=0)
     yield s
@@ -99,7 +96,6 @@ def sampler(_session_sampler, tiny_path):
     own weights at the start of every test: a test that pushed other weights has them replaced after
     it (which tests share a worker changes with the suite, so no test may depend on another's order)."""
     import common
-    from fastrl import launch, runlog, util
 
     version = _session_sampler.version
     yield _session_sampler
@@ -124,7 +120,7 @@ def error_before_start(monkeypatch):
     loading a model or starting a sampler. (A command line costs ~4 s of imports each; every
     script also has one test of the real command line.)"""
     import common
-    from fastrl import launch, runlog, util
+    from fastrl import launch
 
     def never(*args, **kwargs):
         raise AssertionError("got past the argument checks")
@@ -150,8 +146,7 @@ def tiny_reward_model(tiny_path, tmp_path_factory):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    import common
-    from fastrl import launch, runlog, util
+    from fastrl import util
 
     torch.manual_seed(3)
     model = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
@@ -170,8 +165,7 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
     vllm_sampler.start_sampler; nothing is sampled."""
     import sys
 
-    import common
-    from fastrl import launch, runlog, util
+    from fastrl import launch, runlog
     from fastrl import vllm_sampler
 
     class Started(Exception):

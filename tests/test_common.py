@@ -263,7 +263,6 @@ def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic
     """An instruct model's prompt: the task's system turn, its user turn (not the base prompt's whole
     text), the generation prompt, then the start of the reply the model continues; --system-prompt
     replaces the system turn; the base prompt is untouched without the template."""
-    import tasks
 
     tokenizer = util.load_tokenizer(realistic_path)
     task = tasks.make_task("countdown", seed=1, tiny_prompts=False)

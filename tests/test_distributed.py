@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
-from fastrl import runlog, util
+from fastrl import runlog, util  # noqa: E402
 from fastrl import distributed  # noqa: E402
 
 STEPS = (7, 1, 5)  # global batch sizes of the training steps; then one step of RESUMED_STEP after a resume
@@ -44,8 +44,6 @@ TOL = 1e-5
 def _models(tiny_path: str, d: distributed.Dist):
     """Policy (tiny, tied embeddings), critic (its backbone + a value head) as a PPO learner, the
     sampler's copy, fused AdamW over both; sharded under torchrun."""
-    import common
-    from fastrl import runlog, util
     from transformers import AutoModelForSequenceClassification
 
     policy = common.load_policy(tiny_path, d.device)
@@ -75,8 +73,6 @@ def _batch(n: int, seed: int, vocab: int):
 def _chunked_head():
     """common.token_logprobs' memory-saving path (backbone, then lm_head per chunk) also for FSDP
     modules, which common may send through the root's forward instead: shard() supports both."""
-    import common
-    from fastrl import runlog, util
 
     original = common._backbone_and_head
     common._backbone_and_head = lambda model: (model.get_decoder(), model.get_output_embeddings())
@@ -91,8 +87,6 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
     micro-batches of common.micro_batch_plan, each loss backpropagated with its share, summed over ranks, one
     clipped step): a policy-gradient term (token_logprobs) and a value loss (critic backbone + score), both
     normalised by the GLOBAL number of completion tokens."""
-    import common
-    from fastrl import runlog, util
 
     policy, critic = learner["policy"], learner["critic"]
     prompts, completions, advantages, returns = _batch(n, seed, policy.config.vocab_size)
@@ -295,9 +289,6 @@ def test_shares_cover_every_item_once_contiguously(n, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_micro_batches_same_count_on_every_rank(world):
-    import common
-    from fastrl import runlog, util
-
     lengths = [5, 9, 3, 12, 7, 4, 11]
     plan = common.micro_batches(lengths, 20)
     per_rank = [distributed.my_micro_batches(plan, distributed.Dist(rank, world)) for rank in range(world)]
@@ -311,9 +302,6 @@ def test_micro_batches_same_count_on_every_rank(world):
 
 
 def test_one_process_is_the_plain_learner(tiny_path):
-    import common
-    from fastrl import runlog, util
-
     d = distributed.Dist()
     assert distributed.init() == d and not d.enabled and d.is_main  # no torchrun: no process group
     assert not torch.distributed.is_initialized()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import common
-from fastrl import launch, runlog, util
+from fastrl import launch, runlog
 import tasks
 from fastrl import vllm_sampler
 from conftest import scratch_dir

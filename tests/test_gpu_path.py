@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import common
-from fastrl import checks, launch, runlog, util
+from fastrl import launch, runlog, util
 import tasks
 from fastrl import vllm_sampler
 from fastrl import weight_sync

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import common
-from fastrl import checks, runlog
+from fastrl import runlog
 import tasks
 import online_dpo_async as dpo
 from conftest import scratch_dir

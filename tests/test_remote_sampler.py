@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import common
-from fastrl import launch, runlog
+from fastrl import runlog
 from fastrl import remote_sampler
 import tasks
 from fastrl.vllm_sampler import SamplerError

@@ -83,7 +83,6 @@ def test_no_doc_calls_answer_matches_the_tasks_notion_of_correct():
 # --------------------------------------------------------------------------------------
 
 import dataclasses  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import common  # noqa: E402
 from fastrl import checks, runlog  # noqa: E402

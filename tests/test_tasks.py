@@ -318,7 +318,7 @@ def test_a_hub_dataset_task_uses_its_own_splits_and_fields(monkeypatch):
 def test_gsm8k_prompt_and_grader_match_the_authors_format():
     """The prompt realtreetune/rho-1b-sft-GSM8K was fine-tuned on, verbatim from the authors' code (async_rlhf
     src/gsm8k_utils.py: GSM8k_PROMPT = "[MATH_TASK] Problem:\n{}\n\nSolution:"), and their grader's answer: the first
-    `#### n` (ANS_RE = r"#### (\-?[0-9\.\,]+)", ANS_RE.search), commas dropped."""
+    `#### n` (ANS_RE = r"#### (\\-?[0-9\\.\\,]+)", ANS_RE.search), commas dropped."""
     import re
 
     import tasks

@@ -103,7 +103,6 @@ def smollm2_workloads(**changes):
 
 def parse_ours(w):
     """Our script's own parse of the flags the benchmark gives it: what the run actually uses."""
-    import common
     import online_dpo_async
     import rloo_kreuse
 
@@ -182,7 +181,6 @@ def test_smollm2_prompts_are_the_same_token_ids_on_both_sides():
     with tokenize=True; online DPO: the templated text, tokenized without special tokens), are the ids our scripts send
     the sampler (tasks.encode_prompts under the chat template). Needs the converted SmolLM2 (skipped until it is cached)."""
     pytest.importorskip("trl")
-    import common
     from fastrl import smollm2
 
     path = util.CACHE_DIR / f"smollm2-135m-instruct-{smollm2.VERSION}"
