@@ -66,14 +66,17 @@ def check_run_flags(args) -> None:
     if getattr(args, "sampler_url", None) is None and getattr(args, "placement", "auto") in ("colocate", "separate"):
         gpus = torch.cuda.device_count()
         check_args(gpus >= (1 if args.placement == "colocate" else 2), "--placement",
-                   f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use --placement cpu or auto")
+                   f"{args.placement} needs {1 if args.placement == 'colocate' else 2} GPU(s), {gpus} visible; use "
+                   "--placement cpu or auto")
     task = getattr(args, "task", "")
-    check_args(not task.endswith((".jsonl", ".json")) or Path(task).expanduser().is_file(), "--task", f"no such file: {task}")
+    check_args(not task.endswith((".jsonl", ".json")) or Path(task).expanduser().is_file(), "--task",
+               f"no such file: {task}")
     check_args(getattr(args, "system_prompt", None) is None or getattr(args, "chat_template", False), "--system-prompt",
                "is the system turn of a chat template: add --chat-template")
     local = args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1
     check_args(args.model == TINY or not local or Path(args.model).expanduser().is_dir(), "--model",
-               f"no such directory: {args.model} (a Hub id looks like Qwen/Qwen2.5-0.5B; --model tiny is the built-in model)")
+               f"no such directory: {args.model} (a Hub id looks like Qwen/Qwen2.5-0.5B; --model tiny is the "
+               "built-in model)")
 
 
 # the oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA toolkit release notes, table 3)
@@ -103,9 +106,10 @@ def check_nvidia_driver() -> None:
     needed = MIN_DRIVER.get(major, max(MIN_DRIVER.values()))
     have = tuple(int(x) for x in driver.split(".")[:2])
     if have < needed:
-        raise SystemExit(f"error: NVIDIA driver {driver} is older than CUDA {cuda} (this torch and vLLM) needs (>= {needed[0]}.{needed[1]}), "
-                         f"so no GPU is visible: install NVIDIA driver {needed[0]} or newer (e.g. apt install nvidia-driver-{needed[0]}) "
-                         "and reboot, or run on CPU with the CPU build (docs/install.md)")
+        raise SystemExit(f"error: NVIDIA driver {driver} is older than CUDA {cuda} (this torch and vLLM) needs (>= "
+                         f"{needed[0]}.{needed[1]}), so no GPU is visible: install NVIDIA driver {needed[0]} or newer "
+                         f"(e.g. apt install nvidia-driver-{needed[0]}) and reboot, or run on CPU with the CPU build "
+                         "(docs/install.md)")
 
 
 def optional_modules(args, hub_tasks) -> dict[str, tuple[str, str]]:
@@ -114,31 +118,35 @@ def optional_modules(args, hub_tasks) -> dict[str, tuple[str, str]]:
     (tasks.HUB_TASKS). (tests/test_install_plan.py holds the README's commands to the extras their setup installs.)"""
     needed = {}
     if getattr(args, "track", False):
-        needed["wandb"] = ("--track", "needs wandb, which is not installed: pip install wandb (or leave --track out: TensorBoard "
-                                      "files are always written)")
-    if getattr(args, "model", None) == SMOLLM2:  # fastrl/smollm2.py converts it from its GGUF release (transformers' loader)
+        needed["wandb"] = ("--track", "needs wandb, which is not installed: pip install wandb (or leave --track out: "
+                                      "TensorBoard files are always written)")
+    # fastrl/smollm2.py converts it from its GGUF release (transformers' loader)
+    if getattr(args, "model", None) == SMOLLM2:
         for module in ("gguf", "accelerate"):
-            needed[module] = ("--model", f"smollm2 is converted from its GGUF release, which needs the {module} package: "
-                                         "bash scripts/setup.sh cpu (or pip install -e .)")
+            needed[module] = ("--model", f"smollm2 is converted from its GGUF release, which needs the {module} "
+                                         "package: bash scripts/setup.sh cpu (or pip install -e .)")
     task = getattr(args, "task", "")
     if task in hub_tasks or task.startswith("hf:"):
-        needed["datasets"] = ("--task", f"{task} is a Hub dataset and needs the datasets package: pip install -e '.[hub]' "
-                                        "(bash scripts/setup.sh gpu installs it); offline, use --task countdown or arithmetic")
+        needed["datasets"] = ("--task", f"{task} is a Hub dataset and needs the datasets package: pip install -e "
+                                        "'.[hub]' (bash scripts/setup.sh gpu installs it); offline, use --task "
+                                        "countdown or arithmetic")
     return needed
 
 
 def check_model(args, script: str, hub_tasks, resolve_model) -> tuple[str, float | None]:
     """Before the sampler starts, from the model's files alone: the packages the run needs (optional_modules, given
-    hub_tasks: tasks.HUB_TASKS), the model's path (resolve_model(--model, --task): common.resolve_model), and that it can serve the
-    flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a template
-    (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming the flag.
-    Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo, dpo,
-    pipeline or ppo. A flag the plan needs that a stripped copy lacks stops it here, on any machine (with_defaults)."""
+    hub_tasks: tasks.HUB_TASKS), the model's path (resolve_model(--model, --task): common.resolve_model), and that it
+    can serve the flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a
+    template (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming
+    the flag. Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo,
+    dpo, pipeline or ppo. A flag the plan needs that a stripped copy lacks stops it here, on any machine
+    (with_defaults)."""
     import importlib.util
 
     from fastrl import memory_plan as plan_memory
 
-    args = plan_memory.with_defaults(script, args)  # (what a copy dropped: planned without it, or one line on a CPU too)
+    # (what a copy dropped: planned without it, or one line on a CPU too)
+    args = plan_memory.with_defaults(script, args)
     for module, (flag, message) in optional_modules(args, hub_tasks).items():  # e.g. a Hub --task without datasets
         check_args(importlib.util.find_spec(module) is not None, flag, message)
     model_path = resolve_model(args.model, getattr(args, "task", "countdown"))
@@ -165,7 +173,8 @@ def memory_plan(args, model_path: str, script: str) -> float | None:
     if getattr(args, "reward_model", None):
         reward = plan_memory.reward_model_bytes(load_hf(AutoConfig, args.reward_model, flag="--reward-model"))
     plan = plan_memory.plan(script, args, plan_memory.shape_of(load_hf(AutoConfig, model_path)),
-                            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, torch.cuda.device_count(), reward)
+                            torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
+                            torch.cuda.device_count(), reward)
     if not plan.fits:
         raise SystemExit(plan.line)
     print(plan.line)
@@ -183,11 +192,12 @@ def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) 
 
         context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
     if context and max_prompt_tokens >= context:
-        raise SystemExit(f"error: --max-prompt-tokens: {max_prompt_tokens} prompt tokens leave no room for a response in the model's "
-                         f"context of {context} tokens; use --max-prompt-tokens {context // 2} or less")
+        raise SystemExit(f"error: --max-prompt-tokens: {max_prompt_tokens} prompt tokens leave no room for a response "
+                         f"in the model's context of {context} tokens; use --max-prompt-tokens {context // 2} or less")
     if context and max_prompt_tokens + max_new_tokens > context:
-        raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt tokens exceed "
-                         f"the model's context of {context} tokens; use --max-new-tokens {context - max_prompt_tokens} or less")
+        raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt "
+                         f"tokens exceed the model's context of {context} tokens; use --max-new-tokens "
+                         f"{context - max_prompt_tokens} or less")
 
 
 def check_chat_template(model_path: str, enabled: bool) -> None:
@@ -213,8 +223,9 @@ def check_sampler_version(samples, learner_version: int, max_lag: int = 0) -> No
     versions = sorted({v for s in samples for v, _, _ in s.versions})
     if versions and (versions[0] < learner_version - max_lag or versions[-1] > learner_version):
         expected = f"version {learner_version}" if max_lag == 0 else f"versions {learner_version - max_lag}..{learner_version}"
-        raise SystemExit(f"error: the sampler generated this batch with policy version(s) {versions}, the method expects {expected}: "
-                         "the weights were not pushed after the optimizer steps (sampler.push_weights), or the sampler lags")
+        raise SystemExit(f"error: the sampler generated this batch with policy version(s) {versions}, the method "
+                         f"expects {expected}: the weights were not pushed after the optimizer steps "
+                         "(sampler.push_weights), or the sampler lags")
 
 
 def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> None:
@@ -225,23 +236,25 @@ def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> Non
     limit = 5e-2 if mismatch_expected else 1e-3
     if math.isfinite(diff) and diff > limit and not warned:
         warned.append(diff)
-        print(f"warning: charts/logprob_diff {diff:.2g} on fresh weights (expected below {limit:g} for these precisions): the sampler's "
-              "logprobs are not the learner's (not the same weights, model or sampling settings); importance weights and ratios are off")
+        print(f"warning: charts/logprob_diff {diff:.2g} on fresh weights (expected below {limit:g} for these "
+              "precisions): the sampler's logprobs are not the learner's (not the same weights, model or sampling "
+              "settings); importance weights and ratios are off")
 
 
 def warn_no_learning(signal, what: str, streaks: dict, patience: int) -> bool:
-    """One warning line, once per run and `what`, when a round's learning signal (its advantages, its kept pairs, whether
-    its step trained) has been all zero, non-finite or empty for `patience` rounds in a row (the scripts: 10, or the whole
-    run when shorter): a setting under which the method learns nothing (a group size of 1, a reward that never differs
-    within a group, a guard that skips every step), which a flat curve would otherwise be the only sign of. `streaks`
-    (a dict kept by the caller) counts the rounds. Returns whether this round had no signal."""
+    """One warning line, once per run and `what`, when a round's learning signal (its advantages, its kept pairs,
+    whether its step trained) has been all zero, non-finite or empty for `patience` rounds in a row (the scripts: 10, or
+    the whole run when shorter): a setting under which the method learns nothing (a group size of 1, a reward that never
+    differs within a group, a guard that skips every step), which a flat curve would otherwise be the only sign of.
+    `streaks` (a dict kept by the caller) counts the rounds. Returns whether this round had no signal."""
     values = torch.as_tensor(signal, dtype=torch.float32)
     none = values.numel() == 0 or not bool((torch.isfinite(values) & (values != 0)).any())
     count = streaks.get(what, 0)
     if count >= 0:  # (-1: said already)
         count = count + 1 if none else 0
         if count >= patience:
-            print(f"warning: {what}, in each of the last {count} rounds: the method learns nothing from them (docs/methods.md)")
+            print(f"warning: {what}, in each of the last {count} rounds: the method learns nothing from them "
+                  "(docs/methods.md)")
             count = -1
         streaks[what] = count
     return none
@@ -310,8 +323,8 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
                and getattr(resumed, name) != getattr(base, name)]
     if changed and not getattr(resumed, "resume_changes", False):
         what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})" for n in changed)
-        raise SystemExit(f"error: {what}: differs from the run being resumed ({saved_file}); leave it out to continue as saved, "
-                         "or add --resume-changes")
+        raise SystemExit(f"error: {what}: differs from the run being resumed ({saved_file}); leave it out to continue "
+                         "as saved, or add --resume-changes")
     return resumed
 
 

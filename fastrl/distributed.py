@@ -524,7 +524,8 @@ def _fit_problem(expected: dict[str, tuple], model_state: dict) -> str | None:
     wrong = [k for k in expected if k in model_state and tuple(model_state[k].shape) != expected[k]]
     if missing or unexpected or wrong:
         return "; ".join(f"{what}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
-                         for what, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys)
+                         for what,
+                         keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys)
     return None
 
 

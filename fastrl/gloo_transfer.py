@@ -114,7 +114,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, init_info):
         rank = init_info.rank_offset + self.parallel_config.rank
-        self.group = gloo_group(init_info.master_address, init_info.master_port, rank, init_info.world_size, GROUP_TIMEOUT)
+        self.group = gloo_group(init_info.master_address, init_info.master_port, rank,
+                                init_info.world_size, GROUP_TIMEOUT)
         if self.device.type == "cpu":
             self.reuse_freed_memory()
 
@@ -256,7 +257,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         pool = ThreadPoolExecutor(max_workers=2)
         try:
             theirs = pool.submit(client.init_weight_transfer_engine, worker_info)
-            ours = pool.submit(gloo_group, init_info.master_address, port, 0, init_info.world_size, GROUP_TIMEOUT, listen)
+            ours = pool.submit(gloo_group, init_info.master_address, port, 0, init_info.world_size,
+                               GROUP_TIMEOUT, listen)
             done, _ = wait([theirs, ours], timeout=GROUP_TIMEOUT.total_seconds(), return_when=FIRST_EXCEPTION)
             for future in (theirs, ours):
                 if future in done and future.exception() is not None:
@@ -278,7 +280,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         try:
             future = pool.submit(self.client.update_weights, update_info)
             tensors = [t for _, t in self.source]
-            for chunk, flat in zip(pack_plan([m.dtype for m in meta], [m.shape for m in meta]), self.flat_buffers(meta)):
+            for chunk, flat in zip(pack_plan([m.dtype for m in meta], [m.shape for m in meta]),
+                                   self.flat_buffers(meta)):
                 torch.cat([tensors[i].detach().reshape(-1).to("cpu") for i in chunk], out=flat)
                 self.group.broadcast(flat, 0).wait()
             future.result()
@@ -386,7 +389,8 @@ def layerwise_layers_not_loaded(model: torch.nn.Module) -> list[str]:
         kernel = {**kernel_params, **kernel_buffers}
         stale = [tensor_name for tensor_name in kernel if tensor_name not in SKIP_LOAD_TENSORS
                  and tensor_name not in info.kernel_non_persistent_buffers
-                 and not any(module is not layer and loaded for module, loaded in holders.get(id(kernel[tensor_name]), []))]
+                 and not any(module is not layer and loaded for module,
+                             loaded in holders.get(id(kernel[tensor_name]), []))]
         if stale:
             failed.append(f"{name} ({type(layer).__name__}: {', '.join(stale)})")
     return failed

@@ -62,7 +62,8 @@ def start_sampler(model_path: str, placement: str = "auto", max_model_len: int |
 
         sampler = remote_sampler.RemoteSampler(urls, model_path)
     else:
-        config = vllm_sampler.SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len, seed=seed, **kwargs)
+        config = vllm_sampler.SamplerConfig(model=model_path, placement=placement, max_model_len=max_model_len,
+                                            seed=seed, **kwargs)
         sampler = vllm_sampler.Sampler(config)
         if wait or start_sampler_early(placement):  # (otherwise connect_weights starts it, once the learner has loaded)
             sampler.start(wait=wait)
@@ -85,7 +86,8 @@ def connect_weights(sampler, weights: torch.nn.Module, version: int = 0, backgro
     when resuming (`version` > 0) or to servers (always: what they loaded is not ours to know), so the
     sampler starts from the learner's weights. Closes the sampler if any of that fails."""
     try:
-        weight_sync.register_engines()  # imports vLLM's trainer side while the sampler still builds (~2 s less on the critical path)
+        # imports vLLM's trainer side while the sampler still builds (~2 s less on the critical path)
+        weight_sync.register_engines()
         sampler.wait_ready()
         sampler.init_weight_sync(weights, background=background_push)
         if version or getattr(sampler, "urls", None):  # (a RemoteSampler)

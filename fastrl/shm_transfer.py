@@ -19,8 +19,8 @@ memory with the sampler instead of sending bytes through a socket.
   (vllm_sampler.Sampler: deadlines, a dead sampler is a SamplerError).
 
 Measured at 54M parameters (207 MiB fp32, tied 32k embedding; benchmarks/push_bandwidth.py, 2 cores),
-before the parameters moved into the buffer: a push ~90 ms (gloo over loopback ~150 ms), a memcpy of the same bytes ~12 ms. Of the push: the
-learner's copy ~13 ms, the worker's load ~17 ms, the repack ~57 ms (linears 43, tied lm_head 14),
+before the parameters moved into the buffer: a push ~90 ms (gloo over loopback ~150 ms), a memcpy of the same bytes ~12
+ms. Of the push: the learner's copy ~13 ms, the worker's load ~17 ms, the repack ~57 ms (linears 43, tied lm_head 14),
 the three RPCs ~1.5 ms. The repack is the floor: vLLM's CPU GEMM reads oneDNN-packed weights, and
 dispatch_cpu_unquantized_gemm builds a new packed copy each time (vllm/model_executor/layers/
 utils.py:587, ops.create_onednn_mm; the handler reorders into memory it allocates, vLLM's
@@ -117,7 +117,8 @@ class ShmWeightTransferEngine(GlooWeightTransferEngine):
 
     def init_transfer_engine(self, init_info):
         if self.parallel_config.world_size != 1:
-            raise TransferError("the shm weight transfer serves a single-process sampler (no tensor/pipeline parallelism)")
+            raise TransferError("the shm weight transfer serves a single-process sampler (no tensor/pipeline "
+                                "parallelism)")
         self.buffer = map_shared(f"/proc/{init_info.pid}/fd/{init_info.fd}", init_info.nbytes)
         if self.device.type == "cpu":
             self.reuse_freed_memory()  # for the repack's allocations (gloo_transfer.GlooWeightTransferEngine)
@@ -192,7 +193,8 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
                 if tensor.data_ptr() != self.views[i].data_ptr():  # (a shared parameter is already there)
                     self.views[i].copy_(tensor.detach())
         if i + 1 != len(self.names):
-            raise TransferError(f"the model has {i + 1} parameters, {len(self.names)} at init_weight_sync: call it again")
+            raise TransferError(f"the model has {i + 1} parameters, {len(self.names)} at init_weight_sync: "
+                                "call it again")
 
     def send_weights(self):
         # The previous push has been loaded (its update RPC returned): the buffer is ours to write,

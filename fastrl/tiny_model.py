@@ -98,8 +98,10 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig, sft_batch, log=pri
             tokenizer = util.load_tokenizer(saved)
         model = Qwen2ForCausalLM(model_config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr, total_steps=config.sft_steps, pct_start=0.1)
-        progress = util.Progress(config.sft_steps, "tiny model", unit="step", every=float("inf"))  # (off a terminal: the log lines)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.sft_lr,
+                                                       total_steps=config.sft_steps, pct_start=0.1)
+        # (off a terminal: the log lines)
+        progress = util.Progress(config.sft_steps, "tiny model", unit="step", every=float("inf"))
         for step in range(config.sft_steps):
             input_ids, attention_mask, completion_mask = sft_batch(tokenizer, step, config.sft_batch_size)
             logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
@@ -128,7 +130,8 @@ def build_tiny_model(out_dir: str | Path, config: TinyConfig, sft_batch, log=pri
 def tiny_model_path(config: TinyConfig, sft_batch, log=print) -> Path:
     """The cached tiny model, built on first use (about 2 minutes on 2 cores; the step-by-step one
     longer); `sft_batch` as in build_tiny_model (common.resolve_model passes it)."""
-    return cached_build(util.CACHE_DIR / f"tiny-qwen2-{config.key()}", lambda path: build_tiny_model(path, config, sft_batch, log=log),
+    return cached_build(util.CACHE_DIR / f"tiny-qwen2-{config.key()}",
+                        lambda path: build_tiny_model(path, config, sft_batch, log=log),
                         lambda: log(f"building the tiny model into {util.CACHE_DIR} (once; cached afterwards)"))
 
 

@@ -133,7 +133,8 @@ class Progress:
         if show and (on_terminal() if terminal is None else terminal):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=leave, dynamic_ncols=True,
+                            file=sys.stderr)
             self._writer = None
             if not isinstance(sys.stdout, _AboveBars):  # (an outer bar's writer serves the inner bar too)
                 self._writer = sys.stdout = _AboveBars(sys.stdout)
@@ -167,7 +168,8 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-            if self._writer is not None and sys.stdout is self._writer:  # (a RunLogger closed meanwhile put its own back)
+            # (a RunLogger closed meanwhile put its own back)
+            if self._writer is not None and sys.stdout is self._writer:
                 sys.stdout = self._writer.streams[0]
 
     def __enter__(self):

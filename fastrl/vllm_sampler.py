@@ -394,9 +394,11 @@ class SamplerServer:
     """The sampler process's loop: between two engine steps, apply every command that arrived
     (a dispatch table: `COMMANDS` names the method for each), then step, then send what finished."""
 
-    COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause", "resume": "resume",
+    COMMANDS = {"add": "add", "abort": "abort", "stream_every": "set_stream_every", "pause": "pause",
+                "resume": "resume",
                 "weights_init": "weights_init", "weights_start": "weights_start", "weights_update": "weights_update",
-                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss", "peak_memory": "peak_memory", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
+                "weights_finish": "weights_finish", "num_unfinished": "num_unfinished", "peak_rss": "peak_rss",
+                "peak_memory": "peak_memory", "weight_load_path": "weight_load_path", "sampler_paths": "sampler_paths",
                 "time_local_load": "time_local_load", "rng_state": "rng_state", "set_rng_state": "set_rng_state",
                 "shutdown": "shutdown"}
 
@@ -438,7 +440,8 @@ class SamplerServer:
             # FINAL_ONLY builds an output once per request, as LLM.generate does; building cumulative
             # outputs every step costs ~15% throughput. Streamed requests use DELTA.
             kind = RequestOutputKind.DELTA if stream_every else RequestOutputKind.FINAL_ONLY
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, SamplingParams(**params, output_kind=kind))
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids},
+                                    SamplingParams(**params, output_kind=kind))
             self.tags[request_id] = tag
             if stream_every:
                 self.streaming[request_id] = [stream_every, [], [], 0, []]
@@ -476,7 +479,8 @@ class SamplerServer:
         if not_loaded:  # a mix of two versions: no decode step (self.updating stays on) until a push succeeds
             raise WeightLoadError(f"weight push {version} failed: nothing was loaded into {', '.join(not_loaded)}; "
                                   "they kept their old weights, so the sampler stops decoding until a push succeeds "
-                                  "(does the learner's model have every parameter of the sampler's, under the checkpoint's names?)")
+                                  "(does the learner's model have every parameter of the sampler's, under the "
+                                  "checkpoint's names?)")
         self.engine.set_weight_version(str(version))
         if recompute_kv:  # preempt running sequences: they re-prefill with the new weights
             self.engine.reset_prefix_cache(reset_running_requests=True)
@@ -500,7 +504,8 @@ class SamplerServer:
         return self.engine.collective_rpc(sampler_paths)[0]
 
     def rng_state(self, _) -> dict:
-        return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+        return {"cpu": torch.get_rng_state(),
+                **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
 
     def set_rng_state(self, state: dict) -> None:
         torch.set_rng_state(state["cpu"])
@@ -546,7 +551,8 @@ class SamplerServer:
             if self.deferred is not None and not self.engine.has_unfinished_requests():
                 self.handle(self.deferred)
                 self.deferred = None
-            if not self.busy() and self.deferred is None:  # idle: wake up for a command, or when the learner can take results
+            # idle: wake up for a command, or when the learner can take results
+            if not self.busy() and self.deferred is None:
                 select.select([self.conn], [self.conn] if self.outbox.pending else [], [], 1.0)
             # every pending command before the next decode step (none behind a deferred update)
             while self.deferred is None and self.conn.poll(0):
@@ -584,7 +590,8 @@ class SamplerServer:
         if output.finished:
             self.streaming.pop(rid, None)
             out.append(Completion(rid, list(output.prompt_token_ids), token_ids, logprobs, c.finish_reason,
-                                  version_spans(c, len(token_ids)), text, self.tags.pop(rid, None), finished_at=time.time()))
+                                  version_spans(c, len(token_ids)), text, self.tags.pop(rid, None),
+                                  finished_at=time.time()))
         return out
 
 
@@ -634,16 +641,19 @@ class Sampler(WeightPusher):
         self._sender = threading.Thread(target=self._send_loop, name="sampler-send", daemon=True)
         self._sender.start()
         self._last_heard = time.monotonic()
-        cuda_device = sampler_cuda_device(self.placement, os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count())
+        cuda_device = sampler_cuda_device(self.placement, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                          torch.cuda.device_count())
         self.tmpdir = tempfile.mkdtemp(prefix="fastrl-sampler-")
-        self.process = ctx.Process(target=_sampler_main, args=(self.config, child, os.getpid(), cuda_device, self.tmpdir),
+        self.process = ctx.Process(target=_sampler_main,
+                                   args=(self.config, child, os.getpid(), cuda_device, self.tmpdir),
                                    name="vllm-sampler", daemon=False)
         added = {k: v for k, v in log_environment(self.config.verbose).items() if k not in os.environ}
         os.environ.update(added)  # the child reads TORCH_CPP_LOG_LEVEL as torch loads, before _sampler_main runs
         main = sys.modules["__main__"]
         hidden = {k: main.__dict__.pop(k) for k in ("__file__",) if k in main.__dict__}
         spec, main.__spec__ = getattr(main, "__spec__", None), None
-        try:  # spawn re-runs the parent's main module in the child unless it cannot find it: nothing there is needed (~4 s)
+        # spawn re-runs the parent's main module in the child unless it cannot find it: nothing there is needed (~4 s)
+        try:
             self.process.start()
         finally:
             main.__dict__.update(hidden)
@@ -724,11 +734,12 @@ class Sampler(WeightPusher):
             if not self.process.is_alive():
                 raise SamplerError(f"the sampler process died (exit code {self._exit_code()}); see its log above")
             silent = time.monotonic() - self._last_heard
-            # before its first word the child is still importing (spawn re-imports the script, then torch and vLLM), which
+            # before its first word the child is still importing (spawn re-imports the script, then torch and vLLM),
+            # which
             # on a busy machine alone took longer than 15 s: it gets 4x the silence timeout for that
             if silent > self.config.silence_timeout * (1 if self._heard else 4):
-                raise SamplerError(f"the sampler process (pid {self.process.pid}) is alive but has not answered for {silent:.0f}s "
-                                   "(stopped, frozen or swapped out?)")
+                raise SamplerError(f"the sampler process (pid {self.process.pid}) is alive but has not answered for "
+                                   f"{silent:.0f}s (stopped, frozen or swapped out?)")
             return
         try:
             kind, call_id, payload = self.conn.recv()

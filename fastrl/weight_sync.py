@@ -89,7 +89,8 @@ def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None):
     return CastSource(module)
 
 
-def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2, packed_bytes: int | None = None):
+def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2,
+                      packed_bytes: int | None = None):
     """The learner's (rank 0) init info for vLLM's WeightTransferTrainerFactory.trainer_init.
     `master_address`: where the learner listens (loopback for a local sampler); `world_size`: 1 +
     the sampler workers; `packed_bytes`: the nccl and ipc engines' staging buffer (packed_buffer_bytes;
@@ -102,14 +103,16 @@ def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_siz
     if backend == "gloo":
         from fastrl import gloo_transfer
 
-        return gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=master_address, master_port=0, world_size=world_size)
+        return gloo_transfer.GlooTrainerInitInfo(rank=0, master_address=master_address, master_port=0,
+                                                 world_size=world_size)
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
         from vllm.utils.network_utils import get_open_port
 
         # vLLM's NCCL trainer takes a port, not a bound socket: a free one, bound again by its store;
         # the trainer passes the buffer size on to the workers (nccl_engine.py:294-302), so both sides agree
-        return NCCLTrainerInitInfo(rank=0, master_address=master_address, master_port=get_open_port(), world_size=world_size,
+        return NCCLTrainerInitInfo(rank=0, master_address=master_address, master_port=get_open_port(),
+                                   world_size=world_size,
                                    **packed)
     from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
@@ -152,7 +155,8 @@ class WeightPusher:
         if error:
             raise error[0]
 
-    def _start_weight_engine(self, backend: str, model: torch.nn.Module, background: bool, master_address: str = "127.0.0.1",
+    def _start_weight_engine(self, backend: str, model: torch.nn.Module, background: bool,
+                             master_address: str = "127.0.0.1",
                              world_size: int = 2, dtype: torch.dtype | None = None) -> None:
         """Start vLLM's trainer engine for `backend` with this client, reading `model`, or with
         `background` a snapshot copy of it (training goes on while a thread sends the snapshot).
@@ -280,8 +284,10 @@ def register_engines() -> None:
 
     from fastrl import gloo_transfer, shm_transfer
 
-    for name, worker, trainer in (("gloo", gloo_transfer.GlooWeightTransferEngine, gloo_transfer.GlooTrainerWeightTransferEngine),
-                                  ("shm", shm_transfer.ShmWeightTransferEngine, shm_transfer.ShmTrainerWeightTransferEngine)):
+    for name, worker, trainer in (("gloo", gloo_transfer.GlooWeightTransferEngine,
+                                   gloo_transfer.GlooTrainerWeightTransferEngine),
+                                  ("shm", shm_transfer.ShmWeightTransferEngine,
+                                   shm_transfer.ShmTrainerWeightTransferEngine)):
         if name not in WeightTransferEngineFactory._registry:
             WeightTransferEngineFactory.register_engine(name, worker)
         if name not in WeightTransferTrainerFactory._registry:
