@@ -53,7 +53,8 @@ def _slow_tests_are_marked(request, monkeypatch):
         def __init__(self, args, *rest, **kwargs):
             command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
             program = os.path.basename(command.split()[0]) if command.split() else ""
-            if program.startswith(("python", "torchrun", "bash")) or command.startswith(sys.executable):  # a script, a server, torchrun
+            # a script, a server, torchrun
+            if program.startswith(("python", "torchrun", "bash")) or command.startswith(sys.executable):
                 started.append(f"a subprocess ({command[:60]})")
                 raise RuntimeError("a Python subprocess in a test not marked slow: mark it @pytest.mark.slow")
             super().__init__(args, *rest, **kwargs)  # (libraries probe the system with small commands)
@@ -182,7 +183,8 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
         loggers.append(self)
 
     monkeypatch.setattr(launch, "start_sampler", start_sampler)
-    monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)  # (this process's filters stay as pytest set them)
+    # (this process's filters stay as pytest set them)
+    monkeypatch.setattr(vllm_sampler, "quiet_libraries", lambda verbose: None)
     monkeypatch.setattr(runlog.RunLogger, "__init__", keep_logger)
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the run's logger tees stdout: undone after the test
     monkeypatch.chdir(tmp_path)

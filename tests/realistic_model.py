@@ -30,8 +30,8 @@ from fastrl import tiny_model
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen2.5's template, shortened: ChatML turns, a generation prompt for the assistant
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
 
@@ -91,9 +91,11 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
         tokenizer = build_tokenizer(config, task)
         model = Qwen2ForCausalLM(Qwen2Config(
             vocab_size=len(tokenizer), hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
+                                             num_key_value_heads=config.num_kv_heads,
             max_position_embeddings=config.max_position_embeddings, tie_word_embeddings=True, rope_theta=10000.0,
-            initializer_range=config.initializer_range, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+            initializer_range=config.initializer_range, bos_token_id=tokenizer.eos_token_id,
+                                             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id))
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
         start = time.time()

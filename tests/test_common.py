@@ -72,8 +72,10 @@ def test_checkpoint_roundtrip_restores_model_optimizer_rng_and_position(tmp_path
 
 def test_mismatch_correction_is_on_by_default_exactly_when_the_precisions_differ():
     on = checks.mismatch_correction
-    assert not on("auto", "auto", "cpu", False) and not on("auto", "float32", "colocate", False)  # fp32 sampler, fp32 learner
-    assert on("auto", "auto", "colocate", False) and on("auto", "auto", "separate", False)  # a GPU sampler is bf16 by default
+    # fp32 sampler, fp32 learner
+    assert not on("auto", "auto", "cpu", False) and not on("auto", "float32", "colocate", False)
+    # a GPU sampler is bf16 by default
+    assert on("auto", "auto", "colocate", False) and on("auto", "auto", "separate", False)
     assert on("auto", "bfloat16", "cpu", False) and on("auto", "float16", "cpu", False)
     assert on("auto", "float32", "cpu", True)  # a bf16-autocast learner against an fp32 sampler
     assert on("on", "float32", "cpu", False) and not on("off", "bfloat16", "colocate", True)
@@ -89,7 +91,8 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
     saved = dataclasses.asdict(rloo.Args(k=8, top_p=0.9, num_rounds=10, group_size=4, sampler_url=["http://a"]))
     (run / "args.json").write_text(json.dumps(saved))
     args = checks.parse_args(rloo.Args, ["--resume", str(run)])
-    assert (args.k, args.top_p, args.group_size, args.sampler_url) == (8, 0.9, 4, ["http://a"])  # forgetting --k 8 keeps K=8
+    # forgetting --k 8 keeps K=8
+    assert (args.k, args.top_p, args.group_size, args.sampler_url) == (8, 0.9, 4, ["http://a"])
     assert checks.parse_args(rloo.Args, ["--resume", str(run), "--num-rounds", "20", "--k", "8"]).num_rounds == 20
     with pytest.raises(SystemExit) as refused:
         checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4"])
@@ -103,13 +106,15 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     inits = []
-    fake = SimpleNamespace(init=lambda **kw: inits.append(kw), finish=lambda: None, util=SimpleNamespace(generate_id=lambda: "abc123"))
+    fake = SimpleNamespace(init=lambda **kw: inits.append(kw), finish=lambda: None,
+                           util=SimpleNamespace(generate_id=lambda: "abc123"))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     args = SimpleNamespace(resume=None, seed=1)
     first = runlog.RunLogger("run", args, track=True, root=str(tmp_path))
     first.close()
     fake.util.generate_id = lambda: "another"
-    again = runlog.RunLogger("run", SimpleNamespace(resume=str(first.dir), seed=1), track=True, root=str(tmp_path / "elsewhere"))
+    again = runlog.RunLogger("run", SimpleNamespace(resume=str(first.dir), seed=1), track=True,
+                             root=str(tmp_path / "elsewhere"))
     again.close()
     assert again.dir == first.dir and [kw["id"] for kw in inits] == ["abc123", "abc123"] and inits[1]["resume"] == "allow"
 
@@ -121,7 +126,8 @@ def test_a_sampler_at_the_wrong_version_is_one_line():
     checks.check_sampler_version(done, 4, max_lag=1)  # within the lag the method allows
     with pytest.raises(SystemExit) as stale:
         checks.check_sampler_version(done, 4)
-    assert str(stale.value).startswith("error: the sampler generated this batch with policy version(s) [3, 4], the method expects version 4")
+    assert str(stale.value).startswith("error: the sampler generated this batch with policy version(s) [3, 4], the "
+                                       "method expects version 4")
     with pytest.raises(SystemExit):
         checks.check_sampler_version(done, 2, max_lag=5)  # ahead of the learner
 
@@ -161,7 +167,8 @@ def test_check_args_names_the_flag():
         checks.check_args(0 >= 1, "--k", "must be >= 1")
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", [(0.8, 0.95, 0), (1.0, 0.5, 0), (0.7, 1.0, 5), (1.3, 0.9, 20), (0.8, 1.0, 1)])
+@pytest.mark.parametrize("temperature, top_p, top_k",
+                         [(0.8, 0.95, 0), (1.0, 0.5, 0), (0.7, 1.0, 5), (1.3, 0.9, 20), (0.8, 1.0, 1)])
 def test_sampling_logits_equal_vllms_processing(temperature, top_p, top_k):
     """The learner's processing is vLLM's own: compare with the function the CPU sampler calls."""
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
@@ -196,9 +203,11 @@ def test_chunked_logprobs_equal_one_forward_values_and_gradients(realistic_path)
     cmask = torch.zeros_like(ids)
     cmask[:, 10:] = 1
     results = []
-    for chunk_bytes in (common.LOGIT_CHUNK_BYTES, 4 * 3 * model.config.vocab_size * 7):  # one chunk; chunks of 7 positions
+    # one chunk; chunks of 7 positions
+    for chunk_bytes in (common.LOGIT_CHUNK_BYTES, 4 * 3 * model.config.vocab_size * 7):
         model.zero_grad()
-        logp, ent = common.token_logprobs(model, ids, attn, cmask, 0.8, 0.95, with_entropy=True, chunk_bytes=chunk_bytes)
+        logp, ent = common.token_logprobs(model, ids, attn, cmask, 0.8, 0.95, with_entropy=True,
+                                          chunk_bytes=chunk_bytes)
         (logp.sum() + 0.1 * ent.sum()).backward()
         results.append((logp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]))
     (a_logp, a_ent, a_grad), (b_logp, b_ent, b_grad) = results
@@ -249,12 +258,15 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
 def test_the_report_says_in_two_lines_what_happened():
     start = {"eval/pass@1": 0.40, "eval/pass@16": 0.90, "eval/problems": 200.0}
     sharpened = runlog.what_happened(start, {"eval/pass@1": 0.52, "eval/pass@16": 0.70, "eval/problems": 200.0}, 1.2)
-    assert sharpened[0] == ("what happened: held-out pass@1 0.400 -> 0.520, up (+-0.069 is two standard errors over 200 problems)")
+    assert sharpened[0] == ("what happened: held-out pass@1 0.400 -> 0.520, up (+-0.069 is two standard errors over "
+                            "200 problems)")
     assert sharpened[1].startswith("pass@16 0.900 -> 0.700: the policy sharpened") and sharpened[1].endswith("KL to the reference 1.200 nats")
     noise = runlog.what_happened(start, {"eval/pass@1": 0.43, "eval/pass@16": 0.91, "eval/problems": 200.0}, None)
     assert "within the evaluation's noise" in noise[0] and noise[1] == "pass@16 0.900 -> 0.910"
-    assert "down" in runlog.what_happened(start, {"eval/pass@1": 0.2, "eval/pass@16": 0.5, "eval/problems": 200.0}, 0.1)[0]
-    assert len(runlog.what_happened({"eval/pass@1": 0.3}, {"eval/pass@1": 0.5}, 0.0)) == 2  # greedy: pass@1 only, no count
+    assert "down" in runlog.what_happened(start,
+                                          {"eval/pass@1": 0.2, "eval/pass@16": 0.5, "eval/problems": 200.0}, 0.1)[0]
+    # greedy: pass@1 only, no count
+    assert len(runlog.what_happened({"eval/pass@1": 0.3}, {"eval/pass@1": 0.5}, 0.0)) == 2
 
 
 
@@ -271,7 +283,8 @@ def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic
     text = tokenizer.decode(ids[0])
     assert text.startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n{problem.user}<|im_end|>\n")
     assert text.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
-    assert "User:" not in text and "Assistant:" not in text  # the base prompt's own turns are not stranded in the user turn
+    # the base prompt's own turns are not stranded in the user turn
+    assert "User:" not in text and "Assistant:" not in text
     custom = tasks.make_task("countdown", seed=1, tiny_prompts=False, system_prompt="Be brief.")
     _, ids, _ = tasks.encode_prompts(tokenizer, [custom.problem("train", 0)], 4096, chat_template=True)
     assert tokenizer.decode(ids[0]).startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
@@ -423,10 +436,12 @@ def test_an_nvidia_driver_older_than_torchs_cuda_is_one_line_at_start(monkeypatc
     line. A recent enough driver, a CPU build of torch or no NVIDIA driver at all pass."""
     version_file = tmp_path / "version"
     real_read = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: real_read(version_file if str(self) == "/proc/driver/nvidia/version" else self, *a, **k))
+    monkeypatch.setattr(Path, "read_text", lambda self, *a,
+                        **k: real_read(version_file if str(self) == "/proc/driver/nvidia/version" else self, *a, **k))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    version_file.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs-builder@U16)\n")
+    version_file.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  "
+                            "(dvs-builder@U16)\n")
     assert checks.nvidia_driver_version() == "570.86.15"
     with pytest.raises(SystemExit) as refused:
         checks.check_nvidia_driver()

@@ -101,7 +101,8 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
         x, a, c, m = ids[rows, :width], attn[rows, :width], cmask[rows, :width], mask[rows, :width - 1]
         with _chunked_head():  # the backbone, then the head per chunk (~3 positions), checkpointed
             logp = common.token_logprobs(policy, x, a, c, temperature=0.9, chunk_bytes=4 * policy.config.vocab_size * 3)
-        logits = policy(input_ids=x, attention_mask=a).logits[:, :-1]  # and the root's own forward, in the same backward
+        # and the root's own forward, in the same backward
+        logits = policy(input_ids=x, attention_mask=a).logits[:, :-1]
         values = critic.score(critic.base_model(input_ids=x, attention_mask=a).last_hidden_state[:, :-1]).squeeze(-1) * m
         pg = -(advantages[rows].to(d.device)[:, None] * logp).sum() + 0.01 * (logits.logsumexp(-1) * m).sum()
         vf = 0.5 * ((values - returns[rows].to(d.device)[:, None]) ** 2 * m).sum()
@@ -187,14 +188,17 @@ def runs(tiny_path, tmp_path_factory):
         scenario(tiny_path, one, None, distributed.Dist())  # first: the 2-rank run resumes its checkpoint
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                                 "--master-port", str(_free_port()), str(Path(__file__)), tiny_path, str(two), str(one / "checkpoint.pt")],
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                 "--master-addr", "127.0.0.1",
+                                 "--master-port", str(_free_port()), str(Path(__file__)), tiny_path, str(two),
+                                 str(one / "checkpoint.pt")],
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         seconds = time.perf_counter() - start
         assert result.returncode == 0, result.stderr[-3000:]
         # and one process resumes the 2-rank checkpoint (the other direction), then takes the same step
         learner, _, optimizer = _models(tiny_path, distributed.Dist())
-        state = runlog.load_checkpoint(two / "checkpoint.pt", learner, optimizer, dist=distributed.Dist(), required=("round",))
+        state = runlog.load_checkpoint(two / "checkpoint.pt", learner, optimizer, dist=distributed.Dist(),
+                                       required=("round",))
         assert (state["step"], state["data_position"], state["round"]) == (len(STEPS), sum(STEPS), len(STEPS))
         torch.save(distributed.state_for_checkpoint(learner, optimizer, distributed.Dist()), one / "resumed.pt")
         _train_step(learner, optimizer, RESUMED_STEP, 99, distributed.Dist())
@@ -220,7 +224,8 @@ def _assert_states_equal(a: dict, b: dict, tol: float = TOL) -> None:
             for key, value in oa["state"][i].items():
                 other = ob["state"][i][key]
                 assert value.shape == other.shape, (i, key)
-                torch.testing.assert_close(value.float().cpu(), other.float().cpu(), atol=tol, rtol=0, msg=f"optimizer {i} {key}")
+                torch.testing.assert_close(value.float().cpu(), other.float().cpu(), atol=tol, rtol=0,
+                                           msg=f"optimizer {i} {key}")
         return
     assert sorted(a) == sorted(b)
     for name in a:
@@ -234,7 +239,8 @@ def test_two_ranks_take_the_single_process_steps(runs):
     print(f"torchrun, 2 ranks: {seconds:.1f} s")
     log_one, log_two = json.loads((one / "log.json").read_text()), json.loads((two / "log.json").read_text())
     assert [s["stand_ins"] for s in log_one] == [0, 0, 0]
-    assert [s["stand_ins"] for s in log_two][1] == 1 and sum(s["stand_ins"] for s in log_two) >= 2  # uneven steps, a 1-row step
+    # uneven steps, a 1-row step
+    assert [s["stand_ins"] for s in log_two][1] == 1 and sum(s["stand_ins"] for s in log_two) >= 2
     for a, b in zip(log_one, log_two):
         assert abs(a["loss"] - b["loss"]) < TOL and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
     assert all(s["grad_norm"] > 1.0 for s in log_one)  # clipping was active: the global norm, not a rank's, was used
@@ -245,7 +251,8 @@ def test_two_ranks_take_the_single_process_steps(runs):
 def test_gather_into_gives_rank0_the_full_model(runs):
     one, two, _ = runs
     pushed = _load(two / "push.pt")
-    single = {k.removeprefix("policy."): v for k, v in _load(one / "checkpoint.pt")["model"].items() if k.startswith("policy.")}
+    single = {k.removeprefix("policy."): v for k,
+              v in _load(one / "checkpoint.pt")["model"].items() if k.startswith("policy.")}
     _assert_states_equal(pushed, single)
     assert pushed["lm_head.weight"].data_ptr() == pushed["model.embed_tokens.weight"].data_ptr()  # still tied
 
@@ -259,7 +266,8 @@ def test_checkpoints_are_the_single_process_format_both_ways(runs):
     # 1 -> 2: the 2-rank run loaded the single-process checkpoint; 2 -> 1: this process loaded the 2-rank one
     resumed_two, resumed_one = _load(two / "resumed.pt"), _load(one / "resumed.pt")
     assert resumed_two["scalars"] == {"step": len(STEPS), "data_position": sum(STEPS), "round": len(STEPS)}
-    _assert_states_equal({k: first[k] for k in ("model", "optimizer")}, {k: resumed_two[k] for k in ("model", "optimizer")}, tol=0.0)
+    _assert_states_equal({k: first[k] for k in ("model", "optimizer")},
+                         {k: resumed_two[k] for k in ("model", "optimizer")}, tol=0.0)
     _assert_states_equal({k: second[k] for k in ("model", "optimizer")}, resumed_one, tol=0.0)
     # and both go on to take the same step from there
     _assert_states_equal(_load(one / "after.pt"), _load(two / "after.pt"))

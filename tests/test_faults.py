@@ -79,7 +79,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def _run(script, *flags, timeout=120):
-    return subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=WORK, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=WORK, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 class _Evil:
@@ -271,7 +272,8 @@ def test_a_run_ends_without_leaked_semaphores(tiny_path):
 def test_prompts_all_too_long_is_one_clear_line():
     out = _run("rloo_kreuse.py", "--max-prompt-tokens", "3")
     assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines()[-1].startswith("error: --model/--task: every prompt is longer than the prompt budget of 3")
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --model/--task: every prompt is longer than the "
+                                                          "prompt budget of 3")
 
 
 @pytest.mark.slow

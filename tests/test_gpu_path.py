@@ -72,7 +72,8 @@ def test_sampler_environment_pins_the_v1_model_runner(monkeypatch):
     import vllm.envs
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env["VLLM_USE_V2_MODEL_RUNNER"])
-    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is False  # what vLLM's use_v2_model_runner returns first (vllm/config/vllm.py)
+    # what vLLM's use_v2_model_runner returns first (vllm/config/vllm.py)
+    assert vllm.envs.VLLM_USE_V2_MODEL_RUNNER is False
 
 
 def test_top_k_top_p_is_pinned_to_pytorch_even_where_triton_works(monkeypatch):
@@ -336,7 +337,8 @@ def _push_then_compare(placement, tiny_path, tokenizer):
         task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
         prompts = [tokenizer(task.problem("test", i).prompt)["input_ids"] for i in range(16)]
         samples = sampler.generate(prompts, n=2, temperature=0.8, top_p=0.95, max_tokens=24)
-        ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples],
+        ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples],
+                                                         [s.token_ids for s in samples],
                                                          tokenizer.pad_token_id)
         with torch.no_grad():
             learner = common.token_logprobs(model, ids.cuda(), attn.cuda(), cmask.cuda(), 0.8, 0.95).cpu()
@@ -344,7 +346,8 @@ def _push_then_compare(placement, tiny_path, tokenizer):
         mask = cmask[:, 1:].bool()
         assert (learner - behaviour)[mask].abs().mean() < 1e-3 and {s.version_max for s in samples} == {1}
         # the GPU path is the CPU one (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
-        assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner", "top_k_top_p": "pytorch"}
+        assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
+                                           "top_k_top_p": "pytorch"}
         memory = launch.peak_memory_mib(sampler)  # the sampler's GPU peak beside the learner's
         assert memory["sampler_gpu"] > 0 and memory["learner_gpu"] > 0 and memory["sampler"] > 0
 
@@ -378,7 +381,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (checks.warn_logprob_diff): 3x the measured noise, 16x below a stale push.
 BF16_MEAN_TOL = 5e-2
 BF16_MAX_TOL = 0.5  # one token's worst case: 7x the measured noise; a stale or garbled push reaches several nats
-PERTURB = 0.01  # added to every weight before a push (Qwen's weights: std 0.02): far from the checkpoint, not bf16-representable
+# added to every weight before a push (Qwen's weights: std 0.02): far from the checkpoint, not bf16-representable
+PERTURB = 0.01
 
 
 def _wordlevel_tokenizer(vocab_size: int, eos_id: int):
@@ -391,7 +395,8 @@ def _wordlevel_tokenizer(vocab_size: int, eos_id: int):
     vocab["<|endoftext|>"] = eos_id
     core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="t0")
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   unk_token="t0")
 
 
 @pytest.fixture(scope="module")
@@ -426,7 +431,8 @@ def _random_prompts(count: int, vocab: int, seed: int, lengths=(12, 40)) -> list
 
 def _logprob_diff(model, samples, pad_id: int, temperature: float = 0.8, top_p: float = 0.95) -> torch.Tensor:
     """|learner - sampler| processed logprob of every sampled token (the learner: common.token_logprobs in fp32)."""
-    ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_id)
+    ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples],
+                                                     [s.token_ids for s in samples], pad_id)
     device = next(model.parameters()).device
     with torch.no_grad():
         learner = common.token_logprobs(model, ids.to(device), attn.to(device), cmask.to(device), temperature, top_p).cpu()
@@ -451,21 +457,25 @@ def _push_cast_then_compare(placement: str, path: str):
         for p in model.parameters():
             p.add_(PERTURB * torch.randn_like(p))
     embedding = model.get_input_embeddings().weight
-    assert not torch.equal(embedding, embedding.to(torch.bfloat16).float())  # the push must round: fp32 values bf16 cannot hold
+    # the push must round: fp32 values bf16 cannot hold
+    assert not torch.equal(embedding, embedding.to(torch.bfloat16).float())
     with launch.start_sampler(path, placement=placement, max_model_len=1024) as sampler:  # dtype auto: bf16 on a GPU
         assert sampler.weight_dtype() == torch.bfloat16
         sampler.init_weight_sync(model)
         sizes = [math.prod(m.shape) * m.dtype.itemsize for m in weight_sync.sampler_source(model, torch.bfloat16).metadata()]
-        assert sum(sizes) > 3 * weight_sync.packed_buffer_bytes(sizes)  # ~0.99 GB through a 272 MB buffer: at least 4 chunks
+        # ~0.99 GB through a 272 MB buffer: at least 4 chunks
+        assert sum(sizes) > 3 * weight_sync.packed_buffer_bytes(sizes)
         sampler.push_weights(1)
-        samples = sampler.generate(_random_prompts(16, config.vocab_size, seed=2), n=2, temperature=0.8, top_p=0.95, max_tokens=32)
+        samples = sampler.generate(_random_prompts(16, config.vocab_size, seed=2), n=2, temperature=0.8,
+                                   top_p=0.95, max_tokens=32)
         assert {s.version_min for s in samples} == {s.version_max for s in samples} == {1}
         assert sum(len(s.token_ids) for s in samples) >= 16 * 2 * 16
         diff = _logprob_diff(model, samples, config.eos_token_id)
         assert diff.mean() <= BF16_MEAN_TOL and diff.max() <= BF16_MAX_TOL, (diff.mean().item(), diff.max().item())
         stale_diff = _logprob_diff(stale, samples, config.eos_token_id)
         assert stale_diff.mean() > max(3 * diff.mean(), BF16_MEAN_TOL), (stale_diff.mean().item(), diff.mean().item())
-        full = _logprob_diff(model, samples, config.eos_token_id, top_p=1.0)  # the contract broken: no nucleus on the learner
+        # the contract broken: no nucleus on the learner
+        full = _logprob_diff(model, samples, config.eos_token_id, top_p=1.0)
         assert full.mean() > diff.mean() + 1e-2, (full.mean().item(), diff.mean().item())
         assert sampler.sampler_paths()["top_k_top_p"] == "pytorch"
 
@@ -537,7 +547,8 @@ def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_pat
 
     config = AutoConfig.from_pretrained(qwen05_path)
     model = common.load_policy(qwen05_path, "cuda")
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7, fused=True)  # as the scripts build it; a large step
+    # as the scripts build it; a large step
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-7, fused=True)
     g = torch.Generator().manual_seed(3)
     batch = torch.randint(0, config.vocab_size, (8, 128), generator=g).cuda()
     attn, cmask = torch.ones_like(batch), torch.ones_like(batch)
@@ -566,7 +577,8 @@ def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_pat
         assert in_flight_at_return >= 1 and steps_during_push >= 1, (in_flight_at_return, steps_during_push)
         for _ in range(3):  # the learner moves on: the sampler must still hold the snapshot
             train_step()
-        samples = sampler.generate(_random_prompts(16, config.vocab_size, seed=4), n=2, temperature=0.8, top_p=0.95, max_tokens=32)
+        samples = sampler.generate(_random_prompts(16, config.vocab_size, seed=4), n=2, temperature=0.8,
+                                   top_p=0.95, max_tokens=32)
         assert {s.version_max for s in samples} == {s.version_min for s in samples} == {version}
         current = _logprob_diff(model, samples, config.eos_token_id)
         snapshot = copy.deepcopy(model)
@@ -580,10 +592,12 @@ def test_gpu_background_push_while_the_learner_trains_on_the_same_gpu(qwen05_pat
 
 # Each script's canonical command on a small local model (the realistic fixture: Qwen2, byte-level BPE, pad ==
 # eos, bf16 checkpoint), two rounds / steps / iterations, every precision at its GPU default (a bf16 sampler;
-# bf16 autocast and checkpointing on the learner: each script's PAPER defaults on a GPU); (script, its flags, the key of a
+# bf16 autocast and checkpointing on the learner: each script's PAPER defaults on a GPU); (script, its flags, the key of
+# a
 # trained row in metrics.jsonl)
 SCRIPT_RUNS = [
-    ("rloo_kreuse.py", ["--k", "2", "--num-rounds", "2", "--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "48",
+    ("rloo_kreuse.py",
+     ["--k", "2", "--num-rounds", "2", "--num-prompts", "4", "--group-size", "2", "--max-new-tokens", "48",
                         "--eval-problems", "4", "--eval-samples", "2"], "charts/reward"),
     ("online_dpo_async.py", ["--num-rounds", "2", "--num-prompts", "8", "--group-size", "4", "--max-new-tokens", "48",
                              "--eval-problems", "4", "--eval-samples", "1"], "charts/reward"),
@@ -603,7 +617,8 @@ def test_gpu_script_end_to_end(script, flags, trained_key, realistic_path, tmp_p
     sampler's bf16 logprobs against the learner's, on fresh weights) logged and within the bf16 tolerance, with
     no warning line about it."""
     exp = "gpu_" + script.removesuffix(".py")
-    out = subprocess.run([sys.executable, str(ROOT / script), "--model", realistic_path, "--task", "countdown", "--exp-name", exp, *flags],
+    out = subprocess.run([sys.executable, str(ROOT / script), "--model", realistic_path, "--task", "countdown",
+                          "--exp-name", exp, *flags],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     [run_dir] = (tmp_path / "runs").glob(f"{exp}__*")
@@ -624,7 +639,8 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
     learner step on Qwen2.5-0.5B's shapes at the paper's batch (4 prompts x 2, 256 + 512 tokens; benchmarks/memory.py's
     rloo_step: the script's own loss, micro-batches, clipping and Adam). The plan's contract: within 15% of the
     measurement (tests/test_memory.py holds it to the fake-tensor measurement the same way), and never low by more
-    than its HEADROOM (which stands for the context, workspaces and fragmentation): lower would be an OOM it let through."""
+    than its HEADROOM (which stands for the context, workspaces and fragmentation): lower would be an OOM it let
+    through."""
     memory_plan = pytest.importorskip("fastrl.memory_plan")
     from types import SimpleNamespace
 
@@ -632,9 +648,11 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
     import memory
 
     config = memory.qwen25_05b_config()
-    measured = memory.measure_on_device(lambda tracker: memory.rloo_step(config, prompts=4, group=2, prompt=256, response=512,
+    measured = memory.measure_on_device(lambda tracker: memory.rloo_step(config, prompts=4, group=2,
+                                                                         prompt=256, response=512,
                                                                          autocast=autocast, checkpointing=checkpointing), "cuda")["peak"]
-    args = SimpleNamespace(num_prompts=4, group_size=2, max_prompt_tokens=256, max_new_tokens=512, micro_batch_tokens=8192, kl_coef=0.01,
+    args = SimpleNamespace(num_prompts=4, group_size=2, max_prompt_tokens=256, max_new_tokens=512,
+                           micro_batch_tokens=8192, kl_coef=0.01,
                            top_p=0.95, autocast_bf16=autocast, gradient_checkpointing=checkpointing, dtype="float32")
     shape = memory_plan.shape_of(config)
     step, _ = memory_plan.script_step("rloo", args, shape)

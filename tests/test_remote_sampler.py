@@ -64,12 +64,15 @@ def _prompts(tokenizer, n):
 def _learner_vs_served(model, completions, pad_id):
     """|learner - served| per completion token (learner under the same processing), 0 where the
     nucleus is decided by rounding (_on_the_nucleus_edge); asserts those are a few."""
-    ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in completions], [c.token_ids for c in completions], pad_id)
+    ids, attn, cmask = common.pad_prompt_completions([c.prompt_token_ids for c in completions],
+                                                     [c.token_ids for c in completions], pad_id)
     with torch.no_grad():
         learner = common.token_logprobs(model, ids, attn, cmask, **SAMPLING)
         edge = _on_the_nucleus_edge(model(input_ids=ids, attention_mask=attn).logits[:, :-1]) & cmask[:, 1:].bool()
-    served = common.sampler_logprob_tensor(completions, [len(c.prompt_token_ids) for c in completions], learner.shape[1])
-    assert edge.sum() <= 0.05 * cmask.sum(), (edge.sum(), cmask.sum())  # ~0.5% at the tiny model's 101 tokens: the check still checks
+    served = common.sampler_logprob_tensor(completions, [len(c.prompt_token_ids) for c in completions],
+                                           learner.shape[1])
+    # ~0.5% at the tiny model's 101 tokens: the check still checks
+    assert edge.sum() <= 0.05 * cmask.sum(), (edge.sum(), cmask.sum())
     return (learner - served).abs().masked_fill(edge, 0.0)
 
 
@@ -126,7 +129,8 @@ def _submit_long(sampler, tokenizer, url):
     _wait(lambda: _added_requests() >= added + len(ids), "the server did not hand the requests to its engine", url)
     sampler.resume()
     # a step of (nearly) all of them: a counter, which stays where it got; the running gauge's moment can be missed
-    _wait(lambda: _counter(url, "vllm:generation_tokens_total") >= generated + 0.9 * len(ids), "the requests did not start", url)
+    _wait(lambda: _counter(url, "vllm:generation_tokens_total") >= generated + 0.9 * len(ids),
+          "the requests did not start", url)
     return ids, streamed
 
 
@@ -179,7 +183,8 @@ def test_generation_returns_token_ids_logprobs_and_tags(server_url, tiny_path, t
             assert c.versions == [(c.version_max, 0, len(c.token_ids))] and c.finished
             assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
         # per-prompt seeds make a round reproducible (sample j: seed + j, as locally)
-        again = [sampler.wait_for(sampler.submit(prompts[:2], n=2, per_prompt=[{"seed": 5}, {"seed": 9}], max_tokens=12, **SAMPLING))
+        again = [sampler.wait_for(sampler.submit(prompts[:2], n=2, per_prompt=[{"seed": 5}, {"seed": 9}],
+                                                 max_tokens=12, **SAMPLING))
                  for _ in range(2)]
         assert [c.token_ids for c in again[0]] == [c.token_ids for c in again[1]]
         assert len({tuple(c.token_ids) for c in again[0]}) > 1
@@ -198,7 +203,8 @@ def test_a_push_makes_the_servers_logprobs_the_learners_and_pause_keeps_requests
         diff = _learner_vs_served(model, out, tokenizer.pad_token_id)
         assert diff[_span_mask(out, diff.shape[1], 7)].max() < 1e-4
         # pause (keep): decoding stops, the running requests stay; after resume they continue
-        for attempt in range(3):  # a pause that lands after most requests finished (a loaded machine) says nothing: again
+        # a pause that lands after most requests finished (a loaded machine) says nothing: again
+        for attempt in range(3):
             ids, streamed = _submit_long(sampler, tokenizer, server_url)
             sampler.pause()
             chunks, finals = {i: [] for i in streamed}, {}
@@ -240,7 +246,8 @@ def test_an_in_flight_push_labels_both_versions(server_url, tiny_path, tokenizer
         sampler.init_weight_sync(model)
         sampler.push_weights(1)
         old = common.load_policy(tiny_path, "cpu")
-        for attempt in range(3):  # a push that lands after every request finished (a loaded machine) says nothing: again
+        # a push that lands after every request finished (a loaded machine) says nothing: again
+        for attempt in range(3):
             ids, _ = _submit_long(sampler, tokenizer, server_url)
             _perturb(model, 1 + attempt, scale=0.05)
             sampler.push_weights(2 + attempt, recompute_kv=recompute_kv)
@@ -276,7 +283,8 @@ def test_a_push_when_idle_lets_the_running_requests_finish_first(server_url, tin
         sampler.push_weights(2, when_idle=True)  # returns once the update is in
         out = sampler.wait_for(ids, timeout=120)
         assert all(c.versions == [(1, 0, 110)] for c in out)  # no completion mixes versions
-        assert all(c.versions == [(2, 0, len(c.token_ids))] for c in sampler.generate(_prompts(tokenizer, 2), max_tokens=8, **SAMPLING))
+        assert all(c.versions == [(2, 0, len(c.token_ids))] for c in sampler.generate(_prompts(tokenizer, 2),
+                                                                                      max_tokens=8, **SAMPLING))
 
 
 @pytest.mark.slow
@@ -295,12 +303,14 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
         assert sampler.poll(timeout=0.5) == []  # nothing of the aborted ones
         assert _counter(server_url, "vllm:prompt_tokens_total") - prefilled == 2 * len(prompts[0])
         # running: ~28k tokens, aborted as soon as the first are out
-        for attempt in range(3):  # an abort that lands after every request finished (a loaded machine) says nothing: again
+        # an abort that lands after every request finished (a loaded machine) says nothing: again
+        for attempt in range(3):
             generated = _counter(server_url, "vllm:generation_tokens_total")
             ids, _ = _submit_long(sampler, tokenizer, server_url)
             sampler.abort(ids)
             assert not sampler.pending
-            _wait(lambda: _counter(server_url, "vllm:num_requests_running") == 0, "the aborted requests kept running", server_url)
+            _wait(lambda: _counter(server_url, "vllm:num_requests_running") == 0,
+                  "the aborted requests kept running", server_url)
             assert all(not c.finished for c in sampler.poll(timeout=0.5))  # at most chunks that were on their way
             made = _counter(server_url, "vllm:generation_tokens_total") - generated
             if made < len(ids) * 110:
@@ -314,8 +324,10 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
 def test_a_script_trains_through_sampler_url(server_url):
     """`--sampler-url`: rloo_kreuse.py samples from the server (launch.start_sampler(urls=...)),
     pushes every round, and the server's logprobs stay the learner's."""
-    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--sampler-url", server_url, "--exp-name", "pytest_remote",
-                          "--k", "2", "--num-rounds", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8",
+    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--sampler-url", server_url, "--exp-name",
+                          "pytest_remote",
+                          "--k", "2", "--num-rounds", "2", "--num-prompts", "8", "--group-size", "4",
+                          "--eval-problems", "8",
                           "--eval-samples", "2"], cwd=WORK, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = runlog.read_metrics(WORK / out.stdout.split("run directory: ")[1].split()[0])
@@ -337,9 +349,11 @@ class _FakeGenerate(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.seen.append(body)
         time.sleep(self.server.delay)
-        choice = {"finish_reason": "length", "token_ids": [5, 6], "weight_versions": [{"version": "3", "start": 0, "end": 2}],
+        choice = {"finish_reason": "length", "token_ids": [5, 6],
+                  "weight_versions": [{"version": "3", "start": 0, "end": 2}],
                   "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -0.25}]}}
-        answer = {"request_id": body["request_id"], "choices": [dict(choice, index=i) for i in range(body["sampling_params"]["n"])]}
+        answer = {"request_id": body["request_id"],
+                  "choices": [dict(choice, index=i) for i in range(body["sampling_params"]["n"])]}
         data = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -370,7 +384,8 @@ def test_a_round_is_split_across_servers_prompt_by_prompt():
             out = sampler.generate([[1, 2], [3, 4], [5, 6], [7, 8]], n=3, max_tokens=2, seed=10)
             assert [len(s.seen) for s in servers] == [2, 2]  # one request per prompt, its 3 samples together
             assert sorted(tuple(b["token_ids"]) for s in servers for b in s.seen) == [(1, 2), (3, 4), (5, 6), (7, 8)]
-            assert sorted(b["sampling_params"]["seed"] for s in servers for b in s.seen) == [10, 13, 16, 19]  # + first id
+            # + first id
+            assert sorted(b["sampling_params"]["seed"] for s in servers for b in s.seen) == [10, 13, 16, 19]
             assert [c.tag for c in out] == [(i, j) for i in range(4) for j in range(3)]
             assert all(c.token_ids == [5, 6] and c.logprobs == [-0.5, -0.25] and c.versions == [(3, 0, 2)] for c in out)
             # prompts submitted one at a time, as a pipeline does: the slow server, still busy, gets fewer

@@ -84,7 +84,8 @@ def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
     problems = [task.problem("train", i) for i in range(8)]
     prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
     samples = sampler.generate(prompts, n=4, temperature=0.8, top_p=1.0, max_tokens=24)
-    ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], tokenizer.pad_token_id)
+    ids, attn, cmask = common.pad_prompt_completions([s.prompt_token_ids for s in samples],
+                                                     [s.token_ids for s in samples], tokenizer.pad_token_id)
     mask = cmask[:, 1:].float()
     old = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], mask.shape[1])
 
@@ -110,7 +111,8 @@ def test_importance_weights_on_the_real_sampler(tiny_path, tokenizer, sampler):
 
 
 def _run(*flags, timeout=600, cwd=WORK):
-    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -131,7 +133,8 @@ def test_two_rounds_from_the_command_line_then_resume():
         assert r["charts/logprob_diff"] < 1e-4
     assert (run_dir / "checkpoint.pt").exists() and json.loads((run_dir / "args.json").read_text())["k"] == 2
     assert "| K | wall (s)" in out.stdout and "pass@1" in out.stdout
-    # a person reads it at a glance: vLLM's and torch's start-up warnings are off without --verbose (vllm_sampler.log_environment)
+    # a person reads it at a glance: vLLM's and torch's start-up warnings are off without --verbose
+    # (vllm_sampler.log_environment)
     assert not [line for line in (out.stdout + out.stderr).splitlines() if "WARNING" in line or "Warning:" in line]
 
     # a flag that would change the resumed run is refused in one line naming it, before anything loads
@@ -162,7 +165,8 @@ def test_two_rounds_from_the_command_line_then_resume():
     assert small.returncode == 0, small.stderr[-3000:]
     small_row = [r for r in runlog.read_metrics(WORK / small.stdout.split("run directory: ")[1].split()[0])
                  if "charts/reward" in r][0]
-    for key in ("losses/loss", "losses/pg", "losses/entropy", "losses/kl_penalty", "losses/grad_norm", "charts/iw_mean_k2"):
+    for key in ("losses/loss", "losses/pg", "losses/entropy", "losses/kl_penalty", "losses/grad_norm",
+                "charts/iw_mean_k2"):
         assert small_row[key] == pytest.approx(straight_rows[0][key], rel=1e-4, abs=1e-6), key
 
     # the trained policy is also a Hugging Face model directory that transformers and vLLM load as is
@@ -195,8 +199,10 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
             return float(right) - 0.001 * len(completion)
     """))
     env = dict(os.environ, REWARD_CALLS=str(tmp_path / "calls"), PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--model", "tiny", "--task", "my.jsonl", "--reward", "mymodule:score",
-                          "--num-prompts", "4", "--group-size", "2", "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"],
+    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--model", "tiny", "--task", "my.jsonl",
+                          "--reward", "mymodule:score",
+                          "--num-prompts", "4", "--group-size", "2", "--num-rounds", "2", "--eval-problems", "4",
+                          "--eval-samples", "1"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     rounds = [r for r in runlog.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
@@ -208,14 +214,16 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
 def test_overlap_mode_runs_one_round_off_policy():
     """--overlap trains on a round generated one round earlier; --snapshot-every keeps the weights
     (for benchmarks/learning_speed.py) from round 0 on, with the run's wall time."""
-    out = _run("--exp-name", "pytest_rloo_overlap", "--k", "2", "--num-prompts", "8", "--group-size", "4", "--num-rounds", "3",
+    out = _run("--exp-name", "pytest_rloo_overlap", "--k", "2", "--num-prompts", "8", "--group-size", "4",
+               "--num-rounds", "3",
                "--overlap", "--eval-problems", "8", "--eval-samples", "2", "--snapshot-every", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     lags = [r["charts/lag_mean"] for r in runlog.read_metrics(run_dir) if "charts/lag_mean" in r]
     assert lags[0] == 0 and all(lag == 2 for lag in lags[1:])  # round r+1 was generated before round r's K=2 steps
     snapshots = [torch.load(run_dir / "snapshots" / f"{step}.pt", weights_only=True) for step in (0, 2, 4, 6)]
-    assert [s["step"] for s in snapshots] == [0, 2, 4, 6] and all(a["wall"] < b["wall"] for a, b in zip(snapshots, snapshots[1:]))
+    assert [s["step"] for s in snapshots] == [0, 2, 4, 6] and all(a["wall"] < b["wall"] for a,
+                                                                  b in zip(snapshots, snapshots[1:]))
     trained = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(snapshots[-1]["model"][k], v) for k, v in trained.items())
     assert any(not torch.equal(snapshots[0]["model"][k], v) for k, v in trained.items())
@@ -247,10 +255,12 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
 
 @pytest.mark.parametrize("flags, flag", [(["--k", "0"], "--k"), (["--group-size", "1"], "--group-size"),
                                          (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
-                                         (["--micro-batch-tokens", "0"], "--micro-batch-tokens"), (["--tis-cap", "0.5"], "--tis-cap"),
+                                         (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+                                         (["--tis-cap", "0.5"], "--tis-cap"),
                                          (["--tis", "on", "--overlap"], "--tis"),
                                          (["--snapshot-every", "-1"], "--snapshot-every"),
-                                         (["--model", "/no/such/model"], "--model"), (["--model", "./my-checkpoint"], "--model"),
+                                         (["--model", "/no/such/model"], "--model"),
+                                         (["--model", "./my-checkpoint"], "--model"),
                                          (["--max-prompt-tokens", "4096"], "--max-prompt-tokens"),
                                          (["--sampler-gpu-memory", "1.5"], "--sampler-gpu-memory"),
                                          (["--system-prompt", "Be brief."], "--system-prompt")]
@@ -267,7 +277,8 @@ def test_a_bad_flag_is_one_line_on_the_command_line():
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --k") and "Traceback" not in out.stderr
 
 
-@pytest.mark.parametrize("fields, flag", [(dict(k=0), "--k"), (dict(group_size=1), "--group-size"), (dict(iw_clip=0.0), "--iw-clip"),
+@pytest.mark.parametrize("fields, flag",
+                         [(dict(k=0), "--k"), (dict(group_size=1), "--group-size"), (dict(iw_clip=0.0), "--iw-clip"),
                                           (dict(ppo_clip=1.0), "--ppo-clip"), (dict(tis="on", overlap=True), "--tis"),
                                           (dict(sampler_url=["localhost:8000"]), "--sampler-url")])
 def test_flag_checks_live_with_the_flags(fields, flag):
@@ -282,12 +293,14 @@ def test_a_real_model_gets_the_papers_defaults_and_tiny_its_own():
     tiny = checks.parse_args(rloo.Args, [], paper=rloo.PAPER)
     assert (paper.task, paper.group_size, paper.num_prompts, paper.num_rounds, paper.learning_rate, paper.ent_coef,
             paper.max_new_tokens) == ("countdown-hub", 2, 4, 250, 1e-6, 0.05, 512)
-    assert (tiny.task, tiny.group_size, tiny.num_prompts, tiny.ent_coef, tiny.kl_coef) == ("countdown", 8, 32, 0.01, 0.01)
+    assert (tiny.task, tiny.group_size, tiny.num_prompts, tiny.ent_coef, tiny.kl_coef) == ("countdown", 8,
+                                                                                           32, 0.01, 0.01)
     assert checks.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--num-prompts", "8"], paper=rloo.PAPER).num_prompts == 8
 
 
 @pytest.mark.slow  # main() up to the parser
-@pytest.mark.parametrize("flags, flag", [(["--iw-level", "word"], "--iw-level"), (["--kl-estimator", "k4"], "--kl-estimator")])
+@pytest.mark.parametrize("flags, flag",
+                         [(["--iw-level", "word"], "--iw-level"), (["--kl-estimator", "k4"], "--kl-estimator")])
 def test_choice_flags_are_refused_by_the_parser_with_their_choices(monkeypatch, capsys, flags, flag):
     monkeypatch.setattr(sys, "argv", ["rloo_kreuse.py", *flags])
     with pytest.raises(SystemExit) as exit_info:
@@ -321,7 +334,8 @@ def test_which_sequence_level_kl_gradient_each_estimator_gives():
     the per-token KLs' gradient at the sampled prefixes (it misses how the first token moves the second
     step's KL); k3 as a loss gives neither."""
     torch.manual_seed(0)
-    theta1, theta2 = torch.randn(2, requires_grad=True), torch.randn(2, 2, requires_grad=True)  # step 2's logits depend on y1
+    # step 2's logits depend on y1
+    theta1, theta2 = torch.randn(2, requires_grad=True), torch.randn(2, 2, requires_grad=True)
     ref1, ref2 = torch.randn(2).log_softmax(0), torch.randn(2, 2).log_softmax(1)
     seqs = [(a, b) for a in range(2) for b in range(2)]
 
@@ -368,7 +382,8 @@ def test_k1_in_the_reward_is_the_exact_kl_gradient_off_policy():
     E_theta[r] - kl_coef KL(pi_theta || pi_ref); k1 of pi_theta0 (computed once per round) does not."""
     torch.manual_seed(1)
     theta1, theta2 = torch.randn(2, requires_grad=True), torch.randn(2, 2, requires_grad=True)
-    theta01, theta02 = theta1.detach() + torch.randn(2), theta2.detach() + torch.randn(2, 2)  # the sampling policy, far off
+    # the sampling policy, far off
+    theta01, theta02 = theta1.detach() + torch.randn(2), theta2.detach() + torch.randn(2, 2)
     ref1, ref2 = torch.randn(2).log_softmax(0), torch.randn(2, 2).log_softmax(1)
     seqs = [(a, b) for a in range(2) for b in range(2)]
     reward = torch.tensor([1.0, 0.0, 0.3, 0.7])
@@ -384,7 +399,8 @@ def test_k1_in_the_reward_is_the_exact_kl_gradient_off_policy():
     logp = token_logps(theta1, theta2)
     assert not torch.allclose(logp.detach(), old, atol=0.1)  # off-policy: theta != theta0
     prob = logp.sum(1).exp()
-    true_grad = torch.autograd.grad((prob * reward).sum() - kl_coef * (prob * (logp.sum(1) - ref.sum(1))).sum(), (theta1, theta2))
+    true_grad = torch.autograd.grad((prob * reward).sum() - kl_coef * (prob * (logp.sum(1) - ref.sum(1))).sum(),
+                                    (theta1, theta2))
 
     def expected_grad(k1_of):
         logp = token_logps(theta1, theta2)
@@ -392,7 +408,8 @@ def test_k1_in_the_reward_is_the_exact_kl_gradient_off_policy():
         for i in range(4):
             for j in range(4):
                 rows = [i, j]
-                adv = rloo.shaped_advantages(reward[rows], k1_of(logp)[rows], ref[rows], torch.ones(2, 2), kl_coef=kl_coef,
+                adv = rloo.shaped_advantages(reward[rows], k1_of(logp)[rows], ref[rows], torch.ones(2, 2),
+                                             kl_coef=kl_coef,
                                              kl_estimator="k1", group_size=2)
                 loss, _ = rloo.rloo_loss(logp[rows], old[rows], ref[rows], torch.zeros(2, 2), torch.ones(2, 2), adv,
                                          **_hp(kl_coef=kl_coef, kl_estimator="k1"))
@@ -522,7 +539,8 @@ def test_truncated_is_weights_by_hand():
     assert stats["truncated_fraction"] == pytest.approx(1 / 3)  # of the 3 response tokens
     # the loss is weighted by them: a sequence at weight 0.5 pushes half as hard
     logp = torch.tensor([[-1.0], [-1.0]], requires_grad=True)
-    loss, _ = rloo.rloo_loss(logp, logp.detach(), logp.detach(), torch.zeros_like(logp), torch.ones_like(logp), torch.ones(2),
+    loss, _ = rloo.rloo_loss(logp, logp.detach(), logp.detach(), torch.zeros_like(logp),
+                             torch.ones_like(logp), torch.ones(2),
                              **_hp(), tis=torch.tensor([1.0, 0.5]))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-0.5], [-0.25]]))
@@ -630,8 +648,10 @@ def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
     flag at its default (sizes shrunk). The precision split turns the mismatch correction on by itself:
     pi_theta0 is the learner's, so K=1's weight is 1 in every round, and the sampler's bf16 logprobs enter
     only the truncated weight (ratio near 1, not exactly 1)."""
-    out = _run("--model", realistic_path, "--task", "countdown", "--exp-name", "pytest_rloo_real", "--k", "1", "--num-prompts", "4", "--group-size", "2",
-               "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2", "--sampler-dtype", "bfloat16")
+    out = _run("--model", realistic_path, "--task", "countdown", "--exp-name", "pytest_rloo_real", "--k", "1",
+               "--num-prompts", "4", "--group-size", "2",
+               "--num-rounds", "2", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2",
+               "--sampler-dtype", "bfloat16")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     args = json.loads((run_dir / "args.json").read_text())
@@ -701,13 +721,15 @@ def test_two_torchrun_ranks_train_as_one_process_and_resume():
     resumes under torchrun."""
     from safetensors.torch import load_file
 
-    flags = ["--k", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8", "--eval-samples", "2", "--seed", "3"]
+    flags = ["--k", "2", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8", "--eval-samples",
+             "2", "--seed", "3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     runs = {}
     for name, launcher in (("two", torchrun), ("one", [sys.executable])):
         cwd = WORK / f"torchrun_{name}"
         cwd.mkdir()
-        out = subprocess.run([*launcher, str(ROOT / "rloo_kreuse.py"), *flags, "--num-rounds", "2"], cwd=cwd, capture_output=True,
+        out = subprocess.run([*launcher, str(ROOT / "rloo_kreuse.py"), *flags, "--num-rounds", "2"], cwd=cwd,
+                             capture_output=True,
                              text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
@@ -720,7 +742,8 @@ def test_two_torchrun_ranks_train_as_one_process_and_resume():
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
 
-    resumed = subprocess.run([*torchrun, str(ROOT / "rloo_kreuse.py"), *flags, "--num-rounds", "3", "--resume", str(runs["two"])],
+    resumed = subprocess.run([*torchrun, str(ROOT / "rloo_kreuse.py"), *flags, "--num-rounds", "3", "--resume",
+                              str(runs["two"])],
                              cwd=runs["two"].parent.parent, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout

@@ -50,7 +50,8 @@ def _prompts(tokenizer, count):
 
 
 def _max_logprob_gap(model, samples, pad_id, temperature):
-    ids, attn, mask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_id)
+    ids, attn, mask = common.pad_prompt_completions([s.prompt_token_ids for s in samples],
+                                                    [s.token_ids for s in samples], pad_id)
     with torch.no_grad():
         learner = common.token_logprobs(model, ids, attn, mask, temperature=temperature)
     sampler = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], learner.shape[1])
@@ -108,7 +109,8 @@ def test_pushes_match_the_learner_logprobs(tiny_path, tokenizer, session_sampler
     assert sampler.weight_load_path() == "in place"
     # the learner's parameters now live in the shared buffer (same Parameter objects): a push copies nothing on its side
     assert {p.data_ptr() for p in model.parameters()} == {v.data_ptr() for v in sampler._weight_engine.views}
-    sampler.push_weights(sampler.version + 1)  # from this model's weights, whatever an earlier test pushed into the shared sampler
+    # from this model's weights, whatever an earlier test pushed into the shared sampler
+    sampler.push_weights(sampler.version + 1)
     prompts = _prompts(tokenizer, 16)
     for round_ in range(3):  # several pushes in a row, each of changed weights
         before = sampler.generate(prompts[:4], n=2, temperature=0.7, max_tokens=16, seed=round_)
@@ -127,7 +129,8 @@ def test_background_push_sends_the_snapshot(tiny_path, tokenizer, session_sample
     sampler = session_sampler
     model = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(model, background=True)
-    assert not {p.data_ptr() for p in model.parameters()} & {v.data_ptr() for v in sampler._weight_engine.views}  # the snapshot's are
+    # the snapshot's are
+    assert not {p.data_ptr() for p in model.parameters()} & {v.data_ptr() for v in sampler._weight_engine.views}
     _perturb(model, 10)
     pushed = copy.deepcopy(model)
     version = sampler.version + 1
@@ -154,11 +157,13 @@ def test_dead_sampler_is_an_error_and_nothing_is_left(tiny_path):
         # the learner's descriptor is closed: only the two mappings hold the memory
         assert not any("fastrl-weights" in _link(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd"))
         os.kill(sampler.process.pid, signal.SIGKILL)
-        with pytest.raises(vllm_sampler.SamplerError, match="died"):  # the liveness check's error, not the push deadline's
+        # the liveness check's error, not the push deadline's
+        with pytest.raises(vllm_sampler.SamplerError, match="died"):
             sampler.push_weights(2)
     finally:
         sampler.close()
-    del sampler, model  # the learner's mapping goes with the Sampler (its weight engine) and the model (its parameters live there)
+    # the learner's mapping goes with the Sampler (its weight engine) and the model (its parameters live there)
+    del sampler, model
     gc.collect()
     assert _mapped() == mapped_before and not _dev_shm_ours()
 

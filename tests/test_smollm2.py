@@ -29,7 +29,8 @@ def smollm2_path():
 
 
 def _run(script, *flags, timeout=900):
-    out = subprocess.run([sys.executable, str(ROOT / script), "--model", "smollm2", *flags], cwd=WORK, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(ROOT / script), "--model", "smollm2", *flags], cwd=WORK,
+                         capture_output=True, text=True,
                          timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
@@ -46,7 +47,8 @@ def test_a_wheel_with_another_hash_is_refused(tmp_path):
 def test_smollm2_gets_its_own_defaults_and_the_chat_template():
     import rloo_kreuse
 
-    args = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2"], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
+    args = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2"], paper=rloo_kreuse.PAPER,
+                             smollm2=rloo_kreuse.SMOLLM2)
     assert (args.task, args.chat_template, args.temperature, args.top_p) == ("arithmetic", True, 0.8, 0.95)
     off = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2", "--no-chat-template"], paper=rloo_kreuse.PAPER,
                             smollm2=rloo_kreuse.SMOLLM2)
@@ -54,7 +56,8 @@ def test_smollm2_gets_its_own_defaults_and_the_chat_template():
     # any other instruct model by its release's name; a base model keeps the paper's plain prompt
     assert checks.instruct_model("Qwen/Qwen2.5-0.5B-Instruct") and checks.instruct_model("google/gemma-2-2b-it")
     assert not checks.instruct_model("Qwen/Qwen2.5-0.5B") and not checks.instruct_model("tiny")
-    base = checks.parse_args(rloo_kreuse.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
+    base = checks.parse_args(rloo_kreuse.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=rloo_kreuse.PAPER,
+                             smollm2=rloo_kreuse.SMOLLM2)
     assert (base.task, base.chat_template) == ("countdown-hub", False)
 
 
@@ -99,7 +102,8 @@ def test_a_registry_that_cannot_serve_the_wheel_is_one_line(tmp_path, monkeypatc
 def test_rloo_k1_fp32_keeps_the_logprob_contract_on_a_real_model(smollm2_path):
     """fp32 sampler and learner, T 0.8 / top-p 0.95 over SmolLM2's learned distribution: the learner's logprobs are
     the sampler's (the nucleus is recomputed over 49,152 logits) and K=1's importance weight is 1."""
-    out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k1", "--k", "1", "--num-prompts", "4", "--group-size", "4",
+    out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k1", "--k", "1", "--num-prompts", "4",
+                           "--group-size", "4",
                            "--num-rounds", "2", *SHORT)
     assert (args["task"], args["chat_template"], args["temperature"], args["top_p"], args["tis"]) == ("arithmetic", True, 0.8, 0.95, "auto")
     rounds = [r for r in rows if "charts/reward" in r]
@@ -116,7 +120,8 @@ def test_rloo_k2_bf16_sampler_corrects_the_mismatch_on_a_real_model(smollm2_path
     """A bf16 sampler against the fp32 learner (the GPU default) at K=2: the mismatch correction turns on by itself,
     pi_theta0 is the learner's own recomputation, so K-reuse's first weight is exactly on-policy, and the sampler's
     logprobs differ from the learner's by bf16's error, not more."""
-    out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k2", "--k", "2", "--num-prompts", "4", "--group-size", "2",
+    out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k2", "--k", "2", "--num-prompts", "4",
+                           "--group-size", "2",
                            "--num-rounds", "1", "--sampler-dtype", "bfloat16", *SHORT)
     (r,) = [r for r in rows if "charts/reward" in r]
     assert r["step"] == 2
@@ -146,7 +151,8 @@ def test_the_gpu_precision_split_end_to_end_on_a_bf16_cpu(smollm2_path):
 
 @pytest.mark.slow
 def test_async_dpo_runs_on_a_real_model(smollm2_path):
-    out, args, rows = _run("online_dpo_async.py", "--exp-name", "pytest_smollm2_dpo", "--num-prompts", "4", "--group-size", "4",
+    out, args, rows = _run("online_dpo_async.py", "--exp-name", "pytest_smollm2_dpo", "--num-prompts", "4",
+                           "--group-size", "4",
                            "--num-rounds", "2", *SHORT)
     assert (args["task"], args["chat_template"]) == ("arithmetic", True)
     trained = [r for r in rows if "losses/loss" in r]
@@ -155,7 +161,8 @@ def test_async_dpo_runs_on_a_real_model(smollm2_path):
 
 @pytest.mark.slow
 def test_pipeline_rl_runs_on_a_real_model(smollm2_path):
-    out, args, rows = _run("pipeline_rl.py", "--exp-name", "pytest_smollm2_pipeline", "--train-batch-size", "8", "--group-size", "4",
+    out, args, rows = _run("pipeline_rl.py", "--exp-name", "pytest_smollm2_pipeline", "--train-batch-size", "8",
+                           "--group-size", "4",
                            "--num-steps", "2", *SHORT)
     steps = [r for r in rows if "charts/ess" in r]
     assert steps and all(r["charts/ess"] > 0 for r in steps)

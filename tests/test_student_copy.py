@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # --------------------------------------------------------------------------------------
 
 HUB = {
-    "openai/gsm8k": {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?", answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
+    "openai/gsm8k": {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?",
+                                  answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
                              for i in range(first, first + 12)] for split, first in (("train", 0), ("test", 100))},
     "Jiayi-Pan/Countdown-Tasks-3to4": [dict(nums=[i, i + 1, i + 2], target=3 * i + 3) for i in range(1, 61)],
     "trl-lib/tldr": {split: [dict(prompt=f"POST: day {i}. TL;DR:", completion=f" day {i}") for i in range(20)]
@@ -29,7 +30,8 @@ def right_answer(task, problem) -> str:
     """A completion the task counts as correct, not written as its reference answer is."""
     if task.name == "arithmetic":  # the last number, written as a decimal
         return f"{problem.numbers[0]} and {problem.numbers[1]} make {problem.answer}.0"
-    if problem.numbers:  # Countdown: the known solution in parentheses, or the sum of the numbers (the hub rows' targets)
+    # Countdown: the known solution in parentheses, or the sum of the numbers (the hub rows' targets)
+    if problem.numbers:
         expression = f"({problem.answer})" if problem.answer else "+".join(map(str, problem.numbers))
         return f"so <answer>{expression}</answer>"
     if "####" in problem.answer:  # GSM8K: the final number, in another form
@@ -68,7 +70,8 @@ def test_the_custom_reward_example_is_the_tasks_own_reward_with_a_length_penalty
         if name not in ("tldr",):  # (TL;DR has no correct answer: its reward model scores it)
             assert task.is_correct(completions[0], problem) and task.reward(completions[0], problem) > task.reward(completions[1], problem)
         differences = {round(custom.reward(c, problem) - task.reward(c, problem), 9) for c in completions}
-        assert len(differences) == 1, (name, [(c, task.reward(c, problem), custom.reward(c, problem)) for c in completions])
+        assert len(differences) == 1, (name,
+                                       [(c, task.reward(c, problem), custom.reward(c, problem)) for c in completions])
         assert [custom.is_correct(c, problem) for c in completions] == [task.is_correct(c, problem) for c in completions]
 
 
@@ -130,7 +133,8 @@ def test_dpo_evaluates_pass_at_k_too():
 
     task = tasks.make_task("countdown", seed=1, tiny_prompts=True)
     args = dpo.parse_args(["--eval-samples", "4", "--eval-problems", "3"])
-    evaluate = tasks.evaluator(ScriptedSampler(task, [0, 1, 4]), task, CharTokenizer(), args, greedy=args.eval_decoding == "greedy")
+    evaluate = tasks.evaluator(ScriptedSampler(task, [0, 1, 4]), task, CharTokenizer(), args,
+                               greedy=args.eval_decoding == "greedy")
     result = evaluate()
     assert {"eval/pass@1", "eval/pass@2", "eval/pass@4"} <= set(result) and result["eval/samples"] == 4
 
@@ -139,7 +143,8 @@ def test_the_summary_says_what_was_measured_and_names_the_changed_flags(tmp_path
     """A student's copy with an added flag, run with it: the title named neither the flag nor the copy."""
     import rloo_kreuse as rloo
 
-    student = dataclasses.make_dataclass("Args", [("advantage", str, dataclasses.field(default="rloo"))], bases=(rloo.Args,))
+    student = dataclasses.make_dataclass("Args", [("advantage", str, dataclasses.field(default="rloo"))],
+                                         bases=(rloo.Args,))
     monkeypatch.setattr("sys.argv", ["rloo_grpo.py"])
     args = checks.parse_args(student, ["--advantage", "grpo", "--k", "2", "--eval-samples", "2"], paper=rloo.PAPER)
     logger = runlog.RunLogger("summary__1__1", args, root=str(tmp_path))
@@ -179,7 +184,8 @@ def stripped_copy(script: str, without: str):
 
 def optional_flags(script: str) -> list[str]:
     module = importlib.import_module(SCRIPTS[script])
-    return [f.name for f in dataclasses.fields(module.Args) if f.name not in ("model", *memory_plan.needed_flags(script))]
+    return [f.name for f in dataclasses.fields(module.Args) if f.name not in ("model",
+                                                                              *memory_plan.needed_flags(script))]
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -226,7 +232,8 @@ import torch  # noqa: E402
 def test_no_learning_signal_is_said_once_after_patience_rounds(capsys):
     streaks = {}
     said = [checks.warn_no_learning(signal, "every advantage is 0", streaks, patience=3)
-            for signal in (torch.zeros(4), torch.ones(4), torch.zeros(4), torch.full((4,), float("nan")), torch.zeros(0), torch.zeros(4))]
+            for signal in (torch.zeros(4), torch.ones(4), torch.zeros(4), torch.full((4,), float("nan")),
+                           torch.zeros(0), torch.zeros(4))]
     assert said == [True, False, True, True, True, True]  # zero, non-finite and empty are no signal
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: every advantage is 0") and "learns nothing" in lines[0]
@@ -243,8 +250,10 @@ def test_a_copy_without_the_group_size_check_says_it_learns_nothing(tmp_path):
     check = next(line for line in source.splitlines() if "self.group_size >= 2" in line)
     copy = tmp_path / "rloo_copy.py"
     copy.write_text(source.replace(check + "\n", ""))
-    out = subprocess.run([sys.executable, str(copy), "--group-size", "1", "--num-prompts", "4", "--num-rounds", "2", "--max-new-tokens", "16",
-                          "--eval-problems", "2", "--eval-samples", "1"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, str(copy), "--group-size", "1", "--num-prompts", "4", "--num-rounds", "2",
+                          "--max-new-tokens", "16",
+                          "--eval-problems", "2", "--eval-samples", "1"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600,
                          env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stdout.splitlines() if "learns nothing" in line]
@@ -262,9 +271,10 @@ def _section(text: str, title: str) -> str:
 
 
 def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
-    """Issue 42, item 4: which script to copy for REINFORCE, GRPO or a new loss was not said, and the list of what a copy
-    must keep left out the flags the shared code reads. Each kind of change names a script that exists and a function of
-    it; the keep list names every field the plan needs, in every script, and the calls a copy keeps; the README points at both."""
+    """Issue 42, item 4: which script to copy for REINFORCE, GRPO or a new loss was not said, and the list of what a
+    copy must keep left out the flags the shared code reads. Each kind of change names a script that exists and a
+    function of it; the keep list names every field the plan needs, in every script, and the calls a copy keeps; the
+    README points at both."""
     methods = (ROOT / "docs" / "methods.md").read_text()
     table = _section(methods, "Which script to start from")
     for change in ("REINFORCE", "GRPO", "new policy-gradient loss", "new preference loss", "new reward"):

@@ -67,7 +67,8 @@ def test_safe_arithmetic_rejects_names_and_calls():
         ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0, 1.0),  # text after the answer is not the answer
         ("#### $1,000,000", "#### 1000000", 1.0, 1.0),
         ("18 #### 17", "#### 18", 0.0, 0.0),
-        # the first marked answer, as the authors' grader (ANS_RE.search): a model that goes on to a next problem keeps its own
+        # the first marked answer, as the authors' grader (ANS_RE.search): a model that goes on to a next problem keeps
+        # its own
         ("#### 18\n\n\n[MATH_TASK] Problem:\nAnn has 3 pens.\n\nSolution:\n#### 3", "#### 18", 1.0, 1.0),
         ("#### 17 then #### 18", "#### 18", 0.0, 0.0),  # a marked answer wins over the numbers around it, in both modes
         ("#### 18", "The answer is 18.", 0.0, 0.0),  # a reference without `#### n` is never guessed at
@@ -106,7 +107,8 @@ def _canonical(a, op, b):
 def arithmetic_draws():
     """15,000 held-out and 20,000 train draws of the real arithmetic task (~4 s): every held-out question, most train ones."""
     task = make_task("arithmetic", seed=1, tiny_prompts=False)
-    return ({_asked(task.problem("test", i)) for i in range(15000)}, {_asked(task.problem("train", i)) for i in range(20000)})
+    return ({_asked(task.problem("test", i)) for i in range(15000)},
+            {_asked(task.problem("train", i)) for i in range(20000)})
 
 
 def test_no_held_out_arithmetic_sum_has_its_commuted_twin_in_training(arithmetic_draws):
@@ -164,7 +166,8 @@ def test_an_empty_system_prompt_leaves_no_system_turn_in_smollm2s_template(smoll
     assert rendered("countdown", None)[1].startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n")
 
 # small local stand-ins for the Hub datasets (the tests never reach the Hub)
-GSM8K_ROWS = {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?", answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
+GSM8K_ROWS = {split: [dict(question=f"Ann has {i} pens and gets {i + 1}. How many?",
+                           answer=f"{i}+{i + 1}={2 * i + 1}\n#### {2 * i + 1}")
                       for i in range(first, first + 12)] for split, first in (("train", 0), ("test", 100))}
 COUNTDOWN_HUB_ROWS = [dict(nums=[i, i + 1, i + 2], target=3 * i + 3) for i in range(1, 61)]
 
@@ -183,11 +186,13 @@ def test_held_out_problems_do_not_depend_on_the_seed(name, monkeypatch):
         one, two = (make_task(name, seed, tiny_prompts=tiny_prompts, test_size=20) for seed in (1, 2))
         test = lambda task: [task.problem("test", i).prompt for i in range(20)]  # noqa: E731
         train = lambda task: [task.problem("train", i).prompt for i in range(20)]  # noqa: E731
-        assert test(one) == test(two) == test(make_task(name, tasks.HELD_OUT_SEED, tiny_prompts=tiny_prompts, test_size=20))
+        assert test(one) == test(two) == test(make_task(name, tasks.HELD_OUT_SEED,
+                                                        tiny_prompts=tiny_prompts, test_size=20))
         assert len(set(test(one))) > 10  # 20 problems, not one (the tiny generator may repeat a few)
         if name == "gsm8k":
             assert train(one) == train(two) == [f"[MATH_TASK] Problem:\n{r['question']}\n\nSolution:" for r in GSM8K_ROWS["train"][:12] * 2][:20]
-            assert test(one)[0] == f"[MATH_TASK] Problem:\n{GSM8K_ROWS['test'][0]['question']}\n\nSolution:"  # the dataset's order
+            # the dataset's order
+            assert test(one)[0] == f"[MATH_TASK] Problem:\n{GSM8K_ROWS['test'][0]['question']}\n\nSolution:"
         else:
             assert train(one) != train(two)
             assert not set(train(one)) & set(test(one))
@@ -326,6 +331,7 @@ def test_gsm8k_prompt_and_grader_match_the_authors_format():
     authors_prompt = "[MATH_TASK] Problem:\n{}\n\nSolution:"
     assert tasks.GSM8K_PROMPT.format("What is 2 + 2?") == authors_prompt.format("What is 2 + 2?")
     authors_re = re.compile(r"#### (\-?[0-9\.\,]+)")
-    for completion in ["2 + 2 = 4\n#### 4", "#### 1,234 apples\n#### 7", "x #### -3\n\n\nProblem: y #### 9", "#### 5 ####"]:
+    for completion in ["2 + 2 = 4\n#### 4", "#### 1,234 apples\n#### 7", "x #### -3\n\n\nProblem: y #### 9",
+                       "#### 5 ####"]:
         authors = authors_re.search(completion).group(1).strip().replace(",", "")
         assert tasks.gsm8k_extract(completion) == authors, completion

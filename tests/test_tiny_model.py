@@ -33,9 +33,12 @@ def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer
 
 def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
     config = tiny_model.TinyConfig(sft_steps=8)
-    a = tiny_model.build_tiny_model(tmp_path / "a", config, common.tiny_sft_batch(config.task, config.seed), log=lambda *_: None)
-    b = tiny_model.build_tiny_model(tmp_path / "b", config, common.tiny_sft_batch(config.task, config.seed), log=lambda *_: None)
-    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=8, seed=1), common.tiny_sft_batch("countdown", 1), log=lambda *_: None)
+    a = tiny_model.build_tiny_model(tmp_path / "a", config, common.tiny_sft_batch(config.task, config.seed),
+                                    log=lambda *_: None)
+    b = tiny_model.build_tiny_model(tmp_path / "b", config, common.tiny_sft_batch(config.task, config.seed),
+                                    log=lambda *_: None)
+    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=8, seed=1),
+                                    common.tiny_sft_batch("countdown", 1), log=lambda *_: None)
     ma, mb, mc = (common.load_policy(str(p), "cpu") for p in (a, b, c))
     for (name, pa), pb, pc in zip(ma.named_parameters(), mb.parameters(), mc.parameters()):
         assert torch.equal(pa, pb), name
@@ -47,13 +50,15 @@ def test_the_tokenizer_loads_as_it_was_trained(tmp_path):
     byte-level pipeline around the vocabulary: the tiny tokenizer must encode the same after a save
     and a load (a plain-" " vocabulary once lost every space: trained on "5 7 3->15:", prompted with
     "573->15:"), and so must the steps task's prompts and answers."""
-    built = tiny_model.build_tiny_model(tmp_path / "m", tiny_model.TinyConfig(sft_steps=1), common.tiny_sft_batch("countdown", 0), log=lambda *_: None)
+    built = tiny_model.build_tiny_model(tmp_path / "m", tiny_model.TinyConfig(sft_steps=1),
+                                        common.tiny_sft_batch("countdown", 0), log=lambda *_: None)
     loaded, fresh = util.load_tokenizer(str(built)), tiny_model._tiny_tokenizer()
     assert type(loaded).__name__ == "Qwen2Tokenizer"  # what the scripts and vLLM get
     texts = ["5 7 3->15:", "a b\nc  d"]
     for name in ("countdown", "countdown-steps"):
         task = tasks.make_task(name, seed=0, tiny_prompts=True)
-        texts += [text for p in (task.problem("train", i) for i in range(20)) for text in (p.prompt, task.completion_text(p))]
+        texts += [text for p in (task.problem("train", i) for i in range(20)) for text in (p.prompt,
+                                                                                           task.completion_text(p))]
     for text in texts:
         ids = loaded(text)["input_ids"]
         assert ids == fresh(text)["input_ids"] and loaded.decode(ids) == text, text

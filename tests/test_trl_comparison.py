@@ -132,7 +132,8 @@ def test_smollm2_workloads_are_our_presets():
         assert (a.eval_problems, a.eval_samples, a.dtype, a.autocast_bf16, a.gradient_checkpointing) == (
             w.eval_problems, w.eval_samples, "float32", False, False)
     r, d = parse_ours(rloo), parse_ours(dpo)
-    assert (r.k, r.kl_coef, r.ent_coef, r.max_grad_norm, r.tis, r.recompute_old_logprobs) == (1, 0.0, 0.0, 0.5, "auto", False)
+    assert (r.k, r.kl_coef, r.ent_coef, r.max_grad_norm, r.tis, r.recompute_old_logprobs) == (1, 0.0, 0.0,
+                                                                                              0.5, "auto", False)
     assert (d.staleness, d.beta, d.loss_type, d.max_grad_norm, d.missing_eos_penalty, d.eos_penalty_mode) == (
         1, 0.1, "dpo", 1.0, 1.0, "subtract")  # TRL's penalty: score - 1 for a completion without EOS
     assert r.micro_batch_tokens == 32 * (48 + 64) and rloo.micro_batch == 32  # 32 rows of the longest sequence a pass
@@ -158,7 +159,8 @@ def test_smollm2_trl_config_is_our_settings():
     assert kr["per_device_train_batch_size"] == 32 and kr["gradient_accumulation_steps"] == 2
     assert (kd["per_device_train_batch_size"], kd["gradient_accumulation_steps"], kd["max_new_tokens"], kd["beta"]) == (
         d.num_prompts, 1, d.max_new_tokens, d.beta)
-    assert (kd["loss_type"], kd["missing_eos_penalty"], kd["train_sampling_strategy"]) == ("sigmoid", d.missing_eos_penalty, "sequential")
+    assert (kd["loss_type"], kd["missing_eos_penalty"], kd["train_sampling_strategy"]) == ("sigmoid",
+                                                                                           d.missing_eos_penalty, "sequential")
 
 
 def test_smollm2_trl_configs_resolve_to_one_generation_per_step(tmp_path):
@@ -177,9 +179,10 @@ def test_smollm2_trl_configs_resolve_to_one_generation_per_step(tmp_path):
 
 
 def test_smollm2_prompts_are_the_same_token_ids_on_both_sides():
-    """The first training prompts, as TRL 1.16's own code tokenizes the dataset's conversation (RLOO: apply_chat_template
-    with tokenize=True; online DPO: the templated text, tokenized without special tokens), are the ids our scripts send
-    the sampler (tasks.encode_prompts under the chat template). Needs the converted SmolLM2 (skipped until it is cached)."""
+    """The first training prompts, as TRL 1.16's own code tokenizes the dataset's conversation (RLOO:
+    apply_chat_template with tokenize=True; online DPO: the templated text, tokenized without special tokens), are the
+    ids our scripts send the sampler (tasks.encode_prompts under the chat template). Needs the converted SmolLM2
+    (skipped until it is cached)."""
     pytest.importorskip("trl")
     from fastrl import smollm2
 
@@ -187,7 +190,8 @@ def test_smollm2_prompts_are_the_same_token_ids_on_both_sides():
     if not (path / "tokenizer_config.json").is_file():
         pytest.skip("SmolLM2 is not converted yet (--model smollm2 builds it once)")
     tokenizer = util.load_tokenizer(str(path))
-    workloads = bench.smollm2_workloads(bench.Args(model="smollm2"), model_dir=str(path))  # (prompt_tokens measured: 48)
+    # (prompt_tokens measured: 48)
+    workloads = bench.smollm2_workloads(bench.Args(model="smollm2"), model_dir=str(path))
     assert workloads[0].ours_extra == ("--micro-batch-tokens", str(32 * (48 + 64)))
     for w in workloads:
         dataset = bench.train_dataset(bench.make_task(w), 3, w.chat_template)

@@ -30,7 +30,8 @@ def _prompts(tokenizer, count, split="test"):
 
 
 def _learner_logprobs(model, samples, pad_id):
-    ids, attn, mask = common.pad_prompt_completions([s.prompt_token_ids for s in samples], [s.token_ids for s in samples], pad_id)
+    ids, attn, mask = common.pad_prompt_completions([s.prompt_token_ids for s in samples],
+                                                    [s.token_ids for s in samples], pad_id)
     with torch.no_grad():
         learner = common.token_logprobs(model, ids, attn, mask, temperature=1.0)
     sampler = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], learner.shape[1])
@@ -44,7 +45,8 @@ def _learner_logprobs(model, samples, pad_id):
 @pytest.mark.slow
 def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
     # the sampler path the GPU pins too (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
-    assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner", "top_k_top_p": "pytorch"}
+    assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+                                       "top_k_top_p": "pytorch"}
     model = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(model)
     assert sampler.weight_load_path() == "in place"  # the CPU sampler kept its linear weights: no layerwise reload
@@ -76,7 +78,8 @@ def _check_push_of_a_wrong_shape_fails(tiny_path, sampler):
     weight = bad.model.layers[1].self_attn.o_proj.weight
     bad.model.layers[1].self_attn.o_proj.weight = torch.nn.Parameter(weight[:, :-1].clone())
     sampler.init_weight_sync(bad)
-    with pytest.raises(vllm_sampler.SamplerError, match=r"could not load 'model.layers.1.self_attn.o_proj.weight' \(shape"):
+    with pytest.raises(vllm_sampler.SamplerError,
+                       match=r"could not load 'model.layers.1.self_attn.o_proj.weight' \(shape"):
         sampler.push_weights(sampler.version + 1)
 
 
@@ -85,7 +88,8 @@ def _check_push_without_a_layer_fails(tiny_path, sampler, named):
     partial.model.layers[0].mlp.down_proj = torch.nn.Identity()  # its weight is not pushed
     sampler.init_weight_sync(partial)
     version = sampler.version
-    with pytest.raises(vllm_sampler.SamplerError, match=f"weight push {version + 1} failed: nothing was loaded into {named}"):
+    with pytest.raises(vllm_sampler.SamplerError, match=f"weight push {version + 1} failed: nothing was loaded "
+                                                        f"into {named}"):
         sampler.push_weights(version + 1)
     assert sampler.version == version
 
@@ -302,7 +306,8 @@ def test_dead_learner_takes_the_sampler_down(tiny_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_learner_and_sampler(tmp_path):
     """SIGINT to the whole foreground process group (what Ctrl-C does) ends both processes."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "rloo_kreuse.py"), "--exp-name", "pytest_ctrl_c", "--num-rounds", "500",
+    proc = subprocess.Popen([sys.executable, str(ROOT / "rloo_kreuse.py"), "--exp-name", "pytest_ctrl_c",
+                             "--num-rounds", "500",
                              "--eval-problems", "8", "--eval-samples", "2"], cwd=WORK, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             # a runner started from a background shell ignores SIGINT, and children inherit that
