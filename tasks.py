@@ -46,7 +46,8 @@ if TYPE_CHECKING:  # annotations only
     from fastrl.vllm_sampler import Completion, Sampler
 
 COUNTDOWN_FORMAT_SCORE = 0.1  # TinyZero: a well-formed but wrong answer
-HELD_OUT_SEED = 0  # the test split's seed, whatever --seed is (0: the split the tests and the tiny model's checks always used)
+# the test split's seed, whatever --seed is (0: the split the tests and the tiny model's checks always used)
+HELD_OUT_SEED = 0
 _MAX_ABS_VALUE = 10**12  # larger intermediate values are treated as malformed
 
 
@@ -129,8 +130,8 @@ def gsm8k_extract(text: str, match: str = "strict") -> str | None:
     """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the
     number after the first '####' that is followed by one, as the authors' grader reads it (async_rlhf
     src/gsm8k_utils.py: ANS_RE.search; a model that goes on to a next "Problem:" and its own `#### n`
-    keeps its first answer; a trailing '####' does not change it). Without a marked answer: None when `match` is "strict"
-    (the paper's reward, §5.2: 1 only if the answer string matches; the authors' grader
+    keeps its first answer; a trailing '####' does not change it). Without a marked answer: None when `match` is
+    "strict" (the paper's reward, §5.2: 1 only if the answer string matches; the authors' grader
     `extract_answer` reads `#### n` only), the last number in the text when "loose" (this file's
     rule before issue #27). Unicode minus signs count as minus."""
     text = text.replace("\u2212", "-")
@@ -211,14 +212,15 @@ TINY_TASK = dict(min_numbers=3, max_numbers=3, max_number=9, max_target=100, pro
 # <answer>7*8-9</answer>"): its length grows with the numbers, ~20 tokens for 3, ~80 for 7, and all
 # of it is answer, none is junk after it.
 STEPS_NUMBER_WEIGHTS = (16, 8, 4, 2, 1)  # numbers 3, 4, 5, 6, 7
-TINY_STEPS_TASK = dict(TINY_TASK, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, show_steps=True, name="countdown-steps")
+TINY_STEPS_TASK = dict(TINY_TASK, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, show_steps=True,
+                       name="countdown-steps")
 # the same for an instruct model under --chat-template, as TinyZero's qwen-instruct template splits it
-CHAT_SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in the mind and then provide the user "
-               "with the answer.")
+CHAT_SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in the mind and then provide "
+               "the user with the answer.")
 CHAT_USER = (
-    "Using the numbers {numbers_list}, create an equation that equals {target}. You can use basic arithmetic operations "
-    "(+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. And return the final "
-    "answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+    "Using the numbers {numbers_list}, create an equation that equals {target}. You can use basic arithmetic "
+    "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. And "
+    "return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
 )
 CHAT_ASSISTANT_START = "Let me solve this step by step.\n<think>"
 CHAT_PROMPT = (
@@ -273,7 +275,8 @@ class CountdownTask:
                 numbers=" ".join(map(str, numbers)), numbers_list=numbers, target=target
             )
             chat = {} if self.prompt_template == TINY_PROMPT else dict(
-                system=CHAT_SYSTEM, user=CHAT_USER.format(numbers_list=numbers, target=target), assistant_start=CHAT_ASSISTANT_START)
+                system=CHAT_SYSTEM, user=CHAT_USER.format(numbers_list=numbers, target=target),
+                                                                       assistant_start=CHAT_ASSISTANT_START)
             return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution, steps=steps, **chat)
 
     def reward(self, completion: str, problem: Problem) -> float:
@@ -315,7 +318,8 @@ class ArithmeticTask:
             if in_test != (split == "test"):
                 continue
             question = ARITHMETIC_QUESTION.format(a=a, op=op, b=b)
-            return Problem(prompt=f"Question: {question}\nAnswer:", numbers=[a, b], target=a + b if op == "+" else a - b,
+            return Problem(prompt=f"Question: {question}\nAnswer:", numbers=[a, b],
+                           target=a + b if op == "+" else a - b,
                            answer=str(a + b if op == "+" else a - b), user=question)
 
     @staticmethod
@@ -493,7 +497,8 @@ BUILT_IN = ("countdown", "countdown-steps", "countdown-hub", "arithmetic", "gsm8
 HUB_TASKS = ("countdown-hub", "gsm8k", "tldr")  # loaded from the Hugging Face Hub (the datasets package)
 
 
-def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict", reward: str | None = None,
+def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict",
+              reward: str | None = None,
               prompt_field: str = "prompt", answer_field: str = "answer", system_prompt: str | None = None) -> Any:
     """The task `name` (see _built_in_or_data), with its reward replaced by `reward` ("module:function",
     see load_reward) and its chat system turn by `system_prompt` when given ("" for none: no system turn at all, not
@@ -507,9 +512,9 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gs
 def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, gsm8k_match: str, prompt_field: str,
                       answer_field: str) -> Any:
     """`countdown`: the offline generator. `countdown-steps`: the same with 3-7 numbers, long-tailed
-    (the tiny model is built to answer it step by step: answers of widely varying length). `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4 (the
-    TinyZero data; the first `test_size` rows of a shuffle by HELD_OUT_SEED are held out, the rest
-    is the train split, in an order drawn from `seed`). `gsm8k`: openai/gsm8k with its own
+    (the tiny model is built to answer it step by step: answers of widely varying length). `countdown-hub`:
+    Jiayi-Pan/Countdown-Tasks-3to4 (the TinyZero data; the first `test_size` rows of a shuffle by HELD_OUT_SEED are held
+    out, the rest is the train split, in an order drawn from `seed`). `gsm8k`: openai/gsm8k with its own
     train/test splits in the dataset's order, scored by `gsm8k_match` ("strict": only `#### n`
     counts; "loose": else the last number). The test split never depends on `seed`. Hub tasks need
     network access to the Hub."""
@@ -521,16 +526,19 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
     if name == "countdown-steps":  # the long-tail workload (a real model works its steps in <think>)
         if tiny_prompts:
             return CountdownTask(seed=seed, **TINY_STEPS_TASK)
-        return CountdownTask(seed=seed, max_number=99, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, prompt_template=template,
+        return CountdownTask(seed=seed, max_number=99, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS,
+                             prompt_template=template,
                              name="countdown-steps")
     if name == "arithmetic":
         return ArithmeticTask(seed=seed)
     if name == "countdown-hub":
         rows = _load_hub_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
         problems = [
-            Problem(prompt=template.format(numbers=" ".join(map(str, r["nums"])), numbers_list=r["nums"], target=r["target"]),
+            Problem(prompt=template.format(numbers=" ".join(map(str, r["nums"])), numbers_list=r["nums"],
+                                           target=r["target"]),
                     numbers=list(r["nums"]), target=int(r["target"]), system=CHAT_SYSTEM,
-                    user=CHAT_USER.format(numbers_list=r["nums"], target=r["target"]), assistant_start=CHAT_ASSISTANT_START)
+                    user=CHAT_USER.format(numbers_list=r["nums"], target=r["target"]),
+                    assistant_start=CHAT_ASSISTANT_START)
             for r in rows
         ]
         random.Random(HELD_OUT_SEED).shuffle(problems)  # the held-out rows: the same for every seed
@@ -542,7 +550,8 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
         if gsm8k_match not in ("strict", "loose"):
             raise SystemExit(f"error: --gsm8k-match: strict or loose, got {gsm8k_match!r}")
         data = _load_hub_dataset("openai/gsm8k", "main")
-        # the format realtreetune/rho-1b-sft-GSM8K was fine-tuned on and the authors prompt it with (async_rlhf src/gsm8k_utils.py)
+        # the format realtreetune/rho-1b-sft-GSM8K was fine-tuned on and the authors prompt it with (async_rlhf
+        # src/gsm8k_utils.py)
         to_problem = lambda r: Problem(prompt=GSM8K_PROMPT.format(r["question"]), answer=r["answer"], user=r["question"])  # noqa: E731
         # the whole test split (1319 problems), in the dataset's order whatever the seed: evaluate(num_problems=None)
         # scores all of it, as the paper does
@@ -568,7 +577,8 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
         train, test = _split(_rows_to_problems(rows, prompt_field, answer_field, name), seed, test_size)
         return ListTask(train, test, path.stem, lambda c, p: float(answer_matches(c, p.answer)),
                         correct_fn=lambda c, p: answer_matches(c, p.answer))
-    if name.startswith("hf:"):  # a dataset on the Hub: hf:NAME or hf:NAME:CONFIG, its train split (and test, if it has one)
+    # a dataset on the Hub: hf:NAME or hf:NAME:CONFIG, its train split (and test, if it has one)
+    if name.startswith("hf:"):
         dataset, _, config = name[3:].partition(":")
         data = _load_hub_dataset(dataset, config or None)
         if "train" not in data:
@@ -597,7 +607,8 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification
 
         self.tokenizer = load_tokenizer(path)
-        self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()  # pad: EOS if none
+        # pad: EOS if none
+        self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.batch_size = device, batch_size
 
@@ -607,7 +618,8 @@ class RewardModel:
         if not getattr(self.tokenizer, "chat_template", None):
             return [p.prompt + c for p, c in zip(problems, completions)]
         return [self.tokenizer.apply_chat_template([{"role": "user", "content": p.user or p.prompt},
-                                                    {"role": "assistant", "content": p.assistant_start + c}], tokenize=False)
+                                                    {"role": "assistant", "content": p.assistant_start + c}],
+                                                   tokenize=False)
                 for p, c in zip(problems, completions)]
 
     def score(self, texts: list[str]) -> list[float]:
@@ -615,7 +627,8 @@ class RewardModel:
 
         scores: list[float] = []
         for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True, truncation=True)
+            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                                   truncation=True)
             with torch.no_grad():
                 logits = self.model(**batch.to(self.device)).logits
             scores += logits[:, 0].float().tolist()
@@ -681,8 +694,9 @@ def check_prompts_fit(tokenizer, task, max_prompt_tokens: int, chat_template: bo
     kept, ids, _ = encode_prompts(tokenizer, problems, max_prompt_tokens, chat_template)
     if not kept:
         shortest = min(len(encode_prompts(tokenizer, [p], 10**9, chat_template)[1][0]) for p in problems)
-        raise SystemExit(f"error: --model/--task: every prompt is longer than the prompt budget of {max_prompt_tokens} tokens "
-                         f"(the shortest of the first {sample} has {shortest}); use a model with a longer context or shorter prompts")
+        raise SystemExit(f"error: --model/--task: every prompt is longer than the prompt budget of {max_prompt_tokens} "
+                         f"tokens (the shortest of the first {sample} has {shortest}); use a model with a longer "
+                         "context or shorter prompts")
 
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
@@ -690,15 +704,17 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return 1.0 if num_samples - num_correct < k else 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
 
 
-def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, samples_per_problem: int, max_prompt_tokens: int,
+def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, samples_per_problem: int,
+             max_prompt_tokens: int,
              chat_template: bool = False, **sampling) -> dict[str, float]:
-    """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems` held-out
-    problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
+    """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems`
+    held-out problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
     weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
     progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
     if num_problems is None:
         num_problems = len(task.test)
-    problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)], max_prompt_tokens,
+    problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)],
+                                          max_prompt_tokens,
                                           chat_template)
     ids = sampler.submit(prompts, n=samples_per_problem, **sampling)
     samples: list[Completion] = []
@@ -723,7 +739,8 @@ def load(args, model_path: str):
     while the sampler starts, and a failure closes it."""
     tokenizer = load_tokenizer(model_path)
     task = make_task(args.task, args.seed, tiny_prompts=args.model == "tiny",
-                     gsm8k_match=getattr(args, "gsm8k_match", "strict"), reward=args.reward, prompt_field=args.prompt_field, answer_field=args.answer_field,
+                     gsm8k_match=getattr(args, "gsm8k_match", "strict"), reward=args.reward,
+                     prompt_field=args.prompt_field, answer_field=args.answer_field,
                      system_prompt=args.system_prompt)
     check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
     return tokenizer, task

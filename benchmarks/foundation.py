@@ -80,12 +80,14 @@ def time_throughput(path, prompts, args, max_model_len=None):
     import multiprocessing
 
     ours, direct = [], []
-    settings = vllm_sampler.engine_settings(vllm_sampler.SamplerConfig(model=path, placement="cpu", max_model_len=max_model_len,
+    settings = vllm_sampler.engine_settings(vllm_sampler.SamplerConfig(model=path, placement="cpu",
+                                                                       max_model_len=max_model_len,
                                                                       seed=0), "cpu")
     context = multiprocessing.get_context("spawn")
     for _ in range(args.processes):
         conn, child_conn = context.Pipe()
-        alone = context.Process(target=_vllm_alone, args=(child_conn, settings, prompts, args.n, sampling(args)), daemon=True)
+        alone = context.Process(target=_vllm_alone,
+                                args=(child_conn, settings, prompts, args.n, sampling(args)), daemon=True)
         alone.start()
         with launch.start_sampler(path, placement="cpu", max_model_len=max_model_len) as sampler:
             assert conn.recv() == "ready"
@@ -164,19 +166,25 @@ def main():
     rows = [
         ("sampler throughput, ours (tok/s)", f"{ours:.0f}"),
         ("sampler throughput, vLLM alone (tok/s)", f"{direct:.0f}"),
-        ("ours / vLLM alone (median of per-pair ratios)", f"{statistics.median(ratios):.2f}x (pairs: {', '.join(f'{r:.2f}' for r in ratios)})"),
-        (f"weight push, {args.model} ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, {push_tiny[2] / 2**20:.0f} MiB/s"),
-        *([(f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, {push_big[2] / 2**20:.0f} MiB/s")]
+        ("ours / vLLM alone (median of per-pair ratios)", f"{statistics.median(ratios):.2f}x (pairs: "
+                                                          f"{', '.join(f'{r:.2f}' for r in ratios)})"),
+        (f"weight push, {args.model} ({push_tiny[0] / 1e6:.2f}M params)", f"{push_tiny[1] * 1e3:.0f} ms, "
+                                                                          f"{push_tiny[2] / 2**20:.0f} MiB/s"),
+        *([(f"weight push, random ({push_big[0] / 1e6:.1f}M params)", f"{push_big[1] * 1e3:.0f} ms, "
+                                                                      f"{push_big[2] / 2**20:.0f} MiB/s")]
           if push_big is not push_tiny else []),
         ("memory copy of the same bytes", f"{push_big[3] * 1e3:.0f} ms"),
-        ("floor: the sampler loading the same weights from its own memory (copy + repack)", f"{push_big[4] * 1e3:.0f} ms"),
+        ("floor: the sampler loading the same weights from its own memory (copy + repack)",
+         f"{push_big[4] * 1e3:.0f} ms"),
         ("push / floor, per repeat", ", ".join(f"{r:.2f}" for r in push_big[5])),
     ]
-    print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, A B B A, median of {args.repeats} x {args.processes} pairs\n")
+    print(f"\n{args.num_prompts} prompts x {args.n} samples x {args.max_tokens} tokens, A B B A, median of "
+          f"{args.repeats} x {args.processes} pairs\n")
     print("| measure | value |\n|---|---|")
     for name, value in rows:
         print(f"| {name} | {value} |")
-    print(f"\npush_vs_floor={push_big[1] / push_big[4]:.3f}  (push time / floor time, lower is better; 1 is a push that costs no more than a load)")
+    print(f"\npush_vs_floor={push_big[1] / push_big[4]:.3f}  (push time / floor time, lower is better; 1 is a push "
+          "that costs no more than a load)")
     print(f"push_vs_memcpy={push_big[3] / push_big[1]:.3f}")
     print(f"sampler_vs_vllm={statistics.median(ratios):.3f}")
 

@@ -5,8 +5,10 @@ training wall-clock, over seeds, and the time until pass@1 first reaches a targe
     .venv/bin/python benchmarks/learning_speed.py rloo-overlap         # K = 4 with and without --overlap (~7 min)
     .venv/bin/python benchmarks/learning_speed.py dpo        # sync, async, async with 2 minibatches (~10 min)
     .venv/bin/python benchmarks/learning_speed.py pipeline   # Conventional RL G = 1 and 4, PipelineRL (~10 min)
-    .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts' defaults; ~14 min)
-    .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # answers of widely varying length (~10 min; ppo: ~14 min)
+    .venv/bin/python benchmarks/learning_speed.py ppo        # plain PPO, intra, inter, OPPO (all four scripts'
+defaults; ~14 min)
+    .venv/bin/python benchmarks/learning_speed.py pipeline --workload long-tail   # answers of widely varying length
+(~10 min; ppo: ~14 min)
 
 How it measures:
 - Every run keeps its weights every few rounds with the run's wall time (the scripts'
@@ -96,11 +98,13 @@ PAPERS = {
 # each comparison's baseline arms: the others are compared with the best of them (the shortest mean time to
 # target); every arm runs on the same 2 cores, a synchronous one with its sampler and learner each on every core
 # in turn (launch.sampler_threads), so no baseline leaves a core idle
-BASELINES = {"rloo": ["K=1"], "rloo-overlap": ["K=4"], "dpo": ["sync"], "pipeline": ["Conventional G=1", "Conventional G=4"],
+BASELINES = {"rloo": ["K=1"], "rloo-overlap": ["K=4"], "dpo": ["sync"],
+             "pipeline": ["Conventional G=1", "Conventional G=4"],
              "ppo": ["plain PPO"]}
 WORKLOADS = {
     "default": [],
-    "long-tail": ["--task", "countdown-steps", "--max-new-tokens", "80"],  # the tiny model's context: 128 = prompt + 80 fits
+    # the tiny model's context: 128 = prompt + 80 fits
+    "long-tail": ["--task", "countdown-steps", "--max-new-tokens", "80"],
 }
 
 
@@ -175,7 +179,8 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
         raise SystemExit("error: the runs differ in model, task or sampling settings; they cannot share one evaluation")
     model_path = common.resolve_model(first["model"], first["task"])
     tokenizer = util.load_tokenizer(model_path)
-    task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == checks.TINY)  # the held-out split is fixed
+    # the held-out split is fixed
+    task = tasks.make_task(first["task"], seed=0, tiny_prompts=first["model"] == checks.TINY)
     policy = common.load_policy(model_path, "cpu")
     sampling = dict(temperature=first["temperature"], top_p=first["top_p"], max_tokens=first["max_new_tokens"])
     # the prompt budget where the script has it as a flag; else whatever fits the model's context with the response cap
@@ -184,7 +189,8 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
     with launch.start_sampler(model_path, placement="cpu", seed=0, weights=policy,
                                     max_model_len=max_prompt_tokens + first["max_new_tokens"]) as sampler:
         for run_dir in run_dirs:
-            snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")), key=lambda s: s["step"])
+            snapshots = sorted((torch.load(p, weights_only=True) for p in (run_dir / "snapshots").glob("*.pt")),
+                               key=lambda s: s["step"])
             snapshots = [s for s in snapshots if s["wall"] - snapshots[0]["wall"] <= seconds]
             curve = []
             for snap in snapshots:
@@ -291,18 +297,20 @@ def main():
             runs[arm].append(train(script, [*shared, *workload, *flags, "--snapshot-every", str(every)],
                                    args.seconds, seed, arm))
     print(f"[{time.perf_counter() - start:6.0f}s] evaluating the snapshots", flush=True)
-    curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems, args.eval_samples, args.seconds)
+    curves = evaluate_snapshots([d for dirs in runs.values() for d in dirs], args.eval_problems,
+                                args.eval_samples, args.seconds)
     by_arm = {arm: [curves[d] for d in dirs] for arm, dirs in runs.items()}
 
     start_pass = float(np.mean([c[0][1] for cs in by_arm.values() for c in cs]))
     lowest_final = min(np.mean([y for _, y in c[-2:]]) for cs in by_arm.values() for c in cs)
     target = args.target if args.target is not None else start_pass + 0.75 * (lowest_final - start_pass)
-    print(f"\n{args.paper}, {args.workload} workload: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s of training each; held-out pass@1 on "
-          f"{args.eval_problems} problems x {args.eval_samples} samples; start {start_pass:.3f}, target {target:.3f}"
+    print(f"\n{args.paper}, {args.workload} workload: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s "
+          f"of training each; held-out pass@1 on {args.eval_problems} problems x {args.eval_samples} samples; start "
+          f"{start_pass:.3f}, target {target:.3f}"
           + (" (given)" if args.target is not None else f" (75% of the way to the lowest final pass@1, {lowest_final:.3f})") + "\n")
     if target <= start_pass + 0.02:  # (~the sd of a pass@1 over 400 samples)
-        print("warning: the target is within noise of the start (a run ended near or below where it began): the times below "
-              "measure noise; compare the final pass@1, or rerun with --target\n")
+        print("warning: the target is within noise of the start (a run ended near or below where it began): the times "
+              "below measure noise; compare the final pass@1, or rerun with --target\n")
     print("| arm | seconds to target, mean | sd | per seed | vs " + list(arms)[0] + " | pass@1 at the end, mean |")
     print("|---|---|---|---|---|---|")
     base = None
@@ -335,7 +343,8 @@ def main():
                      f"{low_unpaired:.2f}, {high_unpaired:.2f}]: {verdict(low, high)}"
                      if not math.isnan(ratio) else f"{arm} vs {best}: {verdict(float('nan'), float('nan'))}")
     suffix = "" if args.workload == "default" else "_" + args.workload.replace("-", "_")
-    out = plot(by_arm, target, args.seconds, f"{args.paper} ({args.workload}): held-out pass@1, mean and sd over {len(args.seeds)} seeds",
+    out = plot(by_arm, target, args.seconds, f"{args.paper} ({args.workload}): held-out pass@1, mean and sd over "
+                                             f"{len(args.seeds)} seeds",
                Path(args.out) / f"learning_speed_{args.paper}{suffix}.png")
     # the curves themselves, to replot or reanalyse without rerunning: {arm: [per seed: [[seconds, pass@1], ...]]}
     out.with_suffix(".json").write_text(json.dumps({"seeds": list(args.seeds), "target": target, "curves": by_arm}))

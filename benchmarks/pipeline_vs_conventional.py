@@ -43,19 +43,25 @@ class Args:
 
 
 def run(mode: str, args: Args) -> dict:
-    flags = ["--mode", mode, "--steps-per-rl-step", str(args.g), "--num-steps", str(args.num_steps), "--seed", str(args.seed),
+    flags = ["--mode", mode, "--steps-per-rl-step", str(args.g), "--num-steps", str(args.num_steps), "--seed",
+             str(args.seed),
              "--exp-name", f"prl_bench_{mode}", "--eval-problems", "50", *args.workload.split()]
     if mode == "pipeline":  # (in conventional mode --gen-batch-size would cap the engine below B*G)
         flags += ["--gen-batch-size", str(args.h)]
-    out = subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(ROOT / "pipeline_rl.py"), *flags], cwd=ROOT,
+                         capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(out.stderr[-3000:])
     run_dir = ROOT / out.stdout.split("run directory: ")[1].split()[0]
     metrics = runlog.read_metrics(run_dir)
-    rows = [r for r in metrics if "losses/loss" in r]  # the optimizer steps (a batch the ESS guard skipped logs charts/ess only)
-    return dict(mode=mode, rows=rows, sps=rows[-1]["charts/episodes_per_second"], tps=rows[-1]["charts/tokens_per_second"],
-                wait=np.mean([r["time/generate_seconds"] for r in rows]), busy=np.mean([r["time/train_seconds"] + r.get("time/push_seconds", 0.0) for r in rows]),
-                ess=np.nanmean([r["charts/ess"] for r in metrics if "charts/ess" in r]), lag=np.mean([r["charts/lag_mean"] for r in rows]),
+    # the optimizer steps (a batch the ESS guard skipped logs charts/ess only)
+    rows = [r for r in metrics if "losses/loss" in r]
+    return dict(mode=mode, rows=rows, sps=rows[-1]["charts/episodes_per_second"],
+                tps=rows[-1]["charts/tokens_per_second"],
+                wait=np.mean([r["time/generate_seconds"] for r in rows]),
+                busy=np.mean([r["time/train_seconds"] + r.get("time/push_seconds", 0.0) for r in rows]),
+                ess=np.nanmean([r["charts/ess"] for r in metrics if "charts/ess" in r]),
+                lag=np.mean([r["charts/lag_mean"] for r in rows]),
                 start=rows[0]["wall"])
 
 
@@ -87,12 +93,13 @@ def main():
     pairs = ", ".join(f"{p['sps'] / c['sps']:.2f}x" for p, c in zip(pipes, convs))
     print(f"\nsamples/s ratio PipelineRL / Conventional: {pipe_sps / conv_sps:.2f}x over the means (pairs: {pairs}; "
           f"target >= 1.5x); PipelineRL mean ESS {np.mean([r['ess'] for r in pipes]):.3f} (target >= 0.9)")
-    # Conventional RL's step: waiting for generation (the sampler on every core), then training and the push (the learner on every core)
+    # Conventional RL's step: waiting for generation (the sampler on every core), then training and the push (the
+    # learner on every core)
     wait, busy = np.mean([r["wait"] for r in convs]), np.mean([r["busy"] for r in convs])
     print(f"generation is {100 * wait / (wait + busy):.0f}% of a Conventional RL step")
-    print(f"speed-up against the best baseline at equal hardware (Conventional RL G={args.g}, every core in turn): PipelineRL "
-          f"{pipe_sps / conv_sps:.2f}x samples/s (ideal {(wait + busy) / max(wait, busy):.2f}x: perfect overlap, from Conventional RL's "
-          f"phase times)")
+    print(f"speed-up against the best baseline at equal hardware (Conventional RL G={args.g}, every core in turn): "
+          f"PipelineRL {pipe_sps / conv_sps:.2f}x samples/s (ideal {(wait + busy) / max(wait, busy):.2f}x: perfect "
+          f"overlap, from Conventional RL's phase times)")
 
 
 if __name__ == "__main__":

@@ -122,12 +122,12 @@ def main() -> None:
         path = args.model or random_54m(tmp)
         results = [measure_push(path, backend, args.repeats) for backend in args.backends]
     first = results[0]
-    print(f"\nweight push to the local CPU sampler, {first['params'] / 1e6:.1f}M parameters ({first['bytes'] / 2**20:.0f} MiB), "
-          f"median of {args.repeats} alternated (memory copy, push) pairs\n")
+    print(f"\nweight push to the local CPU sampler, {first['params'] / 1e6:.1f}M parameters "
+          f"({first['bytes'] / 2**20:.0f} MiB), median of {args.repeats} alternated (memory copy, push) pairs\n")
     print("| engine | push | memory copy of the same bytes | push bandwidth | memcpy / push |\n|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['backend']} | {r['push'] * 1e3:.1f} ms | {r['memcpy'] * 1e3:.1f} ms | {r['bytes'] / r['push'] / 2**20:.0f} MiB/s "
-              f"| {r['memcpy'] / r['push']:.3f} |")
+        print(f"| {r['backend']} | {r['push'] * 1e3:.1f} ms | {r['memcpy'] * 1e3:.1f} ms | "
+              f"{r['bytes'] / r['push'] / 2**20:.0f} MiB/s | {r['memcpy'] / r['push']:.3f} |")
     for r in results:
         print(f"{r['backend']}: pushes (ms) {' '.join(f'{t * 1e3:.0f}' for t in r['pushes'])}; "
               f"copies (ms) {' '.join(f'{t * 1e3:.1f}' for t in r['memcpys'])}")

@@ -49,7 +49,8 @@ def trial(sampler, model, prompts, args, version: int) -> tuple[float, float]:
     Returns (total seconds, of which pushing)."""
     start, pushing = time.perf_counter(), 0.0
     for r in range(args.rounds):
-        out = sampler.generate(prompts, n=args.group_size, temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, ignore_eos=True)
+        out = sampler.generate(prompts, n=args.group_size, temperature=0.8, top_p=0.95, max_tokens=args.max_tokens,
+                               ignore_eos=True)
         assert sum(len(c.token_ids) for c in out) == len(prompts) * args.group_size * args.max_tokens
         with torch.no_grad():
             next(model.parameters()).add_(1e-4)  # the weights change every round, as in training
@@ -99,13 +100,15 @@ def main():
     tokens = args.rounds * args.prompts * args.group_size * args.max_tokens
     print(f"\n{args.rounds} rounds of {args.prompts} prompts x {args.group_size} samples x {args.max_tokens} tokens "
           f"({tokens} tokens), each followed by a push; {args.pairs} alternated pairs (A B B A ...)\n")
-    print("| arm | seconds per trial (median) | trials | tokens/s (median) | seconds per push (median) |\n|---|---|---|---|---|")
+    print("| arm | seconds per trial (median) | trials | tokens/s (median) | seconds per push (median) "
+          "|\n|---|---|---|---|---|")
     for name, values in times.items():
-        print(f"| {name} | {median[name]:.2f} | {', '.join(f'{v:.2f}' for v in values)} | {tokens / median[name]:.0f} | "
-              f"{statistics.median(pushes[name]):.3f} |")
+        print(f"| {name} | {median[name]:.2f} | {', '.join(f'{v:.2f}' for v in values)} | {tokens / median[name]:.0f} "
+              f"| {statistics.median(pushes[name]):.3f} |")
     print(f"\nserver_vs_local={median['server'] / median['local']:.2f} (seconds per trial, server / local)")
     print(f"command: .venv/bin/python benchmarks/server_vs_local.py --rounds {args.rounds} --prompts {args.prompts} "
-          f"--group-size {args.group_size} --max-tokens {args.max_tokens} --pairs {args.pairs}; took {time.time() - began:.0f} s")
+          f"--group-size {args.group_size} --max-tokens {args.max_tokens} --pairs {args.pairs}; took "
+          f"{time.time() - began:.0f} s")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ class Args:
     """checkout B"""
     pairs: int = 3
     """alternated pairs: A B, then B A, ..."""
-    command: list[str] = field(default_factory=lambda: ["rloo_kreuse.py", "--model", "tiny", "--k", "4", "--num-rounds", "1",
+    command: list[str] = field(default_factory=lambda: ["rloo_kreuse.py", "--model", "tiny", "--k", "4",
+                                                        "--num-rounds", "1",
                                                           "--eval-problems", "8", "--eval-samples", "2"])
     """the script and its flags, run in each checkout"""
 
@@ -40,7 +41,8 @@ ROUND_LINE = re.compile(r"^round 1/")
 def time_run(checkout: str, command: list[str]) -> tuple[float, float]:
     """(seconds to the first round's line, seconds to exit) of one run in `checkout`."""
     start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, *command, "--exp-name", "startup"], cwd=checkout, stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, *command, "--exp-name", "startup"], cwd=checkout,
+                               stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     first_round = float("nan")
     for line in process.stdout:
@@ -63,7 +65,8 @@ def main(args: Args) -> None:
     med = {arm: [statistics.median(t[i] for t in runs) for i in range(2)] for arm, runs in times.items()}
     print(f"median before: first round {med['before'][0]:.1f} s, run {med['before'][1]:.1f} s; "
           f"after: first round {med['after'][0]:.1f} s, run {med['after'][1]:.1f} s")
-    print(f"first_round_speedup={med['before'][0] / med['after'][0]:.2f} run_speedup={med['before'][1] / med['after'][1]:.2f}")
+    print(f"first_round_speedup={med['before'][0] / med['after'][0]:.2f} "
+          f"run_speedup={med['before'][1] / med['after'][1]:.2f}")
 
 
 if __name__ == "__main__":

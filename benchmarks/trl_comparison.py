@@ -74,14 +74,15 @@ first prompt's token ids are checked equal before the runs (TRL's own tokenizati
 faster is the baseline, the only TRL run evaluated (its start accuracy is our run's start evaluation: the same
 model, problems, sampler settings and seed). RLOO runs in micro-batches of 32 rows on both sides (TRL's
 per_device_train_batch_size 32 x 2 accumulated; ours --micro-batch-tokens 32 x (48 + 64)): the step's 64 rows in one
-pass took ~16 GB on either side, which a 23 GB machine with a sampler beside it does not always have. Accuracy: pass@1 on the first --smollm2-eval-problems (50)
-held-out problems x 4 samples, sampled as in training, both sides by tasks.evaluate with the same sampler settings.
-What still differs is what differs on the tiny model (the loss's KL and entropy terms excepted: both are off): the
-online DPO ties, ours asynchronous, generation by vLLM against TRL's model.generate, the RNG streams.
+pass took ~16 GB on either side, which a 23 GB machine with a sampler beside it does not always have. Accuracy: pass@1
+on the first --smollm2-eval-problems (50) held-out problems x 4 samples, sampled as in training, both sides by
+tasks.evaluate with the same sampler settings. What still differs is what differs on the tiny model (the loss's KL and
+entropy terms excepted: both are off): the online DPO ties, ours asynchronous, generation by vLLM against TRL's
+model.generate, the RNG streams.
 
 Accuracy is one run per side (one seed), not a confidence interval; --accuracy-seeds measures
-the tiny RLOO accuracy over several seeds, for ours with and without the entropy bonus and TRL. The 50M model is a random
-init (run by our scripts as `--model tiny` with FASTRL_CACHE pointing at it, so that they keep the
+the tiny RLOO accuracy over several seeds, for ours with and without the entropy bonus and TRL. The 50M model is a
+random init (run by our scripts as `--model tiny` with FASTRL_CACHE pointing at it, so that they keep the
 tiny prompt format): its accuracy means nothing and is not reported; only speed is.
 """
 
@@ -171,8 +172,9 @@ class Args:
     accuracy_variants: tuple[str, ...] = ("", "--ent-coef 0")
     """extra flags of our runs in the accuracy study ('': as shipped; '--ent-coef 0': no entropy bonus, as TRL)"""
     model: Literal["tiny", "smollm2"] = "tiny"
-    """tiny: the tiny model, then the ~50M random model; smollm2: SmolLM2-135M-Instruct (--model smollm2 of our scripts) on
-    its preset task (arithmetic in the chat template) with the presets' settings, TRL at each --smollm2-trl-threads"""
+    """tiny: the tiny model, then the ~50M random model; smollm2: SmolLM2-135M-Instruct (--model smollm2 of our scripts)
+    on its preset task (arithmetic in the chat template) with the presets' settings, TRL at each
+    --smollm2-trl-threads"""
     smollm2_rloo_steps: int = 3
     """RLOO optimizer steps on SmolLM2 (the preset's 8 prompts x 8)"""
     smollm2_dpo_steps: int = 4
@@ -184,7 +186,8 @@ class Args:
     smollm2_rloo_micro_batch: int = 32
     """SmolLM2 RLOO rows per forward/backward, the same on both sides (the gradients accumulate to the step's 64 rows):
     TRL's per_device_train_batch_size, ours --micro-batch-tokens of as many rows of the longest sequence (prompt + max
-    new tokens). 64 in one pass needs ~16 GB on either side; 0: both in one pass (TRL 64 rows, ours as the preset ships)"""
+    new tokens). 64 in one pass needs ~16 GB on either side; 0: both in one pass (TRL 64 rows, ours as the preset
+    ships)"""
     smollm2_trl_threads: tuple[int, ...] = (1, 2)
     """TRL runs on SmolLM2, one per torch thread count; the fastest is the baseline (and the one evaluated)"""
 
@@ -215,7 +218,8 @@ class Workload:
     @property
     def chat_template(self) -> bool:
         """Our scripts wrap the prompts in the chat template for an instruct model (smollm2); TRL then gets them as
-        conversations and applies the same template (checked: run_trl_worker and run_ours record the first prompt's ids)."""
+        conversations and applies the same template (checked: run_trl_worker and run_ours record the first prompt's
+        ids)."""
         return checks.instruct_model(self.model)
 
 
@@ -263,7 +267,8 @@ def train_dataset(task, num_problems: int, chat_template: bool = False):
 
 def our_prompt_ids(w: Workload, tokenizer, index: int = 0) -> list[int]:
     """The token ids our scripts send the sampler for training problem `index` (tasks.encode_prompts)."""
-    _, ids, _ = tasks.encode_prompts(tokenizer, [make_task(w).problem("train", index)], w.max_prompt_tokens, w.chat_template)
+    _, ids, _ = tasks.encode_prompts(tokenizer, [make_task(w).problem("train", index)], w.max_prompt_tokens,
+                                     w.chat_template)
     assert ids, f"training problem {index} is longer than {w.max_prompt_tokens} prompt tokens"
     return ids[0]
 
@@ -300,10 +305,12 @@ def trl_config_kwargs(w: Workload, output_dir: str) -> dict:
     )
     if w.method == "rloo":
         batch = w.prompts * w.completions
-        micro = min(w.micro_batch, batch)  # ours: --micro-batch-tokens (64 rows of the tiny model fit its default in one)
+        # ours: --micro-batch-tokens (64 rows of the tiny model fit its default in one)
+        micro = min(w.micro_batch, batch)
         assert batch % micro == 0, f"{batch} completions per step must split into minibatches of {micro}"
         return shared | dict(
-            num_generations=w.completions, per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+            num_generations=w.completions, per_device_train_batch_size=micro,
+                             gradient_accumulation_steps=batch // micro,
             max_completion_length=w.max_new_tokens, beta=w.kl_coef, num_iterations=1, max_grad_norm=0.5,
             shuffle_dataset=False,
         )
@@ -379,12 +386,14 @@ def run_trl_worker(spec_path: str) -> None:
         first_prompt.setdefault("ids", list(prompt_ids[0]))
 
     def record_dpo(out):
-        first_prompt.setdefault("ids", out[0][0][out[1][0].bool()].tolist())  # row 0 of the left-padded prompts, unpadded
+        # row 0 of the left-padded prompts, unpadded
+        first_prompt.setdefault("ids", out[0][0][out[1][0].bool()].tolist())
 
     if w.method == "rloo":
         from trl import RLOOConfig, RLOOTrainer
 
-        trainer = RLOOTrainer(model=model, reward_funcs=TaskReward(task), args=RLOOConfig(**kwargs), train_dataset=dataset,
+        trainer = RLOOTrainer(model=model, reward_funcs=TaskReward(task), args=RLOOConfig(**kwargs),
+                              train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[profiler])
         profiler.wrap(trainer, "_generate_single_turn", "generation", count_tokens=lambda ids: sum(len(c) for c in ids),
                       inspect_args=record_rloo)
@@ -395,7 +404,8 @@ def run_trl_worker(spec_path: str) -> None:
 
         trainer = OnlineDPOTrainer(model=model, reward_funcs=TaskReward(task), args=OnlineDPOConfig(**kwargs),
                                    train_dataset=dataset, processing_class=tokenizer, callbacks=[profiler])
-        profiler.wrap(trainer, "_generate", "generation", count_tokens=lambda out: (record_dpo(out), int(out[3].sum()))[1])
+        profiler.wrap(trainer, "_generate", "generation",
+                      count_tokens=lambda out: (record_dpo(out), int(out[3].sum()))[1])
         profiler.wrap(trainer, "_forward", forward_phase)
         profiler.wrap(trainer, "_calculate_rewards_from_functions", "reward")
     profiler.wrap(trainer.accelerator, "backward", "backward")
@@ -404,7 +414,8 @@ def run_trl_worker(spec_path: str) -> None:
                     per_device_train_batch_size=config.per_device_train_batch_size,
                     gradient_accumulation_steps=config.gradient_accumulation_steps)
     if w.method == "rloo":
-        resolved |= dict(generation_batch_size=config.generation_batch_size, steps_per_generation=config.steps_per_generation,
+        resolved |= dict(generation_batch_size=config.generation_batch_size,
+                         steps_per_generation=config.steps_per_generation,
                          epsilon=config.epsilon, normalize_advantages=config.normalize_advantages)
     trainer.train()
     if spec["save"]:  # weights + config only; tokenizer and generation config as in the source model
@@ -490,7 +501,8 @@ def run_instrumented() -> None:
 
     submit = vllm_sampler.Sampler.submit
 
-    def submit_recorded(self, prompts, *args, **kwargs):  # the first training round's first prompt and sampling settings
+    # the first training round's first prompt and sampling settings
+    def submit_recorded(self, prompts, *args, **kwargs):
         if not in_eval[0] and not first_submit:
             first_submit.update(prompt_ids=list(prompts[0]), sampling={k: v for k, v in kwargs.items() if k != "tags"})
         return submit(self, prompts, *args, **kwargs)
@@ -526,7 +538,8 @@ def run_instrumented() -> None:
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        Path(os.environ["FASTRL_BENCH_PROFILE"]).write_text(json.dumps(dict(seconds=seconds, tokens=tokens, waits=waits, pushes=pushes,
+        Path(os.environ["FASTRL_BENCH_PROFILE"]).write_text(json.dumps(dict(seconds=seconds, tokens=tokens,
+                                                                            waits=waits, pushes=pushes,
                                                                             first_submit=first_submit)))
 
 
@@ -560,7 +573,8 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     # both scripts wait for every round inside their loop's clock and push after each of their N rounds (fastrl/run.py)
     waits = prof["waits"]
     pushes = np.array(prof["pushes"][:n]).reshape(-1, 2)
-    phases = {"generation": (sum(waits) + pushes[:, 1].sum()) / n, "weight push": (pushes[:, 0] - pushes[:, 1]).sum() / n}
+    phases = {"generation": (sum(waits) + pushes[:, 1].sum()) / n,
+              "weight push": (pushes[:, 0] - pushes[:, 1]).sum() / n}
     learner = ("logprob forwards (no grad)", "policy forward (grad)", "backward", "optimizer", "reward")
     phases |= {k: seconds.get(k, 0.0) / n for k in learner}
     phases["other"] = loop / n - sum(phases.values())
@@ -580,13 +594,15 @@ def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[s
     shared = ["--model", w.model, "--seed", str(w.seed), "--num-rounds", str(w.steps), "--num-prompts", str(w.prompts),
               "--learning-rate", str(w.learning_rate), "--temperature", str(w.temperature),
               "--max-new-tokens", str(w.max_new_tokens), *eval_flags]
-    if w.model != checks.TINY:  # the tiny model's flags stay as they were (its task and top-p are the scripts' defaults)
+    # the tiny model's flags stay as they were (its task and top-p are the scripts' defaults)
+    if w.model != checks.TINY:
         shared += ["--task", w.task, "--top-p", str(w.top_p), "--max-prompt-tokens", str(w.max_prompt_tokens)]
     if w.method == "rloo":
         top_p = ["--top-p", "1.0"] if w.model == checks.TINY else []
         return ["--k", "1", "--group-size", str(w.completions), *top_p, *shared, *w.ours_extra,
                 "--exp-name", "trl_cmp_rloo", *(args.ours_rloo_extra if rloo_extra is None else rloo_extra).split()]
-    return ["--group-size", str(w.completions), *shared, *w.ours_extra, "--exp-name", "trl_cmp_dpo", *args.ours_dpo_extra.split()]
+    return ["--group-size", str(w.completions), *shared, *w.ours_extra, "--exp-name", "trl_cmp_dpo",
+            *args.ours_dpo_extra.split()]
 
 
 # --------------------------------------------------------------------------------------
@@ -606,7 +622,8 @@ def evaluate_model(model_dir: str, w: Workload) -> float:
     # the threads our script's sampler has: every core for the synchronous RLOO, half of them for the asynchronous DPO
     threads = {} if w.model == checks.TINY else dict(threads=launch.sampler_threads(0, overlapped=w.method == "dpo"))
     try:
-        sampler = launch.start_sampler(model_dir, placement="cpu", seed=w.seed, max_model_len=w.max_prompt_tokens + w.max_new_tokens,
+        sampler = launch.start_sampler(model_dir, placement="cpu", seed=w.seed,
+                                       max_model_len=w.max_prompt_tokens + w.max_new_tokens,
                                        **threads)
     finally:
         if quiet["VLLM_LOGGING_LEVEL"] is None:
@@ -614,7 +631,8 @@ def evaluate_model(model_dir: str, w: Workload) -> float:
         else:
             os.environ["VLLM_LOGGING_LEVEL"] = quiet["VLLM_LOGGING_LEVEL"]
     try:
-        return tasks.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, w.max_prompt_tokens, w.chat_template,
+        return tasks.evaluate(sampler, task, tokenizer, w.eval_problems, w.eval_samples, w.max_prompt_tokens,
+                              w.chat_template,
                                **sampling)["eval/pass@1"]
     finally:
         sampler.close()
@@ -639,7 +657,8 @@ def build_50m() -> str:
     tokenizer = util.load_tokenizer(str(tiny))
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=3584, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                         tie_word_embeddings=True,
                          rope_theta=10000.0, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -679,7 +698,8 @@ def speed_table(title: str, rows: list[dict], with_accuracy: bool, target: float
             print(line)
     for r in rows:
         if "pairs" in r:
-            print(f"{r['side']} trained on {r['pairs']:.1f} pairs per step on average (ties dropped); TRL on every prompt's pair")
+            print(f"{r['side']} trained on {r['pairs']:.1f} pairs per step on average (ties dropped); TRL on every "
+                  "prompt's pair")
 
 
 def phase_table(rows: list[dict]) -> None:
@@ -694,8 +714,8 @@ def phase_table(rows: list[dict]) -> None:
         print(f"| {r['side']} | {total:.3f} | " + " | ".join(cells) + " |")
     for r in rows:
         if np.isfinite(r.get("overlapped_generation", float("nan"))):
-            print(f"{r['side']}: the sampler generates the next step's completions in {r['overlapped_generation']:.3f} s, "
-                  "overlapped with training")
+            print(f"{r['side']}: the sampler generates the next step's completions in {r['overlapped_generation']:.3f} "
+                  "s, overlapped with training")
 
 
 def compare(w: Workload, args: Args, workdir: Path, trl_threads: tuple[int, ...], ours_threads: tuple[int, ...] = (1,),
@@ -705,7 +725,8 @@ def compare(w: Workload, args: Args, workdir: Path, trl_threads: tuple[int, ...]
     taken from our run's start evaluation, which has the same sampler settings, seed and problems), the others not."""
     rows = []
     for threads in ours_threads:  # 1: the environment as it is (the learner's default is one thread)
-        row = run_ours(w, ours_flags(w, args), workdir, (env or {}) | ({} if threads == 1 else {"OMP_NUM_THREADS": str(threads)}))
+        row = run_ours(w, ours_flags(w, args), workdir,
+                       (env or {}) | ({} if threads == 1 else {"OMP_NUM_THREADS": str(threads)}))
         row["side"] = "ours" if threads == 1 else f"ours, OMP_NUM_THREADS={threads}"
         rows.append(row)
     trl_rows = []
@@ -739,14 +760,17 @@ def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: i
     gets TRL's missing-EOS penalty (score - 1, --eos-penalty-mode subtract; its preset replaces the score by -1).
     Evaluation: --smollm2-eval-problems x --smollm2-eval-samples on both sides. RLOO in micro-batches of
     --smollm2-rloo-micro-batch rows on both sides. `model_dir`: the converted model's directory (None:
-    common.resolve_model, which builds it on first use); `prompt_tokens`: the longest training prompt (None: measured)."""
+    common.resolve_model, which builds it on first use); `prompt_tokens`: the longest training prompt (None:
+    measured)."""
     import online_dpo_async
     import rloo_kreuse
 
     model_dir = model_dir or common.resolve_model(checks.SMOLLM2)
-    r = checks.parse_args(rloo_kreuse.Args, ["--model", checks.SMOLLM2], paper=rloo_kreuse.PAPER, smollm2=rloo_kreuse.SMOLLM2)
+    r = checks.parse_args(rloo_kreuse.Args, ["--model", checks.SMOLLM2], paper=rloo_kreuse.PAPER,
+                          smollm2=rloo_kreuse.SMOLLM2)
     d = online_dpo_async.parse_args(["--model", checks.SMOLLM2])
-    # what TRL's side cannot take otherwise (trl_config_kwargs): no entropy bonus, RLOO's clip 0.5, DPO's beta 0.1, clip 1
+    # what TRL's side cannot take otherwise (trl_config_kwargs): no entropy bonus, RLOO's clip 0.5, DPO's beta 0.1, clip
+    # 1
     assert r.ent_coef == 0 and r.k == 1 and r.max_grad_norm == 0.5 and r.kl_estimator == "k1", r
     assert d.beta == 0.1 and d.loss_type == "dpo" and d.max_grad_norm == 1.0 and d.missing_eos_penalty == 1.0, d
     assert r.chat_template and d.chat_template and r.task == d.task, (r, d)
@@ -757,8 +781,10 @@ def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: i
             tasks.make_task(r.task, args.seed, tiny_prompts=False).problem("train", i) for i in range(64)], 10**6, True)[1])
     micro = args.smollm2_rloo_micro_batch
     rows = dict(micro_batch=micro, ours_extra=("--micro-batch-tokens", str(micro * (prompt_tokens + r.max_new_tokens)))) if micro else {}
-    rloo = Workload("rloo", steps=args.smollm2_rloo_steps, prompts=r.num_prompts, completions=r.group_size, temperature=r.temperature,
-                    learning_rate=r.learning_rate, max_new_tokens=r.max_new_tokens, task=r.task, top_p=r.top_p, kl_coef=r.kl_coef,
+    rloo = Workload("rloo", steps=args.smollm2_rloo_steps, prompts=r.num_prompts, completions=r.group_size,
+                    temperature=r.temperature,
+                    learning_rate=r.learning_rate, max_new_tokens=r.max_new_tokens, task=r.task, top_p=r.top_p,
+                    kl_coef=r.kl_coef,
                     max_prompt_tokens=r.max_prompt_tokens, **rows, **shared)
     dpo = Workload("dpo", steps=args.smollm2_dpo_steps, prompts=d.num_prompts, completions=2, temperature=d.temperature,
                    learning_rate=d.learning_rate, max_new_tokens=d.max_new_tokens, task=d.task, top_p=d.top_p,
@@ -769,7 +795,8 @@ def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: i
 def accuracy_study(w: Workload, args: Args, workdir: Path) -> None:
     """Is the RLOO accuracy gap between the sides more than seed noise, and is it our entropy
     bonus? One run per side and seed, the same workload otherwise."""
-    sides = [f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants] + [f"TRL, {args.trl_threads} thread{'s' if args.trl_threads > 1 else ''}"]
+    sides = [f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants] + [f"TRL, {args.trl_threads} "
+                                                                                      f"thread{'s' if args.trl_threads > 1 else ''}"]
     final, steps = {side: [] for side in sides}, {side: [] for side in sides}
     for seed in args.accuracy_seeds:
         ws = dataclasses.replace(w, seed=seed)
@@ -834,7 +861,8 @@ def main():
             m50_dpo = dataclasses.replace(dpo, model_dir=m50, steps=args.m50_steps, prompts=args.m50_dpo_prompts,
                                           eval_problems=0, eval_samples=1)
             for key, w in (("rloo_50m", m50_rloo), ("dpo_50m", m50_dpo)):
-                results[key] = compare(w, args, workdir, args.m50_trl_threads, args.m50_ours_threads, env, evaluate=False)
+                results[key] = compare(w, args, workdir, args.m50_trl_threads, args.m50_ours_threads, env,
+                                       evaluate=False)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -844,7 +872,8 @@ def main():
             n = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) / 1e6
         for key, w in (("rloo_50m", m50_rloo), ("dpo_50m", m50_dpo)):
             print(f"\n## {w.method.upper()} on a random {n:.1f}M-parameter Qwen2 (speed only: a random init's accuracy "
-                  f"means nothing): {w.steps} steps of {w.prompts} prompts x {w.completions}, max {w.max_new_tokens} new tokens")
+                  f"means nothing): {w.steps} steps of {w.prompts} prompts x {w.completions}, max {w.max_new_tokens} "
+                  "new tokens")
             speed_table("", results[key], False)
             phase_table(results[key])
 
@@ -854,15 +883,18 @@ def main():
 def method_tables(results: dict, rloo: Workload, dpo: Workload, label: str, target: float = 1.5) -> None:
     """The RLOO and the online DPO tables of one model."""
     top_p = lambda w: f", top-p {w.top_p:g}" if w.top_p < 1 else ""  # noqa: E731
-    print(f"\n## RLOO: TRL RLOOTrainer vs rloo_kreuse.py --k 1 ({label}, {rloo.steps} steps of {rloo.prompts} prompts x "
-          f"{rloo.completions}, T={rloo.temperature}{top_p(rloo)}, lr {rloo.learning_rate}, max {rloo.max_new_tokens} new tokens)")
-    speed_table(f"accuracy: pass@1 on {rloo.eval_problems} held-out problems x {rloo.eval_samples} samples", results["rloo"], True,
+    print(f"\n## RLOO: TRL RLOOTrainer vs rloo_kreuse.py --k 1 ({label}, {rloo.steps} steps of {rloo.prompts} prompts "
+          f"x {rloo.completions}, T={rloo.temperature}{top_p(rloo)}, lr {rloo.learning_rate}, max "
+          f"{rloo.max_new_tokens} new tokens)")
+    speed_table(f"accuracy: pass@1 on {rloo.eval_problems} held-out problems x {rloo.eval_samples} samples",
+                results["rloo"], True,
                 target)
     phase_table(results["rloo"])
     print(f"\n## Online DPO: TRL OnlineDPOTrainer vs online_dpo_async.py (async) ({label}, {dpo.steps} steps of "
           f"{dpo.prompts} prompts x {dpo.completions}, T={dpo.temperature}{top_p(dpo)}, lr {dpo.learning_rate}, "
           f"max {dpo.max_new_tokens} new tokens)")
-    speed_table(f"accuracy: pass@1 on {dpo.eval_problems} held-out problems x {dpo.eval_samples} samples", results["dpo"], True,
+    speed_table(f"accuracy: pass@1 on {dpo.eval_problems} held-out problems x {dpo.eval_samples} samples",
+                results["dpo"], True,
                 target)
     phase_table(results["dpo"])
 
@@ -891,14 +923,16 @@ def main_smollm2(args: Args, trl_version: str, started: float) -> None:
     tokenizer = util.load_tokenizer(rloo.model_dir)
     print(f"RLOO in micro-batches of {rloo.micro_batch} rows on both sides (ours: {' '.join(rloo.ours_extra)})")
     for w in (rloo, dpo):  # the check before anything runs: TRL's own tokenization of our first prompt gives our ids
-        ours, trl = our_prompt_ids(w, tokenizer), trl_prompt_ids(w.method, chat_messages(make_task(w).problem("train", 0)), tokenizer)
+        ours, trl = our_prompt_ids(w, tokenizer), trl_prompt_ids(w.method,
+                                                                 chat_messages(make_task(w).problem("train", 0)), tokenizer)
         assert ours == trl, f"{w.method}: TRL would see other prompt ids than ours:\n  ours {ours}\n  TRL  {trl}"
     first = our_prompt_ids(rloo, tokenizer)
-    print(f"first training prompt, {len(first)} tokens, the same ids on both sides (checked again as each run sends it): "
-          f"{tokenizer.decode(first)!r}")
+    print(f"first training prompt, {len(first)} tokens, the same ids on both sides (checked again as each run sends "
+          f"it): {tokenizer.decode(first)!r}")
     workdir = Path(tempfile.mkdtemp(prefix="trl_comparison_"))
     try:
-        # the start accuracy: our run's (the same evaluation of the same model; a 10 x 4 smoke run gave 0.050 on both sides)
+        # the start accuracy: our run's (the same evaluation of the same model; a 10 x 4 smoke run gave 0.050 on both
+        # sides)
         results = {"rloo": compare(rloo, args, workdir, args.smollm2_trl_threads, start_from_ours=True),
                    "dpo": compare(dpo, args, workdir, args.smollm2_trl_threads, start_from_ours=True)}
     finally:

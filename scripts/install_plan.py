@@ -56,8 +56,9 @@ def mix_error(target: str, installed: set[str], torch_version: str | None) -> st
     build (or, for the GPU build, the CPU torch), or None. `installed`: distribution names, lower case."""
     other = "gpu" if target == "cpu" else "cpu"
     if VLLM_BUILDS[other] in installed:
-        return (f"setup: .venv already holds the {other.upper()} build of vLLM ({VLLM_BUILDS[other]}); the {target.upper()} build "
-                f"cannot share an environment with it (both are the `vllm` module): remove .venv first (rm -rf .venv)")
+        return (f"setup: .venv already holds the {other.upper()} build of vLLM ({VLLM_BUILDS[other]}); the "
+                f"{target.upper()} build cannot share an environment with it (both are the `vllm` module): remove "
+                ".venv first (rm -rf .venv)")
     if target == "gpu" and torch_version and torch_version.endswith("+cpu"):
         return f"setup: .venv holds the CPU build of torch ({torch_version}); vLLM's GPU build needs the CUDA one: remove .venv first (rm -rf .venv)"
     return None
