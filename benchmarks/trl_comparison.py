@@ -251,6 +251,8 @@ def chat_messages(problem: tasks.Problem) -> list[dict]:
     """The conversation tasks.encode_prompts wraps in the chat template: the problem's system turn (if any) and its
     user turn. TRL cannot start the assistant's reply itself, so a task that gives one is refused."""
     assert not problem.assistant_start, "TRL cannot continue a started assistant turn (the task's assistant_start)"
+    # (None: --system-prompt "", no system turn, which TRL's chat template would fill with the model's default one)
+    assert problem.system is not None, "TRL renders a default system turn where ours has none (--system-prompt '')"
     return ([{"role": "system", "content": problem.system}] if problem.system else []) + [
         {"role": "user", "content": problem.user or problem.prompt}]
 
