@@ -42,7 +42,8 @@ class Args:
     metrics: list[str] = field(default_factory=lambda: ["charts/reward"])
     """metrics to plot, one subplot each, e.g. charts/reward charts/accuracy eval/pass@1"""
     x: Literal["wall", "step", "samples"] = "wall"
-    """x axis: wall (seconds), step (learner step) or samples (cumulative training samples; rule in the module docstring)"""
+    """x axis: wall (seconds), step (learner step) or samples (cumulative training samples; rule in the module
+    docstring)"""
     labels: list[str] | None = None
     """legend labels, one per run directory in the same order (None: the directory names)"""
     smooth: int = 1
@@ -117,7 +118,8 @@ def plot(run_dirs, metrics, x="wall", out="plot.png", labels=None, smooth=1) -> 
     for run_dir in run_dirs:
         rows = runlog.read_metrics(run_dir)
         runs.append((rows, x_axis(rows, x, run_dir)))
-    data = {metric: [(label, *series(rows, xs, metric)) for label, (rows, xs) in zip(labels, runs)] for metric in metrics}
+    data = {metric: [(label, *series(rows, xs, metric)) for label, (rows, xs) in zip(labels, runs)]
+            for metric in metrics}
     for metric, lines in data.items():
         if not any(ys for _, _, ys in lines):
             raise SystemExit(f"error: metric {metric!r} is in none of the runs ({', '.join(labels)})")
@@ -144,7 +146,8 @@ def plot(run_dirs, metrics, x="wall", out="plot.png", labels=None, smooth=1) -> 
         ax.legend(fontsize="small")
     for ax in axes[len(metrics):]:
         ax.set_visible(False)
-    fig.suptitle(f"{len(run_dirs)} run{'s' if len(run_dirs) > 1 else ''}, x = {x}" + (f", moving average over {smooth} points" if smooth > 1 else ""))
+    fig.suptitle(f"{len(run_dirs)} run{'s' if len(run_dirs) > 1 else ''}, x = {x}"
+                 + (f", moving average over {smooth} points" if smooth > 1 else ""))
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

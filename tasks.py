@@ -103,7 +103,8 @@ def last_answer(completion: str) -> str | None:
     return found
 
 
-def countdown_reward(completion: str, numbers: list[int], target: int, format_score: float = COUNTDOWN_FORMAT_SCORE) -> float:
+def countdown_reward(completion: str, numbers: list[int], target: int,
+                     format_score: float = COUNTDOWN_FORMAT_SCORE) -> float:
     """TinyZero convention: 1 for a correct equation in the last <answer>...</answer> that uses
     each given number exactly once; `format_score` for a well-formed but wrong answer; 0 when
     there is no answer."""
@@ -172,7 +173,8 @@ class Problem:
     assistant_start: str = ""
 
 
-def _solution_string(rng: np.random.Generator, numbers: list[int], max_target: int) -> tuple[str, int, list[str]] | None:
+def _solution_string(rng: np.random.Generator, numbers: list[int],
+                     max_target: int) -> tuple[str, int, list[str]] | None:
     """Combine `numbers` in random order with random ops into one expression whose every
     intermediate value is a non-negative integer; returns (expression, value, the steps "a*b=c" in
     the order they were taken)."""
@@ -483,7 +485,8 @@ def _load_hub_dataset(*args, **kwargs):
     try:
         from datasets import load_dataset
     except ImportError as e:
-        raise SystemExit("error: --task: Hub tasks need the `datasets` package: pip install -e '.[hub]'; offline, use --task countdown") from e
+        raise SystemExit("error: --task: Hub tasks need the `datasets` package: pip install -e '.[hub]'; "
+                         "offline, use --task countdown") from e
     try:
         return load_dataset(*args, **kwargs)
     except Exception as e:  # the Hub's errors are many; the user needs one line
@@ -552,7 +555,8 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
         data = _load_hub_dataset("openai/gsm8k", "main")
         # the format realtreetune/rho-1b-sft-GSM8K was fine-tuned on and the authors prompt it with (async_rlhf
         # src/gsm8k_utils.py)
-        to_problem = lambda r: Problem(prompt=GSM8K_PROMPT.format(r["question"]), answer=r["answer"], user=r["question"])  # noqa: E731
+        to_problem = lambda r: Problem(prompt=GSM8K_PROMPT.format(r["question"]),  # noqa: E731
+                                       answer=r["answer"], user=r["question"])
         # the whole test split (1319 problems), in the dataset's order whatever the seed: evaluate(num_problems=None)
         # scores all of it, as the paper does
         return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],
@@ -701,7 +705,8 @@ def check_prompts_fit(tokenizer, task, max_prompt_tokens: int, chat_template: bo
 
 def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
-    return 1.0 if num_samples - num_correct < k else 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k)
+    return (1.0 if num_samples - num_correct < k
+            else 1.0 - math.comb(num_samples - num_correct, k) / math.comb(num_samples, k))
 
 
 def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, samples_per_problem: int,
@@ -724,7 +729,8 @@ def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, sample
             progress.update(len(ids[start:start + part]))
     correct = [sum(task.is_correct(s.text, p) for s in samples[i * samples_per_problem:(i + 1) * samples_per_problem])
                for i, p in enumerate(problems)]
-    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct])) for k in eval_ks(samples_per_problem)} | {
+    return {f"eval/pass@{k}": float(np.mean([pass_at_k(samples_per_problem, c, k) for c in correct]))
+            for k in eval_ks(samples_per_problem)} | {
         "eval/problems": float(len(correct)), "eval/samples": float(samples_per_problem)}
 
 

@@ -43,7 +43,8 @@ def run(mode: str, args: Args) -> dict:
     return dict(mode=mode, step=np.mean([r["time/step_seconds"] for r in rounds]),
                 G=np.mean([r["time/generate_seconds"] for r in rounds]),
                 T=np.mean([r["time/train_seconds"] for r in rounds]),
-                eps=rows[-2]["charts/episodes_per_second"] if "charts/episodes_per_second" in rows[-2] else float("nan"),
+                eps=(rows[-2]["charts/episodes_per_second"] if "charts/episodes_per_second" in rows[-2]
+                     else float("nan")),
                 learner_wait=np.mean([r["time/learner_wait_seconds"] for r in rounds]),
                 # async: the round before the last submits no new round either, so it has no sampler wait (nan)
                 sampler_wait=np.nanmean([r["time/sampler_wait_seconds"] for r in rounds]),

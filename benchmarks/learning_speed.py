@@ -201,7 +201,8 @@ def evaluate_snapshots(run_dirs: list[Path], eval_problems: int, eval_samples: i
                                          first["chat_template"], **sampling)
                 curve.append((snap["wall"] - snapshots[0]["wall"], scores["eval/pass@1"]))
             curves[run_dir] = curve
-            print(f"  evaluated {run_dir.name}: {len(curve)} snapshots, pass@1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f}", flush=True)
+            print(f"  evaluated {run_dir.name}: {len(curve)} snapshots, "
+                  f"pass@1 {curve[0][1]:.3f} -> {curve[-1][1]:.3f}", flush=True)
     return curves
 
 
@@ -249,7 +250,8 @@ def verdict(low: float, high: float) -> str:
     return "faster" if low > 1 else "slower" if high < 1 else "inconclusive (the interval contains 1)"
 
 
-def plot(by_arm: dict[str, list[list[tuple[float, float]]]], target: float, seconds: float, title: str, out: Path) -> Path:
+def plot(by_arm: dict[str, list[list[tuple[float, float]]]], target: float, seconds: float, title: str,
+         out: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -307,7 +309,8 @@ def main():
     print(f"\n{args.paper}, {args.workload} workload: {len(args.seeds)} seeds x {len(arms)} arms, {args.seconds:.0f} s "
           f"of training each; held-out pass@1 on {args.eval_problems} problems x {args.eval_samples} samples; start "
           f"{start_pass:.3f}, target {target:.3f}"
-          + (" (given)" if args.target is not None else f" (75% of the way to the lowest final pass@1, {lowest_final:.3f})") + "\n")
+          + (" (given)" if args.target is not None
+             else f" (75% of the way to the lowest final pass@1, {lowest_final:.3f})") + "\n")
     if target <= start_pass + 0.02:  # (~the sd of a pass@1 over 400 samples)
         print("warning: the target is within noise of the start (a run ended near or below where it began): the times "
               "below measure noise; compare the final pass@1, or rerun with --target\n")
@@ -323,7 +326,8 @@ def main():
         final = np.mean([np.mean([y for _, y in c[-2:]]) for c in cs])
         # a ratio only between arms whose every seed got there (a time of 0: at the target from the start)
         ratio = f"{base / mean:.2f}x" if every_seed and base > 0 and mean > 0 else "n/a"
-        shown = f"{mean:.1f}" if every_seed else (f"{mean:.1f} ({reached} of {len(times)} seeds reached it)" if reached else "not reached")
+        shown = (f"{mean:.1f}" if every_seed
+                 else (f"{mean:.1f} ({reached} of {len(times)} seeds reached it)" if reached else "not reached"))
         per_seed = " ".join("never" if math.isnan(t) else f"{t:.1f}" for t in times)
         print(f"| {arm} | {shown} | {sd:.1f} | {per_seed} | {ratio} | {final:.3f} |")
     # last: each other arm against the best baseline, with a bootstrap interval over seeds

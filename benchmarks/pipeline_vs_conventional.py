@@ -82,7 +82,8 @@ def main():
     common_time = min(r["rows"][-1]["wall"] - r["start"] for r in pipes + convs)
     print(f"\nPipelineRL vs Conventional RL (G={args.g}), tiny model, {args.num_steps} steps of 64 sequences, "
           f"workload: {args.workload}\n")
-    print("| pair | method | samples/s | tokens/s | mean ESS | mean token lag | reward at {:.0f} s |".format(common_time))
+    print(("| pair | method | samples/s | tokens/s | mean ESS | mean token lag | "
+           "reward at {:.0f} s |").format(common_time))
     print("|---|---|---|---|---|---|---|")
     for pair, (pipe, conv) in enumerate(zip(pipes, convs), 1):
         for r in (pipe, conv):

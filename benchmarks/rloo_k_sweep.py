@@ -48,7 +48,8 @@ class Args:
 def run(k: int, args: Args, overlap: bool = False) -> dict:
     flags = ["--k", str(k), "--num-rounds", str(args.num_rounds), "--seed", str(args.seed), "--exp-name",
              f"ksweep_k{k}{'_overlap' if overlap else ''}",
-             "--eval-problems", "50", *(REGIME.split() if args.regime else []), *args.extra.split()] + (["--overlap"] if overlap else [])
+             "--eval-problems", "50", *(REGIME.split() if args.regime else []),
+             *args.extra.split()] + (["--overlap"] if overlap else [])
     out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), *flags], cwd=ROOT,
                          capture_output=True, text=True)
     if out.returncode != 0:

@@ -213,7 +213,8 @@ class Workload:
     kl_coef: float = 0.01  # RLOO: our --kl-coef = TRL's beta (0: neither side loads a reference model)
     max_prompt_tokens: int = MAX_PROMPT_TOKENS  # our --max-prompt-tokens (no prompt of the workload is longer)
     ours_extra: tuple[str, ...] = ()  # flags our script gets besides the shared ones, to match TRL where it can
-    micro_batch: int = 64  # RLOO: TRL's rows per forward/backward (per_device_train_batch_size); the step's P x G accumulate
+    # RLOO: TRL's rows per forward/backward (per_device_train_batch_size); the step's P x G accumulate
+    micro_batch: int = 64
 
     @property
     def chat_template(self) -> bool:
@@ -581,10 +582,13 @@ def run_ours(w: Workload, flags: list[str], workdir: Path, env: dict | None = No
     phases |= {k: seconds.get(k, 0.0) / n for k in learner}
     phases["other"] = loop / n - sum(phases.values())
     result = dict(side="ours", steps=n, step=step, loop=float(loop), tokens=tokens, phases=phases, run_dir=str(run_dir),
-                  command="".join(f"{k}={v} " for k, v in (env or {}).items()) + f".venv/bin/python {script} " + " ".join(flags))
-    result["first_prompt_ids"], result["sampling"] = prof["first_submit"].get("prompt_ids"), prof["first_submit"].get("sampling")
+                  command="".join(f"{k}={v} " for k, v in (env or {}).items()) + f".venv/bin/python {script} "
+                  + " ".join(flags))
+    result["first_prompt_ids"], result["sampling"] = (prof["first_submit"].get("prompt_ids"),
+                                                      prof["first_submit"].get("sampling"))
     if w.method == "dpo":
-        result["overlapped_generation"] = float(np.nanmean([r["time/generate_seconds"] for r in rounds[:-1]])) if n > 1 else float("nan")
+        result["overlapped_generation"] = (float(np.nanmean([r["time/generate_seconds"] for r in rounds[:-1]]))
+                                           if n > 1 else float("nan"))
         result["pairs"] = float(np.mean([r["charts/pairs"] for r in rounds]))
     if accuracy:
         result["accuracy"] = (accuracy[0], accuracy[-1])
@@ -688,12 +692,14 @@ def speed_table(title: str, rows: list[dict], with_accuracy: bool, target: float
         line = (f"| {r['side']} | {r['steps']} | {r['step']:.3f} | {r['loop']:.1f} | {r['tokens']:.0f} | "
                 f"{r['tokens'] / r['step']:.0f} |")
         if with_accuracy:
-            line += f" {r['accuracy'][0]:.3f} -> {r['accuracy'][1]:.3f} |" if "accuracy" in r else " not evaluated (not the fastest) |"
+            line += (f" {r['accuracy'][0]:.3f} -> {r['accuracy'][1]:.3f} |" if "accuracy" in r
+                     else " not evaluated (not the fastest) |")
         print(line)
     print()
     for ours in (r for r in rows if r["side"].startswith("ours")):
         for trl in (r for r in rows if r["side"].startswith("TRL")):
-            line = f"{ours['side']} vs {trl['side']}: {trl['step'] / ours['step']:.2f}x faster per step (target >= {target:g}x)"
+            line = (f"{ours['side']} vs {trl['side']}: {trl['step'] / ours['step']:.2f}x faster per step "
+                    f"(target >= {target:g}x)")
             if with_accuracy and "accuracy" in trl:
                 line += (f", final accuracy {ours['accuracy'][1]:.3f} vs {trl['accuracy'][1]:.3f} "
                          f"({ours['accuracy'][1] - trl['accuracy'][1]:+.3f})")
@@ -755,7 +761,8 @@ def check_same_prompts(rows: list[dict]) -> None:
         raise SystemExit("error: the sides' first prompts differ:\n" + "\n".join(f"  {k}: {v}" for k, v in ids.items()))
 
 
-def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: int | None = None) -> tuple[Workload, Workload]:
+def smollm2_workloads(args: Args, model_dir: str | None = None,
+                      prompt_tokens: int | None = None) -> tuple[Workload, Workload]:
     """The SmolLM2 workloads, read from our scripts' own --model smollm2 presets (rloo_kreuse.SMOLLM2,
     online_dpo_async.SMOLLM2) so they follow them: task, prompts, group size, learning rate, temperature, top-p, max new
     and prompt tokens, KL. Changed where TRL has no equal: online DPO samples 2 completions a prompt (TRL's), and ours
@@ -780,9 +787,11 @@ def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: i
                   eval_samples=args.smollm2_eval_samples)
     if prompt_tokens is None:  # every arithmetic prompt has the same length in SmolLM2's template
         prompt_tokens = max(len(ids) for ids in tasks.encode_prompts(util.load_tokenizer(model_dir), [
-            tasks.make_task(r.task, args.seed, tiny_prompts=False).problem("train", i) for i in range(64)], 10**6, True)[1])
+            tasks.make_task(r.task, args.seed, tiny_prompts=False).problem("train", i) for i in range(64)],
+            10**6, True)[1])
     micro = args.smollm2_rloo_micro_batch
-    rows = dict(micro_batch=micro, ours_extra=("--micro-batch-tokens", str(micro * (prompt_tokens + r.max_new_tokens)))) if micro else {}
+    rows = dict(micro_batch=micro,
+                ours_extra=("--micro-batch-tokens", str(micro * (prompt_tokens + r.max_new_tokens)))) if micro else {}
     rloo = Workload("rloo", steps=args.smollm2_rloo_steps, prompts=r.num_prompts, completions=r.group_size,
                     temperature=r.temperature,
                     learning_rate=r.learning_rate, max_new_tokens=r.max_new_tokens, task=r.task, top_p=r.top_p,
@@ -797,8 +806,8 @@ def smollm2_workloads(args: Args, model_dir: str | None = None, prompt_tokens: i
 def accuracy_study(w: Workload, args: Args, workdir: Path) -> None:
     """Is the RLOO accuracy gap between the sides more than seed noise, and is it our entropy
     bonus? One run per side and seed, the same workload otherwise."""
-    sides = [f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants] + [f"TRL, {args.trl_threads} "
-                                                                                      f"thread{'s' if args.trl_threads > 1 else ''}"]
+    sides = ([f"ours {v}".strip() if v else "ours" for v in args.accuracy_variants]
+             + [f"TRL, {args.trl_threads} thread{'s' if args.trl_threads > 1 else ''}"])
     final, steps = {side: [] for side in sides}, {side: [] for side in sides}
     for seed in args.accuracy_seeds:
         ws = dataclasses.replace(w, seed=seed)
@@ -925,8 +934,8 @@ def main_smollm2(args: Args, trl_version: str, started: float) -> None:
     tokenizer = util.load_tokenizer(rloo.model_dir)
     print(f"RLOO in micro-batches of {rloo.micro_batch} rows on both sides (ours: {' '.join(rloo.ours_extra)})")
     for w in (rloo, dpo):  # the check before anything runs: TRL's own tokenization of our first prompt gives our ids
-        ours, trl = our_prompt_ids(w, tokenizer), trl_prompt_ids(w.method,
-                                                                 chat_messages(make_task(w).problem("train", 0)), tokenizer)
+        ours, trl = (our_prompt_ids(w, tokenizer),
+                     trl_prompt_ids(w.method, chat_messages(make_task(w).problem("train", 0)), tokenizer))
         assert ours == trl, f"{w.method}: TRL would see other prompt ids than ours:\n  ours {ours}\n  TRL  {trl}"
     first = our_prompt_ids(rloo, tokenizer)
     print(f"first training prompt, {len(first)} tokens, the same ids on both sides (checked again as each run sends "

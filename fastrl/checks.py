@@ -222,7 +222,8 @@ def check_sampler_version(samples, learner_version: int, max_lag: int = 0) -> No
     `sampler.push_weights(...)` or a sampler that lags would otherwise train off-policy in silence."""
     versions = sorted({v for s in samples for v, _, _ in s.versions})
     if versions and (versions[0] < learner_version - max_lag or versions[-1] > learner_version):
-        expected = f"version {learner_version}" if max_lag == 0 else f"versions {learner_version - max_lag}..{learner_version}"
+        expected = (f"version {learner_version}" if max_lag == 0
+                    else f"versions {learner_version - max_lag}..{learner_version}")
         raise SystemExit(f"error: the sampler generated this batch with policy version(s) {versions}, the method "
                          f"expects {expected}: the weights were not pushed after the optimizer steps "
                          "(sampler.push_weights), or the sampler lags")
@@ -322,7 +323,8 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
     changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes", "verbose")
                and getattr(resumed, name) != getattr(base, name)]
     if changed and not getattr(resumed, "resume_changes", False):
-        what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})" for n in changed)
+        what = "; ".join(f"--{n.replace('_', '-')} {getattr(resumed, n)!r} (saved: {getattr(base, n)!r})"
+                         for n in changed)
         raise SystemExit(f"error: {what}: differs from the run being resumed ({saved_file}); leave it out to continue "
                          "as saved, or add --resume-changes")
     return resumed

@@ -483,7 +483,8 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, d: Dist | None = None) -> dict | None:
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         d: Dist | None = None) -> dict | None:
     """The optimizer's full (unsharded) state in optimizer.state_dict()'s format (keyed by index), on
     rank 0 (None elsewhere); every rank takes part. One process: optimizer.state_dict()."""
     d = _d(d)
@@ -496,7 +497,8 @@ def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     return _by_index(named, _param_names(model, optimizer)) if d.is_main else None
 
 
-def state_for_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, d: Dist | None = None) -> dict | None:
+def state_for_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         d: Dist | None = None) -> dict | None:
     """{"model": model.state_dict(), "optimizer": optimizer.state_dict()} as one process has them,
     full and on the CPU, on rank 0 (None on other ranks); every rank takes part (one tensor at a
     time). One process: the model's and optimizer's own state dicts."""
@@ -529,7 +531,8 @@ def _fit_problem(expected: dict[str, tuple], model_state: dict) -> str | None:
     return None
 
 
-def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict | None, d: Dist | None = None) -> None:
+def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict | None,
+              d: Dist | None = None) -> None:
     """Load {"model": ..., "optimizer": ...} (state_for_checkpoint's / runlog.save_checkpoint's format:
     full tensors, optimizer keyed by index) given on rank 0 (None elsewhere): every rank takes part
     and gets its shards (broadcast from rank 0 one tensor at a time). One process: load_state_dict."""
@@ -555,7 +558,8 @@ def load_into(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, s
             named = indexed if keyed_by_name else _by_name(indexed, _param_names(model, optimizer))
         set_optimizer_state_dict(model, optimizer, named, options=_options(broadcast_from_rank0=True))
         # the hyperparameters exactly as saved (the broadcast turns tuples such as Adam's betas into lists)
-        groups = broadcast([{k: v for k, v in g.items() if k != "params"} for g in named["param_groups"]] if d.is_main else None, d)
+        groups = broadcast([{k: v for k, v in g.items() if k != "params"} for g in named["param_groups"]]
+                           if d.is_main else None, d)
         for group, saved in zip(optimizer.param_groups, groups):
             group.update(saved)
 
@@ -588,7 +592,8 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, write
     tdist.barrier()
 
 
-def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, read, d: Dist | None = None) -> dict:
+def load_sharded(path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, read,
+                 d: Dist | None = None) -> dict:
     """`read(model, optimizer)` (runlog.load_checkpoint's reader of `path`) on rank 0, into full-state
     holders; a one-line error stops every rank. Every rank then gets its shards of the model and
     optimizer and the returned state (step, data_position, the extras; no model/optimizer/rng).

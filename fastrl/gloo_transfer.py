@@ -152,11 +152,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             # wasted head-sized repack per push, and the tied-head re-dispatch in finish another one
             # (~84 of ~173 ms of repacking at 54M parameters with a 32k vocab).
             head = getattr(self.model, "lm_head", None)
-            layers = [m for m in self.model.modules() if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
+            layers = [m for m in self.model.modules()
+                      if hasattr(m, "cpu_linear") and isinstance(getattr(m, "weight", None), torch.Tensor)
                       and not getattr(m, "_cpu_skip_gemm_dispatch", False)
-                      and not (isinstance(m, VocabParallelEmbedding) and isinstance(head, torch.nn.Module) and m is not head)]
+                      and not (isinstance(m, VocabParallelEmbedding) and isinstance(head, torch.nn.Module)
+                               and m is not head)]
             # a freed weight is an empty 1-D tensor
-            kept = self.model_config.quantization is None and all(m.weight.dim() == 2 and m.weight.numel() > 0 for m in layers)
+            kept = (self.model_config.quantization is None
+                    and all(m.weight.dim() == 2 and m.weight.numel() > 0 for m in layers))
             self._kept_linears = layers if kept else None
         return self._kept_linears
 
@@ -230,7 +233,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         # re-dispatch it from the freshly loaded embedding (logprobs were off by up to 0.29), unless
         # it was just repacked above.
         head = getattr(self.model, "lm_head", None)
-        if head is not None and hasattr(head, "weight") and self.device.type == "cpu" and not any(head is m for m in repacked):
+        if (head is not None and hasattr(head, "weight") and self.device.type == "cpu"
+                and not any(head is m for m in repacked)):
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
 
     def shutdown(self):

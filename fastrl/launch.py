@@ -39,7 +39,8 @@ def learner_threads(sampler) -> int:
     generates alongside (two busy processes on two cores with two threads each ran 4-6x slower:
     OpenMP spin-waits). A tiny-model update ran 1.76x faster on 2 threads than on 1 with the
     sampler idle. An explicit OMP_NUM_THREADS is a fixed budget and is kept. Returns the count."""
-    if sampler is None or torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ or torch.distributed.is_initialized():
+    if (sampler is None or torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ
+            or torch.distributed.is_initialized()):
         return torch.get_num_threads()  # (under torchrun the cores are the ranks')
     generating = bool(sampler.pending) and not sampler.paused
     threads = 1 if generating else len(os.sched_getaffinity(0))

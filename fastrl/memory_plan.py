@@ -148,7 +148,8 @@ class Step:
     backward_models: int = 1  # models run forward and backward on each micro-batch (PPO: policy and critic)
     micro_batches: int = 1  # how many the step runs (from the second on, the gradients are alive throughout)
     top_p: float = 1.0  # the learner's nucleus (common.sampling_logits sorts the vocabulary when < 1)
-    completion_len: int | None = None  # the longest response: the vocabulary part runs on its positions only (None: seq_len)
+    # the longest response: the vocabulary part runs on its positions only (None: seq_len)
+    completion_len: int | None = None
 
 
 def layer_bytes(s: Shape, rows: int, seq_len: int, weight_bytes: int, autocast: bool) -> int:
@@ -162,7 +163,8 @@ def layer_bytes(s: Shape, rows: int, seq_len: int, weight_bytes: int, autocast: 
     return tokens * (2 * (4 * s.intermediate + 10 * s.hidden) + 8 * s.hidden)
 
 
-def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0, completion_len: int | None = None) -> int:
+def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0,
+               completion_len: int | None = None) -> int:
     """common.token_logprobs' vocabulary projection, on the completion's positions (rows x completion_len)
     a chunk at a time: HEAD_CHUNKS of the chunk's fp32 logits alive at once in the `phase` ("forward" or
     "backward"), and the backbone's last hidden state (every position) with its gradient."""
@@ -171,7 +173,8 @@ def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0
     return HEAD_CHUNKS[phase + (" top-p" if top_p < 1 else "")] * chunk + 2 * 4 * rows * seq_len * s.hidden
 
 
-def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool = False, checkpointing: bool = False) -> int:
+def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool = False,
+                  checkpointing: bool = False) -> int:
     """The peak of one learner step: the models (weights and Adam moments of each trained model, the frozen
     models, KV caches), then the larger of two moments of a micro-batch's pass:
     - the head: every layer's kept activations (with checkpointing, each layer's input) and the logits
@@ -183,7 +186,8 @@ def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool =
     models = 3 * trained * w + sum(step.frozen) * w + step.frozen_bytes
     grads = trained * w
     layer = layer_bytes(s, step.rows, step.seq_len, w, autocast)
-    kept = s.layers * step.rows * step.seq_len * s.hidden * (4 if autocast else w) if checkpointing else s.layers * layer
+    kept = (s.layers * step.rows * step.seq_len * s.hidden * (4 if autocast else w) if checkpointing
+            else s.layers * layer)
     kept *= step.backward_models
     cast_copies = 2 * trained if autocast and w == 4 else 0
     head = max(cast_copies + head_bytes(s, step.rows, step.seq_len, "forward", step.top_p, step.completion_len),
@@ -194,7 +198,8 @@ def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool =
     return int(models + max(prefill, step.kv_carried_bytes + max(at_head, at_first_layer)))
 
 
-def rows_per_micro_batch(n: int, seq_len: int, max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None) -> int:
+def rows_per_micro_batch(n: int, seq_len: int, max_tokens: int, rows_per_item: int = 1,
+                         max_rows: int | None = None) -> int:
     """common.micro_batches on n items of one length: items per micro-batch x rows_per_item."""
     items = max(1, max_tokens // (rows_per_item * seq_len))
     items = min(items, max_rows or items, math.ceil(n / rows_per_item) if rows_per_item > 1 else n)
@@ -221,7 +226,8 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
         n = args.train_batch_size
         rows = rows_per_micro_batch(n, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
         in_flight = args.gen_batch_size or (n if args.mode == "pipeline" else n * args.steps_per_rl_step)
-        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p, completion_len=args.max_new_tokens), in_flight
+        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p,
+                    completion_len=args.max_new_tokens), in_flight
     if script == "ppo":
         # over-committed, Delta at its bound
         n = args.batch_size + (max(args.delta, args.delta_max) if args.inter else 0)
@@ -243,7 +249,8 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
 # --------------------------------------------------------------------------------------
 
 
-def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: bool, learner_dtype: str = "float32") -> int:
+def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: bool,
+                   learner_dtype: str = "float32") -> int:
     """What a push allocates on the learner's GPU: vLLM's packed staging buffer (weight_sync.packed_buffer_bytes;
     NCCL keeps two), the tensor being cast to the sampler's dtype, a background push's snapshot."""
     from fastrl import weight_sync
@@ -276,7 +283,8 @@ def sampler_push_bytes(s: Shape, sampler_dtype: str, placement: str) -> int:
 
 
 def sampler_need_bytes(s: Shape, sequences: int, seq_len: int, sampler_dtype: str) -> int:
-    """What vLLM needs at the least within its share: its weights, a KV cache for the batch it decodes, SAMPLER_OVERHEAD."""
+    """What vLLM needs at the least within its share: its weights, a KV cache for the batch it decodes,
+    SAMPLER_OVERHEAD."""
     b = DTYPE_BYTES[sampler_dtype]
     return int(s.params * b + sequences * seq_len * s.layers * 2 * s.kv_dim * b + SAMPLER_OVERHEAD)
 
@@ -408,7 +416,8 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
 def _place(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int):
     """(learner, sampler, transfer bytes, the sampler's share, whether it fits, the learner GPU's Headroom, what the
     sampler's own GPU holds beyond its share) for the flags at a placement."""
-    sampler_dtype = args.sampler_dtype if args.sampler_dtype != "auto" else ("float32" if placement == "cpu" else "bfloat16")
+    sampler_dtype = (args.sampler_dtype if args.sampler_dtype != "auto"
+                     else ("float32" if placement == "cpu" else "bfloat16"))
     dtype = getattr(args, "dtype", "float32")
     background = script == "pipeline" and args.mode == "pipeline" and args.background_push
     step, sequences = script_step(script, args, s, reward_model_bytes)
@@ -431,7 +440,8 @@ def _place(script: str, args, s: Shape, total: float, placement: str, reward_mod
     if share is None:
         return learner, need, transfer, None, False, room, 0.0
     return (learner, share * total, transfer, share,
-            learner_fits and share * total >= need and learner + transfer + share * total + room.bytes <= total, room, 0.0)
+            learner_fits and share * total >= need and learner + transfer + share * total + room.bytes <= total,
+            room, 0.0)
 
 
 def _flag(name, value) -> str:
@@ -540,5 +550,6 @@ def reward_model_bytes(config) -> int:
     config.num_labels = 1
     with torch.device("meta"):
         params = sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
-    dtype = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    dtype = str(getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+                or "float32").replace("torch.", "")
     return params * DTYPE_BYTES.get(dtype, 4)

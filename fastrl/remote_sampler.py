@@ -116,14 +116,16 @@ def server_command(model: str, port: int, host: str = "127.0.0.1", placement: st
     return command + list(extra_args)
 
 
-def start_server(model_path: str, port: int, host: str = "127.0.0.1", log_path: str | None = None, **settings) -> subprocess.Popen:
+def start_server(model_path: str, port: int, host: str = "127.0.0.1", log_path: str | None = None,
+                 **settings) -> subprocess.Popen:
     """Start a vLLM server on this machine for RemoteSampler (the tests and the benchmark use it;
     users start theirs by hand, or on another node: the printed command). `settings`: see
     server_command. Returns at once (wait_ready waits); the server is the leader of a process
     group of its own (stop_server ends the whole group)."""
     command = server_command(model_path, port, host=host, **settings)
     extra_env = server_env(on_cpu=settings.get("placement", "cpu") == "cpu")
-    print("starting a vLLM server: " + " ".join(f"{k}={v}" for k, v in extra_env.items()) + " " + shlex.join(command), flush=True)
+    print("starting a vLLM server: " + " ".join(f"{k}={v}" for k, v in extra_env.items()) + " "
+          + shlex.join(command), flush=True)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
         return subprocess.Popen(command, env={**os.environ, **extra_env}, stdout=log, stderr=subprocess.STDOUT,
@@ -133,7 +135,8 @@ def start_server(model_path: str, port: int, host: str = "127.0.0.1", log_path: 
             log.close()
 
 
-def wait_ready(url: str, timeout: float = 300.0, process: subprocess.Popen | None = None, log_path: str | None = None) -> None:
+def wait_ready(url: str, timeout: float = 300.0, process: subprocess.Popen | None = None,
+               log_path: str | None = None) -> None:
     """Wait until the server at url answers /health with 200; a SamplerError if it does not within
     `timeout` or its process ends first (with the end of its log when `log_path` is given)."""
     import urllib.error
@@ -325,7 +328,8 @@ class RemoteSampler(WeightPusher):
             if not self._busy[url]:
                 continue
             try:
-                async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
+                async with self._session.get(url + "/health",
+                                             timeout=aiohttp.ClientTimeout(total=self.timeout)) as response:
                     await response.read()
                     if response.status != 200:
                         self._fail(url, SamplerError(f"vLLM server {url} reports itself unhealthy (/health answered "
@@ -394,7 +398,8 @@ class RemoteSampler(WeightPusher):
                 raise r
         return results
 
-    def _call_all(self, path: str, body=None, query: dict | None = None, long: bool = False, method: str = "POST") -> list:
+    def _call_all(self, path: str, body=None, query: dict | None = None, long: bool = False,
+                  method: str = "POST") -> list:
         return self._run(self._all(path, body, query, long, method))
 
     # -- requests --
@@ -467,7 +472,8 @@ class RemoteSampler(WeightPusher):
         try:
             # no read deadline: a generation may take minutes, or wait through a pause; the health
             # watch (_guard) covers a server that stops answering
-            async with self._session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)) as r:
+            async with self._session.post(
+                    url, json=body, timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.timeout)) as r:
                 if r.status >= 400:
                     text = await r.read()
                     raise SamplerError(f"vLLM server {url} answered {r.status}: {text[:1500].decode(errors='replace')}")

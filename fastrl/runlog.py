@@ -80,7 +80,8 @@ class RunLogger:
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
         self.last.update(metrics)  # the latest value of each metric, for the report
-        clean = {k: (float(v) if isinstance(v, (int, float, np.floating, np.integer)) or torch.is_tensor(v) else v) for k, v in metrics.items()}
+        clean = {k: (float(v) if isinstance(v, (int, float, np.floating, np.integer)) or torch.is_tensor(v) else v)
+                 for k, v in metrics.items()}
         record = {"step": step, "wall": round(time.time() - self.start, 3), **clean}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -96,10 +97,12 @@ class RunLogger:
         """The end-of-run report, the same shape in every script: this run's line of its paper's
         table (`row`: column -> value), held-out pass@k at the start and the end, and peak memory.
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
-        cell = lambda v: v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"  # noqa: E731
+        cell = lambda v: (v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100  # noqa: E731
+                          else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}")
         keys = sorted((k for k in eval_end if "@" in k), key=lambda k: int(k.split("@")[1]))
         measured = (f": {eval_end['eval/problems']:.0f} problems x {eval_end['eval/samples']:.0f} samples each, "
-                    f"{', '.join(k.split('/')[1] for k in keys)} (unbiased, Chen et al. 2021)" if "eval/samples" in eval_end else "")
+                    f"{', '.join(k.split('/')[1] for k in keys)} (unbiased, Chen et al. 2021)"
+                    if "eval/samples" in eval_end else "")
         command = changed_flags(self.args) if dataclasses.is_dataclass(self.args) else ""
         lines = [f"## {title}" + (f" | {command}" if command else ""), "", "| " + " | ".join(row) + " |",
                  "|" + "---|" * len(row),

@@ -62,7 +62,8 @@ def replace_atomically(write, path: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink(missing_ok=True)
-        raise SystemExit(f"error: could not write {path} ({e.strerror or e}); the previous copy, if any, is intact") from None
+        raise SystemExit(f"error: could not write {path} ({e.strerror or e}); "
+                         "the previous copy, if any, is intact") from None
 
 
 class _Tee(io.TextIOBase):
@@ -153,7 +154,8 @@ class Progress:
         self.metrics = metrics
         if self.bar is not None:
             if metrics:
-                self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in metrics.items()}, refresh=False)
+                self.bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in metrics.items()},
+                                     refresh=False)
             self.bar.update(n)
         elif self.show and time.monotonic() - self.last_line >= self.every and self.n < self.total:
             shown = "".join(f" {k} {v:.3g}" if isinstance(v, float) else f" {k} {v}" for k, v in metrics.items())

@@ -58,7 +58,8 @@ def _expected_reload_message(record) -> bool:
     push for layers that have nothing to load (rotary embeddings, a tied lm_head; see SamplerServer)."""
     message = record.getMessage()
     layer = message.split(":")[0]
-    return not (message.endswith("Failed to load weights") and (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead"))
+    return not (message.endswith("Failed to load weights")
+                and (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead"))
 
 
 @dataclass
@@ -98,8 +99,10 @@ class SamplerConfig:
     startup_timeout: float = 300.0
     call_timeout: float = 120.0
     silence_timeout: float = 15.0  # no heartbeat for this long: the sampler is stopped or frozen (SamplerError)
-    in_place_updates: bool = True  # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
-    verbose: bool = False  # vLLM's and torch's start-up warnings and vLLM's load bar (--verbose); errors show either way
+    # CPU: keep the linear weights, so pushes load in place (see GlooWeightTransferEngine)
+    in_place_updates: bool = True
+    # vLLM's and torch's start-up warnings and vLLM's load bar (--verbose); errors show either way
+    verbose: bool = False
     threads: int = 1  # CPU: torch threads of the engine, fixed at its start (vllm/v1/worker/cpu_worker.py:139-145 makes
     # torch.set_num_threads a no-op afterwards); launch.sampler_threads chooses it from the schedule
 
@@ -160,7 +163,8 @@ def engine_settings(config: "SamplerConfig", placement: str) -> dict[str, Any]:
     )
     if on_gpu:
         utilization = config.gpu_memory_utilization
-        settings["gpu_memory_utilization"] = utilization if utilization is not None else (0.3 if placement == "colocate" else 0.85)
+        settings["gpu_memory_utilization"] = (utilization if utilization is not None
+                                              else (0.3 if placement == "colocate" else 0.85))
     else:
         settings["kv_cache_memory_bytes"] = config.kv_cache_bytes
         if config.max_model_len:
@@ -260,7 +264,8 @@ def sampler_paths(worker) -> dict[str, str]:
 
     runner = type(worker.model_runner)
     return {"model_runner": f"{runner.__module__}.{runner.__qualname__}",
-            "top_k_top_p": "pytorch" if getattr(topk_topp.apply_top_k_top_p, "pinned_pytorch", False) else "vllm default"}
+            "top_k_top_p": ("pytorch" if getattr(topk_topp.apply_top_k_top_p, "pinned_pytorch", False)
+                            else "vllm default")}
 
 
 def resolve_placement(placement: str) -> str:
@@ -314,7 +319,8 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # first: close() may stop us while we still import vLLM
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     os.environ.update(sampler_environment(cuda_device))
-    for name, value in {**SAMPLER_ENV_DEFAULTS, "OMP_NUM_THREADS": str(config.threads), **log_environment(config.verbose)}.items():
+    for name, value in {**SAMPLER_ENV_DEFAULTS, "OMP_NUM_THREADS": str(config.threads),
+                        **log_environment(config.verbose)}.items():
         os.environ.setdefault(name, value)
     quiet_libraries(config.verbose)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which shuts us down
@@ -424,7 +430,8 @@ class SamplerServer:
         # weights_finish raises it (gloo_transfer.weights_not_loaded), and the message stays visible.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_message)
         self.engine = LLMEngine.from_engine_args(EngineArgs(
-            **engine_settings(config, config.placement), weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement))))
+            **engine_settings(config, config.placement),
+            weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement))))
         self.conn, self.parent_pid, self.outbox = conn, parent_pid, outbox
         self.paused = self.updating = False
         self.streaming: dict[str, list] = {}  # request id -> [chunk size, tokens, logprobs, tokens sent, text pieces]
@@ -474,7 +481,8 @@ class SamplerServer:
 
         version, recompute_kv = payload
         # before vLLM's finish: it puts a layer that received nothing back to its old weights and forgets it
-        not_loaded = [item for worker in self.engine.collective_rpc(gloo_transfer.weights_not_loaded) for item in worker]
+        not_loaded = [item for worker in self.engine.collective_rpc(gloo_transfer.weights_not_loaded)
+                      for item in worker]
         self.engine.collective_rpc("finish_weight_update")
         if not_loaded:  # a mix of two versions: no decode step (self.updating stays on) until a push succeeds
             raise WeightLoadError(f"weight push {version} failed: nothing was loaded into {', '.join(not_loaded)}; "
@@ -557,7 +565,8 @@ class SamplerServer:
             # every pending command before the next decode step (none behind a deferred update)
             while self.deferred is None and self.conn.poll(0):
                 message = self.conn.recv()
-                if message[0] == "weights_start" and message[2] and not self.paused and self.engine.has_unfinished_requests():
+                if (message[0] == "weights_start" and message[2] and not self.paused
+                        and self.engine.has_unfinished_requests()):
                     self.deferred = message  # when_idle: after the running requests
                     break
                 self.handle(message)

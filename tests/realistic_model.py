@@ -100,7 +100,8 @@ def build_realistic_model(out_dir: str | Path, config: RealisticConfig = Realist
         optimizer = torch.optim.AdamW(model.parameters(), lr=config.sft_lr, weight_decay=0.0)
         start = time.time()
         for step in range(config.sft_steps):
-            problems = [task.problem("train", 10_000 + step * config.sft_batch_size + i) for i in range(config.sft_batch_size)]
+            problems = [task.problem("train", 10_000 + step * config.sft_batch_size + i)
+                        for i in range(config.sft_batch_size)]
             prompts = [tokenizer(p.prompt)["input_ids"] for p in problems]
             completions = [tokenizer(task.completion_text(p))["input_ids"] + [tokenizer.eos_token_id] for p in problems]
             ids, attn, cmask = common.pad_prompt_completions(prompts, completions, tokenizer.pad_token_id)

@@ -96,7 +96,8 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
     assert checks.parse_args(rloo.Args, ["--resume", str(run), "--num-rounds", "20", "--k", "8"]).num_rounds == 20
     with pytest.raises(SystemExit) as refused:
         checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4"])
-    assert str(refused.value).startswith("error: --k 4 (saved: 8): differs from the run being resumed") and "\n" not in str(refused.value)
+    assert (str(refused.value).startswith("error: --k 4 (saved: 8): differs from the run being resumed")
+            and "\n" not in str(refused.value))
     assert checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4", "--resume-changes"]).k == 4
     assert checks.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
 
@@ -116,7 +117,8 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     again = runlog.RunLogger("run", SimpleNamespace(resume=str(first.dir), seed=1), track=True,
                              root=str(tmp_path / "elsewhere"))
     again.close()
-    assert again.dir == first.dir and [kw["id"] for kw in inits] == ["abc123", "abc123"] and inits[1]["resume"] == "allow"
+    assert (again.dir == first.dir and [kw["id"] for kw in inits] == ["abc123", "abc123"]
+            and inits[1]["resume"] == "allow")
 
 
 def test_a_sampler_at_the_wrong_version_is_one_line():
@@ -154,8 +156,10 @@ def test_keep_checkpoints_keeps_the_latest_n_and_each_resumes_its_run(tmp_path):
     for step in (2, 4, 6):
         runlog.save_checkpoint(run / "checkpoint.pt", model, optimizer, step, data_position=step, keep=2)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4.pt", "6.pt"]
-    assert runlog.checkpoint_state(run / "checkpoints" / "4.pt")["step"] == 4 and runlog.checkpoint_state(run)["step"] == 6
-    assert checks.run_dir_of(str(run / "checkpoints" / "4.pt")) == run and checks.run_dir_of(str(run / "checkpoint.pt")) == run
+    assert (runlog.checkpoint_state(run / "checkpoints" / "4.pt")["step"] == 4
+            and runlog.checkpoint_state(run)["step"] == 6)
+    assert (checks.run_dir_of(str(run / "checkpoints" / "4.pt")) == run
+            and checks.run_dir_of(str(run / "checkpoint.pt")) == run)
     (run / "args.json").write_text(json.dumps(dataclasses.asdict(rloo.Args(k=8))))
     assert checks.parse_args(rloo.Args, ["--resume", str(run / "checkpoints" / "4.pt")]).k == 8  # the run's own flags
     runlog.save_checkpoint(tmp_path / "one" / "checkpoint.pt", model, optimizer, 1, data_position=1)
@@ -248,7 +252,8 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
     finally:
         logger.close()
     assert "| K | wall (s) | grad steps/s |" in text and "| 2 | 123 | 0.500 |" in text
-    assert "| model | pass@1 | pass@4 |" in text and "| start | 0.250 | 0.500 |" in text and "| end | 0.375 | 0.625 |" in text
+    assert ("| model | pass@1 | pass@4 |" in text and "| start | 0.250 | 0.500 |" in text
+            and "| end | 0.375 | 0.625 |" in text)
     assert "peak memory: learner 512 MiB, sampler 900 MiB" in text
     assert (logger.dir / "summary.md").read_text() == text and text in capsys.readouterr().out
     last = runlog.read_metrics(logger.dir)[-1]
@@ -260,7 +265,8 @@ def test_the_report_says_in_two_lines_what_happened():
     sharpened = runlog.what_happened(start, {"eval/pass@1": 0.52, "eval/pass@16": 0.70, "eval/problems": 200.0}, 1.2)
     assert sharpened[0] == ("what happened: held-out pass@1 0.400 -> 0.520, up (+-0.069 is two standard errors over "
                             "200 problems)")
-    assert sharpened[1].startswith("pass@16 0.900 -> 0.700: the policy sharpened") and sharpened[1].endswith("KL to the reference 1.200 nats")
+    assert (sharpened[1].startswith("pass@16 0.900 -> 0.700: the policy sharpened")
+            and sharpened[1].endswith("KL to the reference 1.200 nats"))
     noise = runlog.what_happened(start, {"eval/pass@1": 0.43, "eval/pass@16": 0.91, "eval/problems": 200.0}, None)
     assert "within the evaluation's noise" in noise[0] and noise[1] == "pass@16 0.900 -> 0.910"
     assert "down" in runlog.what_happened(start,
@@ -281,7 +287,8 @@ def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic
     problem = task.problem("train", 0)
     _, ids, _ = tasks.encode_prompts(tokenizer, [problem], 4096, chat_template=True)
     text = tokenizer.decode(ids[0])
-    assert text.startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n<|im_start|>user\n{problem.user}<|im_end|>\n")
+    assert text.startswith(f"<|im_start|>system\n{tasks.CHAT_SYSTEM}<|im_end|>\n"
+                           f"<|im_start|>user\n{problem.user}<|im_end|>\n")
     assert text.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
     # the base prompt's own turns are not stranded in the user turn
     assert "User:" not in text and "Assistant:" not in text
@@ -299,7 +306,8 @@ def test_chat_prompts_on_chatml_system_user_and_the_start_of_the_reply(realistic
     scorer.tokenizer = tokenizer
     [read] = scorer.conversations([problem], [" 3*4 </think> <answer>12</answer>"])
     assert f"<|im_start|>user\n{problem.user}<|im_end|>" in read
-    assert "<|im_start|>assistant\nLet me solve this step by step.\n<think> 3*4 </think> <answer>12</answer><|im_end|>" in read
+    assert ("<|im_start|>assistant\nLet me solve this step by step.\n"
+            "<think> 3*4 </think> <answer>12</answer><|im_end|>" in read)
 
 
 def test_progress_on_a_terminal_draws_a_bar_with_lines_above_it(monkeypatch, capsys):
@@ -337,7 +345,8 @@ def test_progress_off_a_terminal_prints_plain_lines_with_the_time_left(capsys):
         other_rank.write("as it is")
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and "\r" not in "".join(lines) and "\x1b" not in "".join(lines)
-    assert lines[0].startswith("eval: 5/10 samples reward 0.5 (") and "elapsed, ~" in lines[0] and lines[0].endswith(" left)")
+    assert (lines[0].startswith("eval: 5/10 samples reward 0.5 (") and "elapsed, ~" in lines[0]
+            and lines[0].endswith(" left)"))
     assert lines[1].startswith("round 1/3 step 6: reward 0.500 (") and lines[1].endswith(" left)")
     assert lines[2] == "as it is"
 
@@ -446,7 +455,8 @@ def test_an_nvidia_driver_older_than_torchs_cuda_is_one_line_at_start(monkeypatc
     with pytest.raises(SystemExit) as refused:
         checks.check_nvidia_driver()
     message = str(refused.value)
-    assert message.startswith("error: NVIDIA driver 570.86.15 is older than CUDA 13.0") and "580" in message and "\n" not in message
+    assert (message.startswith("error: NVIDIA driver 570.86.15 is older than CUDA 13.0") and "580" in message
+            and "\n" not in message)
     version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Sun Jul 27 07:09:34 UTC 2025\n")
     assert checks.nvidia_driver_version() == "580.65.06"
     checks.check_nvidia_driver()  # new enough: whatever hides the GPU, it is not the driver's age

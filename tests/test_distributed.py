@@ -51,7 +51,8 @@ def _models(tiny_path: str, d: distributed.Dist):
     policy.train()
     critic = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1).to(d.device)
     with torch.no_grad():  # the value head, the same everywhere
-        critic.score.weight.copy_(torch.randn(critic.score.weight.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+        critic.score.weight.copy_(torch.randn(critic.score.weight.shape,
+                                              generator=torch.Generator().manual_seed(3)) * 0.05)
     push_model = distributed.push_copy(policy, d)
     distributed.shard(policy, d)
     distributed.shard(critic, d)
@@ -62,8 +63,10 @@ def _models(tiny_path: str, d: distributed.Dist):
 
 def _batch(n: int, seed: int, vocab: int):
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
-    completions = [torch.randint(3, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    prompts = [torch.randint(3, vocab, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    completions = [torch.randint(3, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+                   for _ in range(n)]
     advantages = torch.randn(n, generator=g)
     returns = torch.randn(n, generator=g)
     return prompts, completions, advantages, returns
@@ -103,7 +106,8 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
             logp = common.token_logprobs(policy, x, a, c, temperature=0.9, chunk_bytes=4 * policy.config.vocab_size * 3)
         # and the root's own forward, in the same backward
         logits = policy(input_ids=x, attention_mask=a).logits[:, :-1]
-        values = critic.score(critic.base_model(input_ids=x, attention_mask=a).last_hidden_state[:, :-1]).squeeze(-1) * m
+        values = critic.score(
+            critic.base_model(input_ids=x, attention_mask=a).last_hidden_state[:, :-1]).squeeze(-1) * m
         pg = -(advantages[rows].to(d.device)[:, None] * logp).sum() + 0.01 * (logits.logsumexp(-1) * m).sum()
         vf = 0.5 * ((values - returns[rows].to(d.device)[:, None]) ** 2 * m).sum()
         tokens = m.sum().item()
@@ -217,7 +221,8 @@ def _assert_states_equal(a: dict, b: dict, tol: float = TOL) -> None:
     if "model" in a:
         _assert_states_equal(a["model"], b["model"], tol)
         oa, ob = a["optimizer"], b["optimizer"]
-        assert [{k: v for k, v in g.items()} for g in oa["param_groups"]] == [{k: v for k, v in g.items()} for g in ob["param_groups"]]
+        assert ([{k: v for k, v in g.items()} for g in oa["param_groups"]]
+                == [{k: v for k, v in g.items()} for g in ob["param_groups"]])
         assert sorted(oa["state"]) == sorted(ob["state"]) and all(isinstance(k, int) for k in oa["state"])
         for i in oa["state"]:
             assert sorted(oa["state"][i]) == sorted(ob["state"][i])
@@ -242,7 +247,8 @@ def test_two_ranks_take_the_single_process_steps(runs):
     # uneven steps, a 1-row step
     assert [s["stand_ins"] for s in log_two][1] == 1 and sum(s["stand_ins"] for s in log_two) >= 2
     for a, b in zip(log_one, log_two):
-        assert abs(a["loss"] - b["loss"]) < TOL and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"])
+        assert (abs(a["loss"] - b["loss"]) < TOL
+                and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * max(1.0, a["grad_norm"]))
     assert all(s["grad_norm"] > 1.0 for s in log_one)  # clipping was active: the global norm, not a rank's, was used
     _assert_states_equal(_load(one / "checkpoint.pt")["model"], _load(two / "checkpoint.pt")["model"])
 

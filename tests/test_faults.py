@@ -42,7 +42,8 @@ def test_two_runs_in_the_same_second_get_their_own_directories(tmp_path):
     assert first.dir != second.dir and second.dir.name == "same__1__1700000000-1"
     assert [r["charts/reward"] for r in runlog.read_metrics(first.dir)] == [1.0]
     assert [r["charts/reward"] for r in runlog.read_metrics(second.dir)] == [2.0]
-    assert '"lr": 1.0' in (first.dir / "args.json").read_text() and '"lr": 2.0' in (second.dir / "args.json").read_text()
+    assert ('"lr": 1.0' in (first.dir / "args.json").read_text()
+            and '"lr": 2.0' in (second.dir / "args.json").read_text())
 
 
 def _tiny_checkpoint(path):
@@ -123,7 +124,8 @@ def test_weight_sync_listens_on_loopback_only(tiny_path, monkeypatch):
     with launch.start_sampler(tiny_path, placement="cpu", seed=0) as sampler:
         sampler.init_weight_sync(model)
         pids = [os.getpid(), sampler.process.pid]
-        listening = [c for pid in pids for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        listening = [c for pid in pids for c in psutil.Process(pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN]
         assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
         sampler.push_weights(1)  # and the group works
 

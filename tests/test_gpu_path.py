@@ -131,7 +131,8 @@ def test_pushes_go_in_the_samplers_dtype_rounded_as_vllms_loader_rounds():
     for (name, sent), (_, param) in zip(source, model.named_parameters()):
         loaded_by_vllm = torch.empty(param.shape, dtype=torch.bfloat16)
         default_weight_loader(loaded_by_vllm, param.detach())  # what the sampler did with an fp32 push
-        assert sent.dtype == torch.bfloat16 and torch.equal(sent.view(torch.int16), loaded_by_vllm.view(torch.int16)), name
+        assert (sent.dtype == torch.bfloat16
+                and torch.equal(sent.view(torch.int16), loaded_by_vllm.view(torch.int16))), name
     exact = weight_sync.sampler_source(model, torch.float32)
     assert type(exact) is ModuleSource and all(sent is param for (_, sent), param in zip(exact, model.parameters()))
     assert type(weight_sync.sampler_source(model, None)) is ModuleSource
@@ -426,7 +427,8 @@ def qwen05_path(tmp_path_factory):
 
 def _random_prompts(count: int, vocab: int, seed: int, lengths=(12, 40)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist() for _ in range(count)]
+    return [torch.randint(0, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
 
 
 def _logprob_diff(model, samples, pad_id: int, temperature: float = 0.8, top_p: float = 0.95) -> torch.Tensor:
@@ -435,7 +437,8 @@ def _logprob_diff(model, samples, pad_id: int, temperature: float = 0.8, top_p: 
                                                      [s.token_ids for s in samples], pad_id)
     device = next(model.parameters()).device
     with torch.no_grad():
-        learner = common.token_logprobs(model, ids.to(device), attn.to(device), cmask.to(device), temperature, top_p).cpu()
+        learner = common.token_logprobs(model, ids.to(device), attn.to(device), cmask.to(device), temperature,
+                                        top_p).cpu()
     behaviour = common.sampler_logprob_tensor(samples, [len(s.prompt_token_ids) for s in samples], learner.shape[1])
     return (learner - behaviour)[cmask[:, 1:].bool()].abs()
 
@@ -462,7 +465,8 @@ def _push_cast_then_compare(placement: str, path: str):
     with launch.start_sampler(path, placement=placement, max_model_len=1024) as sampler:  # dtype auto: bf16 on a GPU
         assert sampler.weight_dtype() == torch.bfloat16
         sampler.init_weight_sync(model)
-        sizes = [math.prod(m.shape) * m.dtype.itemsize for m in weight_sync.sampler_source(model, torch.bfloat16).metadata()]
+        sizes = [math.prod(m.shape) * m.dtype.itemsize
+                 for m in weight_sync.sampler_source(model, torch.bfloat16).metadata()]
         # ~0.99 GB through a 272 MB buffer: at least 4 chunks
         assert sum(sizes) > 3 * weight_sync.packed_buffer_bytes(sizes)
         sampler.push_weights(1)
@@ -526,7 +530,8 @@ def test_gpu_in_flight_update_labels_versions(realistic_path):
                 assert len(s.token_ids) == max_tokens and spans[0][1] == 0 and spans[-1][2] == len(s.token_ids)
                 assert all(a[2] == b[1] for a, b in zip(spans, spans[1:]))
                 # every request streamed tokens before the push: they are the old version's
-                assert [v for v, _, _ in spans] in ([version - 1], [version - 1, version]) and spans[0][2] >= streamed[s.request_id]
+                assert ([v for v, _, _ in spans] in ([version - 1], [version - 1, version])
+                        and spans[0][2] >= streamed[s.request_id])
             split = [s for s in done if len(s.versions) == 2]
             if split:
                 break
@@ -602,7 +607,8 @@ SCRIPT_RUNS = [
     ("online_dpo_async.py", ["--num-rounds", "2", "--num-prompts", "8", "--group-size", "4", "--max-new-tokens", "48",
                              "--eval-problems", "4", "--eval-samples", "1"], "charts/reward"),
     ("pipeline_rl.py", ["--num-steps", "2", "--train-batch-size", "8", "--group-size", "4", "--gen-batch-size", "8",
-                        "--micro-batch-size", "8", "--max-new-tokens", "48", "--eval-problems", "4", "--eval-samples", "2"], "losses/loss"),
+                        "--micro-batch-size", "8", "--max-new-tokens", "48", "--eval-problems", "4",
+                        "--eval-samples", "2"], "losses/loss"),
     ("ppo_oppo.py", ["--num-rounds", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2",
                      "--eval-samples", "1"], "time/round_seconds"),
 ]
@@ -624,7 +630,8 @@ def test_gpu_script_end_to_end(script, flags, trained_key, realistic_path, tmp_p
     [run_dir] = (tmp_path / "runs").glob(f"{exp}__*")
     rows = [r for r in runlog.read_metrics(run_dir) if trained_key in r]
     assert len(rows) == 2, rows
-    diffs = [r["charts/logprob_diff"] for r in rows if isinstance(r.get("charts/logprob_diff"), float) and math.isfinite(r["charts/logprob_diff"])]
+    diffs = [r["charts/logprob_diff"] for r in rows
+             if isinstance(r.get("charts/logprob_diff"), float) and math.isfinite(r["charts/logprob_diff"])]
     assert diffs and max(diffs) <= BF16_MEAN_TOL, diffs
     assert "warning: charts/logprob_diff" not in out.stdout
     assert json.loads((run_dir / "args.json").read_text())["model"] == realistic_path
@@ -648,9 +655,9 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
     import memory
 
     config = memory.qwen25_05b_config()
-    measured = memory.measure_on_device(lambda tracker: memory.rloo_step(config, prompts=4, group=2,
-                                                                         prompt=256, response=512,
-                                                                         autocast=autocast, checkpointing=checkpointing), "cuda")["peak"]
+    measured = memory.measure_on_device(
+        lambda tracker: memory.rloo_step(config, prompts=4, group=2, prompt=256, response=512,
+                                         autocast=autocast, checkpointing=checkpointing), "cuda")["peak"]
     args = SimpleNamespace(num_prompts=4, group_size=2, max_prompt_tokens=256, max_new_tokens=512,
                            micro_batch_tokens=8192, kl_coef=0.01,
                            top_p=0.95, autocast_bf16=autocast, gradient_checkpointing=checkpointing, dtype="float32")

@@ -128,7 +128,8 @@ def test_every_readme_command_needs_only_what_its_setup_installs():
     name = lambda requirement: re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")  # noqa: E731
     commands = _readme_commands()
     scripts = {c[3] for c in commands}
-    assert {"rloo_kreuse"} <= scripts and any(c[1] == "gpu" for c in commands) and any("smollm2" in c[4] for c in commands), commands
+    assert ({"rloo_kreuse"} <= scripts and any(c[1] == "gpu" for c in commands)
+            and any("smollm2" in c[4] for c in commands)), commands
     for doc, target, extras, script, flags in commands:
         if script not in ("rloo_kreuse", "online_dpo_async", "pipeline_rl", "ppo_oppo"):
             continue

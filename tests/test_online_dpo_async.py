@@ -84,9 +84,11 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
     # Table 10: batch 252 prompts, 129024 prompts seen = 512 steps of one minibatch; lr 3e-6 constant, 512 tokens
     assert (gsm8k.num_prompts, gsm8k.num_rounds, gsm8k.num_minibatches, gsm8k.learning_rate, gsm8k.max_new_tokens) == \
         (252, 512, 1, 3e-6, 512)
-    assert gsm8k.num_prompts * gsm8k.num_rounds == 129024 and gsm8k.num_prompts * gsm8k.num_rounds * gsm8k.group_size == 516096
+    assert (gsm8k.num_prompts * gsm8k.num_rounds == 129024
+            and gsm8k.num_prompts * gsm8k.num_rounds * gsm8k.group_size == 516096)
     # the authors' GSM8K configs: no missing-EOS penalty; the paper's reward: `#### n` only; data reshuffled every epoch
-    assert (gsm8k.eos_penalty_mode, gsm8k.gsm8k_match, gsm8k.shuffle_train, gsm8k.loss_average) == ("off", "strict", True, "all")
+    assert (gsm8k.eos_penalty_mode, gsm8k.gsm8k_match, gsm8k.shuffle_train, gsm8k.loss_average) == \
+        ("off", "strict", True, "all")
     tldr_like = dpo.parse_args(["--model", "some/model"])
     assert (tldr_like.group_size, tldr_like.beta, tldr_like.temperature) == (2, 0.1, 0.7)
     assert (tldr_like.eval_decoding, tldr_like.eval_problems, tldr_like.eval_samples) == ("sample", 50, 4)
@@ -96,14 +98,15 @@ def test_defaults_follow_the_paper_per_task_and_explicit_flags_win():
                                                                                                  1, False, "all")
     # Table 10's batch is for a real model; the task's rules hold for any
     tiny_gsm8k = dpo.parse_args(["--task", "gsm8k"])
-    assert (tiny_gsm8k.num_prompts, tiny_gsm8k.num_rounds, tiny_gsm8k.eos_penalty_mode, tiny_gsm8k.group_size) == (32, 60, "off", 4)
+    assert (tiny_gsm8k.num_prompts, tiny_gsm8k.num_rounds, tiny_gsm8k.eos_penalty_mode, tiny_gsm8k.group_size) == \
+        (32, 60, "off", 4)
     explicit = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--group-size", "2", "--beta", "0.1",
                                "--eval-decoding", "sample", "--eval-problems", "100", "--num-prompts", "64",
                                "--num-rounds", "2000",
                                "--eos-penalty-mode", "replace", "--gsm8k-match", "loose", "--no-shuffle-train",
                                "--loss-average", "kept"])
-    assert (explicit.group_size, explicit.beta, explicit.eval_decoding, explicit.eval_problems, explicit.eval_samples) == \
-        (2, 0.1, "sample", 100, 4)
+    assert (explicit.group_size, explicit.beta, explicit.eval_decoding, explicit.eval_problems,
+            explicit.eval_samples) == (2, 0.1, "sample", 100, 4)
     assert (explicit.num_prompts, explicit.num_rounds, explicit.eos_penalty_mode, explicit.gsm8k_match,
             explicit.shuffle_train,
             explicit.loss_average) == (64, 2000, "replace", "loose", False, "kept")
@@ -224,7 +227,8 @@ def test_bad_flags_are_rejected_before_anything_starts(error_before_start, flags
 def test_a_bad_flag_is_one_line_on_the_command_line():
     out = _run("--temperature", "0", timeout=120)
     assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1  # one line that names the flag
-    assert out.stderr.startswith("error: --temperature:") and "Traceback" not in out.stderr and "run directory" not in out.stdout
+    assert (out.stderr.startswith("error: --temperature:") and "Traceback" not in out.stderr
+            and "run directory" not in out.stdout)
 
 
 @pytest.mark.parametrize("flags, flag",
@@ -297,7 +301,8 @@ def test_sync_resume_is_exact(tmp_path, sync_run):
     run = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_resume", "--num-rounds", "2", cwd=tmp_path), tmp_path)
     _run_dir(_run("--resume", str(run), "--num-rounds", "3", cwd=tmp_path), tmp_path)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
-    rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(d) if "charts/reward" in r] for d in (sync_run, run)]
+    rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(d) if "charts/reward" in r]
+              for d in (sync_run, run)]
     assert len(rounds[0]) == len(rounds[1]) == 3 and rounds[0] == rounds[1]
 
 
@@ -308,10 +313,12 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     losses and the same final weights."""
     flags = [f for f in SYNC if f != "--sync"]
     sync_dir = sync_run
-    lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path), tmp_path)
+    lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path),
+                        tmp_path)
     sync_rows, lag0_rows = runlog.read_metrics(sync_dir), runlog.read_metrics(lag0_dir)
     assert len(sync_rows) == len(lag0_rows) == 6  # eval, 3 rounds, eval, the end-of-run report
-    assert sum(r.get("charts/pairs", 0) for r in sync_rows) > 0 and all(r.get("charts/lag_max", 0) == 0 for r in lag0_rows)
+    assert (sum(r.get("charts/pairs", 0) for r in sync_rows) > 0
+            and all(r.get("charts/lag_max", 0) == 0 for r in lag0_rows))
     for a, b in zip(sync_rows, lag0_rows):
         timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
         keys = {k for k in a if not timing(k)}
@@ -325,7 +332,8 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
 
 # GSM8K without the Hub: 8 train and 4 test problems in the dataset's format, short enough for the tiny model's prompt
 # budget
-GSM8K_LOCAL = {split: [dict(question=f"{a} and {a + 1} more?", answer=f"{a}+{a + 1}={2 * a + 1}\n#### {2 * a + 1}") for a in range(first, first + n)]
+GSM8K_LOCAL = {split: [dict(question=f"{a} and {a + 1} more?", answer=f"{a}+{a + 1}={2 * a + 1}\n#### {2 * a + 1}")
+                       for a in range(first, first + n)]
                for split, first, n in (("train", 1, 8), ("test", 20, 4))}
 
 
@@ -340,7 +348,8 @@ def _run_gsm8k_local(*flags, cwd):
         from fastrl import checks, runlog
         import tasks
         tasks._load_hub_dataset = lambda *args, **kwargs: {GSM8K_LOCAL!r}
-        checks.optional_modules = lambda args, hub_tasks: {{}}  # the local data stands in for the Hub's: no datasets package needed
+        # the local data stands in for the Hub's: no datasets package needed
+        checks.optional_modules = lambda args, hub_tasks: {{}}
         read = tasks.train_index
         def spy(position, *args):
             index = read(position, *args)
@@ -372,13 +381,14 @@ def test_gsm8k_resume_reads_a_new_order_every_epoch(tmp_path):
     out, reads = _run_gsm8k_local(*flags, "--num-rounds", "2", cwd=tmp_path)
     run_dir = _run_dir(out, tmp_path)
     args = json.loads((run_dir / "args.json").read_text())
-    assert (args["gsm8k_match"], args["shuffle_train"], args["loss_average"], args["eos_penalty_mode"], args["group_size"]) == \
-        ("strict", True, "all", "replace", 4)
+    assert (args["gsm8k_match"], args["shuffle_train"], args["loss_average"], args["eos_penalty_mode"],
+            args["group_size"]) == ("strict", True, "all", "replace", 4)
     assert [p for p, _ in reads] == list(range(16))  # two rounds of 8 (async: nothing submitted past the last round)
     epochs = [[i for _, i in reads[e * 8:(e + 1) * 8]] for e in range(2)]
     assert all(sorted(e) == list(range(8)) for e in epochs) and epochs[0] != epochs[1] and list(range(8)) not in epochs
     question = lambda index: GSM8K_LOCAL["train"][index]["question"]  # noqa: E731
-    assert epochs[0][0] != 0 and "Problem:\\n" + question(epochs[0][0]) in out.stdout.split("example: ")[1].splitlines()[0]
+    assert (epochs[0][0] != 0
+            and "Problem:\\n" + question(epochs[0][0]) in out.stdout.split("example: ")[1].splitlines()[0])
     evals = [r for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r]
     assert len(evals) == 2  # the whole (local) test split, greedy, before and after
 
@@ -409,8 +419,8 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
             loss, logits = real(*a, **k)
             return loss * float("nan"), logits
         dpo.dpo_loss = poisoned
-        sys.argv = ["online_dpo_async.py", "--exp-name", "pytest_dpo_nan", "--num-rounds", "3", "--num-minibatches", "2",
-                    *{SMALL!r}]
+        sys.argv = ["online_dpo_async.py", "--exp-name", "pytest_dpo_nan", "--num-rounds", "3",
+                    "--num-minibatches", "2", *{SMALL!r}]
         if __name__ == "__main__":
             dpo.main()
     """)
@@ -425,7 +435,8 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     initial = common.load_policy(tiny_path, "cpu").state_dict()
     assert all(torch.equal(saved["model"][name], initial[name]) for name in initial)
-    assert saved["optimizer"]["state"] == {} and saved["totals"]["nonfinite_skipped"] == rounds[-1]["charts/nonfinite_skipped"]
+    assert (saved["optimizer"]["state"] == {}
+            and saved["totals"]["nonfinite_skipped"] == rounds[-1]["charts/nonfinite_skipped"])
 
 
 @pytest.mark.slow
@@ -477,7 +488,8 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     for key in ("charts/reward", "charts/pairs", "charts/kl", "losses/loss", "losses/logits_margin",
                 "losses/dpo_accuracy",
                 "losses/grad_norm"):
-        assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6, nan_ok=True), key
+        assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6,
+                                                              nan_ok=True), key
     # rank 0 pushed the gathered weights
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"] if r["charts/pairs"])
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
@@ -491,12 +503,14 @@ def test_tldr_format_jsonl_with_a_reward_model(tmp_path, tiny_reward_model):
     import tasks
 
     problems = [tasks.make_task("countdown", seed=0, tiny_prompts=True).problem("train", i) for i in range(20)]
-    (tmp_path / "tldr.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "completion": p.answer}) + "\n" for p in problems))
+    (tmp_path / "tldr.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "completion": p.answer}) + "\n"
+                                                 for p in problems))
     out = _run("--task", "tldr.jsonl", "--answer-field", "completion", "--reward-model", tiny_reward_model, "--sync",
                "--num-rounds", "2", "--group-size", "2", *SMALL, cwd=tmp_path)
     rounds = [r for r in runlog.read_metrics(_run_dir(out, tmp_path)) if "charts/rewards_chosen" in r]
     assert rounds and all(r["charts/rewards_margin"] > 0 for r in rounds)  # best minus worst of each kept pair
-    scores = {round(r["charts/rewards_chosen"], 6) for r in rounds} | {round(r["charts/rewards_rejected"], 6) for r in rounds}
+    scores = ({round(r["charts/rewards_chosen"], 6) for r in rounds}
+              | {round(r["charts/rewards_rejected"], 6) for r in rounds})
     assert not scores <= {0.0, 1.0, 0.1, -1.0}  # the reward model's scores, not a verifier's
 
 

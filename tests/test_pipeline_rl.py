@@ -102,7 +102,8 @@ def test_truncated_is_weights_and_their_stats_by_hand():
     # a far off-policy token: a tiny ESS, not inf / inf = NaN
     far, _ = prl.truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-200.0, 0.0]]), torch.ones(1, 2),
                                       "token", math.inf)
-    assert far[0, 0].item() == pytest.approx(math.exp(common.MAX_LOG_WEIGHT)) and 0 < prl.ess(far, torch.ones(1, 2)) < 0.6
+    assert (far[0, 0].item() == pytest.approx(math.exp(common.MAX_LOG_WEIGHT))
+            and 0 < prl.ess(far, torch.ones(1, 2)) < 0.6)
     # truncated at c, zero off the response
     w, stats = prl.truncated_is_weights(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([[-3.0, -0.5, -3.0]]),
                                         torch.tensor([[1.0, 1.0, 0.0]]),
@@ -225,7 +226,8 @@ def _simulate(args, steps, seed, push_delay=2):
         if not in_flight and len(queue) * args.group_size < args.train_batch_size:
             assert push_at is not None, "nothing in flight, no batch queued, nothing admitted: a stall"
         if len(queue) * args.group_size >= args.train_batch_size:
-            batch, queue = queue[:args.train_batch_size // args.group_size], queue[args.train_batch_size // args.group_size:]
+            batch, queue = (queue[:args.train_batch_size // args.group_size],
+                            queue[args.train_batch_size // args.group_size:])
             lags += [step - v for v in batch]
             step, push_at = step + 1, tick + push_delay
     return lags, dropped
@@ -479,8 +481,10 @@ def test_short_run_exits_0(mode):
     args = json.loads((run_dir / "args.json").read_text())
     # H: as given (2B) in pipeline mode; Conventional RL's default, B*G, and no ESS guard (Algorithm 1); per-sequence
     # loss
-    assert (args["gen_batch_size"], args["ess_threshold"], args["loss_norm"]) == ((32, 0.5) if mode == "pipeline" else (32, 0.0)) + ("sequence",)
-    assert [r["charts/episodes"] for r in rows] == [16, 32, 48, 64] and all(r["charts/episodes_per_second"] > 0 for r in rows)
+    assert (args["gen_batch_size"], args["ess_threshold"], args["loss_norm"]) == (
+        (32, 0.5) if mode == "pipeline" else (32, 0.0)) + ("sequence",)
+    assert ([r["charts/episodes"] for r in rows] == [16, 32, 48, 64]
+            and all(r["charts/episodes_per_second"] > 0 for r in rows))
     assert all(r["charts/tis_max_ratio"] >= 1.0 - 1e-3 and 0 <= r["charts/tis_truncated_fraction"] <= 1 for r in rows)
     if mode == "pipeline":
         assert all(r["charts/lag_max"] <= 1 for r in rows)
@@ -722,7 +726,8 @@ def test_the_cosine_schedule_by_hand_and_against_transformers():
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     hf = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=11)
     for step in range(12):
-        assert prl.scheduled_learning_rate(short, step) == pytest.approx(optimizer.param_groups[0]["lr"], abs=1e-12), step
+        assert prl.scheduled_learning_rate(short, step) == pytest.approx(optimizer.param_groups[0]["lr"],
+                                                                         abs=1e-12), step
         optimizer.step()
         hf.step()
     constant = prl.Args(learning_rate=2.0, warmup_steps=4)  # a warmup, then constant

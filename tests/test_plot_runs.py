@@ -27,7 +27,8 @@ def write_run(root: Path, name: str, records: list[dict], args: dict) -> Path:
     return run_dir
 
 
-def dpo_run(root: Path, name: str = "dpo_async__1__1795266506", rounds: int = 6, wall0: float = 17.5, dt: float = 1.4) -> Path:
+def dpo_run(root: Path, name: str = "dpo_async__1__1795266506", rounds: int = 6, wall0: float = 17.5,
+            dt: float = 1.4) -> Path:
     """online_dpo_async.py: eval row, one row per round (cumulative charts/episodes), final eval row."""
     records = [{"step": 0, "wall": wall0, "eval/accuracy": 0.1225}]
     for r in range(rounds):

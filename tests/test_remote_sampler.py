@@ -258,7 +258,8 @@ def test_an_in_flight_push_labels_both_versions(server_url, tiny_path, tokenizer
     new = 2 + attempt
     assert all(len(c.token_ids) == 110 for c in out)
     for c in out:  # old weights, then new: never back, no gap
-        assert [v for v, _, _ in c.versions] in ([new - 1], [new - 1, new], [new]) and c.versions[0][1] == 0 and c.versions[-1][2] == 110
+        assert ([v for v, _, _ in c.versions] in ([new - 1], [new - 1, new], [new]) and c.versions[0][1] == 0
+                and c.versions[-1][2] == 110)
         assert all(a[2] == b[1] for a, b in zip(c.versions, c.versions[1:]))
     mixed = [c for c in out if len(c.versions) == 2]
     assert mixed, [c.versions for c in out]  # continued with the new weights, not restarted
@@ -414,7 +415,8 @@ def test_no_server_is_an_error_at_once():
         assert "within" not in str(refused.value)
         with pytest.raises(SamplerError) as refused:
             sampler.pause()
-        assert "within" not in str(refused.value) and ("failed" in str(refused.value) or "is gone" in str(refused.value))
+        assert ("within" not in str(refused.value)
+                and ("failed" in str(refused.value) or "is gone" in str(refused.value)))
 
 
 # ---- faults on the real server: last, it ends the module's server ----

@@ -129,7 +129,8 @@ def test_two_rounds_from_the_command_line_then_resume():
     rounds = [r for r in rows if "charts/reward" in r]
     assert [r["step"] for r in rounds] == [2, 4]
     for r in rounds:
-        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-3)
+        assert (r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3)
+                and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-3))
         assert r["charts/logprob_diff"] < 1e-4
     assert (run_dir / "checkpoint.pt").exists() and json.loads((run_dir / "args.json").read_text())["k"] == 2
     assert "| K | wall (s)" in out.stdout and "pass@1" in out.stdout
@@ -144,7 +145,8 @@ def test_two_rounds_from_the_command_line_then_resume():
     elsewhere = scratch_dir("fastrl-elsewhere-")
     resumed = _run("--num-rounds", "3", "--resume", str(run_dir.resolve()), cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout and "round 1/" not in resumed.stdout
+    assert ("resumed from" in resumed.stdout and "round 3/3 step 6" in resumed.stdout
+            and "round 1/" not in resumed.stdout)
     assert not (elsewhere / "runs").exists()  # the run went on in its own directory
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert (state["round"], state["step"]) == (3, 6)
@@ -152,7 +154,8 @@ def test_two_rounds_from_the_command_line_then_resume():
     # and exactly as it was: the same seed run for 3 rounds without a stop gives the same round 3, row for row
     straight = _run(*flags, "--num-rounds", "3")
     assert straight.returncode == 0, straight.stderr[-3000:]
-    straight_rows = [r for r in runlog.read_metrics(WORK / straight.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
+    straight_rows = [r for r in runlog.read_metrics(WORK / straight.stdout.split("run directory: ")[1].split()[0])
+                     if "charts/reward" in r]
     resumed_rows = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert len(straight_rows) == len(resumed_rows) == 3
     for a, b in zip(straight_rows, resumed_rows):
@@ -184,7 +187,8 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
     """A user's prompts as JSONL and a reward in a module of their own, no code edits: the run trains on
     the file's problems with that reward, and what counts as correct stays the task's answer match."""
     problems = [tasks.make_task("countdown", seed=0, tiny_prompts=True).problem("train", i) for i in range(40)]
-    (tmp_path / "my.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "answer": str(p.target)}) + "\n" for p in problems))
+    (tmp_path / "my.jsonl").write_text("".join(json.dumps({"prompt": p.prompt, "answer": str(p.target)}) + "\n"
+                                               for p in problems))
     (tmp_path / "mymodule.py").write_text(textwrap.dedent("""
         import os
         import tasks
@@ -205,7 +209,8 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
                           "--eval-samples", "1"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    rounds = [r for r in runlog.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0]) if "charts/reward" in r]
+    rounds = [r for r in runlog.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0])
+              if "charts/reward" in r]
     assert len(rounds) == 2 and (tmp_path / "calls").read_text() == "x" * 16  # 2 rounds x 4 prompts x 2 samples
     assert all(r["charts/reward"] < 1.0 and 0.0 <= r["charts/accuracy"] <= 1.0 for r in rounds)
 
@@ -274,7 +279,8 @@ def test_bad_flags_are_rejected_at_start(error_before_start, flags, flag):
 @pytest.mark.slow
 def test_a_bad_flag_is_one_line_on_the_command_line():
     out = _run("--k", "0", timeout=120)
-    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --k") and "Traceback" not in out.stderr
+    assert (out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --k")
+            and "Traceback" not in out.stderr)
 
 
 @pytest.mark.parametrize("fields, flag",
@@ -295,7 +301,8 @@ def test_a_real_model_gets_the_papers_defaults_and_tiny_its_own():
             paper.max_new_tokens) == ("countdown-hub", 2, 4, 250, 1e-6, 0.05, 512)
     assert (tiny.task, tiny.group_size, tiny.num_prompts, tiny.ent_coef, tiny.kl_coef) == ("countdown", 8,
                                                                                            32, 0.01, 0.01)
-    assert checks.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--num-prompts", "8"], paper=rloo.PAPER).num_prompts == 8
+    assert checks.parse_args(rloo.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--num-prompts", "8"],
+                             paper=rloo.PAPER).num_prompts == 8
 
 
 @pytest.mark.slow  # main() up to the parser
@@ -558,12 +565,14 @@ def test_truncated_is_per_token_by_default_whatever_the_iw_level():
     assert torch.allclose(tis, torch.tensor([[min(torch.e ** 0.5, 2.0), torch.e ** -0.5, 1.0]]))
     for extra in ({}, {"ppo_clip": 0.2}, {"iw_level": "token"}):
         logp = learner.clone().requires_grad_(True)
-        rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(**extra), tis=tis)[0].backward()
+        rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(**extra),
+                       tis=tis)[0].backward()
         assert torch.allclose(logp.grad, -tis), extra  # w = 1 (theta = theta0), A = 1: -tis_t per token
     # per sequence (--tis-level sequence): one weight for every token
     seq_tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
     logp = learner.clone().requires_grad_(True)
-    rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(), tis=seq_tis)[0].backward()
+    rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(),
+                   tis=seq_tis)[0].backward()
     assert torch.allclose(logp.grad, -seq_tis.expand(1, 3))
 
 
@@ -659,7 +668,8 @@ def test_realistic_model_bf16_sampler_k1_on_policy_by_default(realistic_path):
     rounds = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert len(rounds) == 2
     for r in rounds:
-        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-6)
+        assert (r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3)
+                and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-6))
         assert r["charts/logprob_diff"] > 1e-4  # the split is real: bf16 against fp32
         assert r["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6) and r["charts/tis_max_ratio"] < 2.0
         assert r["charts/tis_truncated_fraction"] == 0
@@ -676,14 +686,15 @@ def test_a_forgotten_push_stops_the_run_in_one_line(tmp_path):
         import rloo_kreuse as rloo
         from fastrl import vllm_sampler
         vllm_sampler.Sampler.push_weights = lambda self, version, **kw: 0.0
-        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nopush", "--k", "2", "--num-prompts", "4", "--group-size", "2",
-                    "--num-rounds", "3", "--eval-problems", "4", "--eval-samples", "1"]
+        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nopush", "--k", "2", "--num-prompts", "4",
+                    "--group-size", "2", "--num-rounds", "3", "--eval-problems", "4", "--eval-samples", "1"]
         rloo.main()
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1].startswith(
-        "error: the sampler generated this batch with policy version(s) [0], the method expects version 2"), out.stderr[-2000:]
+        "error: the sampler generated this batch with policy version(s) [0], "
+        "the method expects version 2"), out.stderr[-2000:]
     assert "round 1/3 step 2" in out.stdout and "round 2/3" not in out.stdout
 
 
@@ -700,8 +711,8 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
             loss, stats = real(*a, **k)
             return loss * float("nan"), stats
         rloo.rloo_loss = poisoned
-        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nan", "--k", "2", "--num-prompts", "4", "--group-size", "2",
-                    "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"]
+        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nan", "--k", "2", "--num-prompts", "4",
+                    "--group-size", "2", "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"]
         rloo.main()
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=WORK, capture_output=True, text=True, timeout=600)

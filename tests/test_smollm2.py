@@ -71,7 +71,8 @@ def test_arithmetic_is_strict_about_the_one_final_answer():
     assert task.reward("I cannot say.", p) == 0.0 and task.is_correct(right, p)
     # held-out problems are the same for every seed and never in the train split
     test = {task.problem("test", i).user for i in range(200)}
-    assert test == {tasks.make_task("arithmetic", seed=7, tiny_prompts=False).problem("test", i).user for i in range(200)}
+    assert test == {tasks.make_task("arithmetic", seed=7, tiny_prompts=False).problem("test", i).user
+                    for i in range(200)}
     assert not test & {task.problem("train", i).user for i in range(2000)}
 
 
@@ -80,14 +81,16 @@ def test_the_converted_model_is_smollm2_in_bf16_with_its_chat_template(smollm2_p
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(smollm2_path)
-    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.num_key_value_heads) == (30, 576, 49152, 3)
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.num_key_value_heads) == \
+        (30, 576, 49152, 3)
     assert config.tie_word_embeddings and str(config.dtype).endswith("bfloat16")
     tokenizer = util.load_tokenizer(smollm2_path)
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
     problem = tasks.make_task("arithmetic", seed=1, tiny_prompts=False).problem("train", 0)
     ids = tasks.encode_prompts(tokenizer, [problem], 128, chat_template=True)[1][0]
     text = tokenizer.decode(ids)
-    assert text.startswith("<|im_start|>system\n") and text.endswith(f"{problem.user}<|im_end|>\n<|im_start|>assistant\n")
+    assert (text.startswith("<|im_start|>system\n")
+            and text.endswith(f"{problem.user}<|im_end|>\n<|im_start|>assistant\n"))
 
 
 @pytest.mark.slow
@@ -105,12 +108,14 @@ def test_rloo_k1_fp32_keeps_the_logprob_contract_on_a_real_model(smollm2_path):
     out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k1", "--k", "1", "--num-prompts", "4",
                            "--group-size", "4",
                            "--num-rounds", "2", *SHORT)
-    assert (args["task"], args["chat_template"], args["temperature"], args["top_p"], args["tis"]) == ("arithmetic", True, 0.8, 0.95, "auto")
+    assert (args["task"], args["chat_template"], args["temperature"], args["top_p"], args["tis"]) == \
+        ("arithmetic", True, 0.8, 0.95, "auto")
     rounds = [r for r in rows if "charts/reward" in r]
     assert len(rounds) == 2
     for r in rounds:
         assert r["charts/logprob_diff"] < 1e-3
-        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3) and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-3)
+        assert (r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3)
+                and r["charts/ess_k1"] == pytest.approx(1.0, abs=1e-3))
         assert "charts/tis_max_ratio" not in r  # fp32 on both sides: no mismatch correction
     assert "eval/pass@2" in rows[0] or "eval/pass@1" in rows[0]
 
@@ -174,4 +179,5 @@ def test_ppo_runs_on_a_real_model_with_its_critic_from_the_same_checkpoint(smoll
                            "--delta", "2", "--delta-max", "4", *SHORT)
     assert args["critic_model"] is None and args["task"] == "arithmetic"
     trained = [r for r in rows if "losses/value" in r]
-    assert trained and all(abs(r["losses/value"]) < float("inf") and abs(r["losses/policy"]) < float("inf") for r in trained)
+    assert trained and all(abs(r["losses/value"]) < float("inf") and abs(r["losses/policy"]) < float("inf")
+                           for r in trained)

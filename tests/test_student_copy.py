@@ -35,7 +35,8 @@ def right_answer(task, problem) -> str:
         expression = f"({problem.answer})" if problem.answer else "+".join(map(str, problem.numbers))
         return f"so <answer>{expression}</answer>"
     if "####" in problem.answer:  # GSM8K: the final number, in another form
-        return f"it is {problem.answer.split('####')[-1].strip()}.0 in all\n#### {problem.answer.split('####')[-1].strip()}.0"
+        return (f"it is {problem.answer.split('####')[-1].strip()}.0 in all\n"
+                f"#### {problem.answer.split('####')[-1].strip()}.0")
     return f"so <answer> {problem.answer.upper()} </answer>"
 
 
@@ -68,11 +69,13 @@ def test_the_custom_reward_example_is_the_tasks_own_reward_with_a_length_penalty
         width = max(map(len, completions))
         completions = [c.ljust(width) for c in completions]  # one length: the penalty is the same for all of them
         if name not in ("tldr",):  # (TL;DR has no correct answer: its reward model scores it)
-            assert task.is_correct(completions[0], problem) and task.reward(completions[0], problem) > task.reward(completions[1], problem)
+            assert (task.is_correct(completions[0], problem)
+                    and task.reward(completions[0], problem) > task.reward(completions[1], problem))
         differences = {round(custom.reward(c, problem) - task.reward(c, problem), 9) for c in completions}
         assert len(differences) == 1, (name,
                                        [(c, task.reward(c, problem), custom.reward(c, problem)) for c in completions])
-        assert [custom.is_correct(c, problem) for c in completions] == [task.is_correct(c, problem) for c in completions]
+        assert ([custom.is_correct(c, problem) for c in completions]
+                == [task.is_correct(c, problem) for c in completions])
 
 
 def test_no_doc_calls_answer_matches_the_tasks_notion_of_correct():
@@ -116,13 +119,15 @@ class CharTokenizer:
 
 @pytest.mark.parametrize("samples, ks", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (16, [1, 2, 4, 8, 16])])
 def test_evaluate_reports_pass_at_k_for_every_k_the_samples_allow(samples, ks):
-    """Issue 42, item 2: k was only ever 1, 4, 8, 16: --eval-samples 2 gave pass@1 alone and a summary saying one sample."""
+    """Issue 42, item 2: k was only ever 1, 4, 8, 16: --eval-samples 2 gave pass@1 alone and a summary saying
+    one sample."""
     task = tasks.make_task("countdown", seed=1, tiny_prompts=True)
     right = [0, 1, samples, samples // 2]
     result = tasks.evaluate(ScriptedSampler(task, right), task, CharTokenizer(), len(right), samples, 64)
     assert sorted(int(k.split("@")[1]) for k in result if "@" in k) == ks
     for k in ks:
-        assert result[f"eval/pass@{k}"] == pytest.approx(sum(tasks.pass_at_k(samples, c, k) for c in right) / len(right))
+        assert result[f"eval/pass@{k}"] == pytest.approx(sum(tasks.pass_at_k(samples, c, k) for c in right)
+                                                         / len(right))
     assert result["eval/samples"] == samples and result["eval/problems"] == len(right)
     lines = runlog.what_happened(result, result, None)
     assert ("one sample per problem" in " ".join(lines)) == (samples == 1)
@@ -178,7 +183,8 @@ def stripped_copy(script: str, without: str):
     __post_init__ checks that read it, as a student deletes them too)."""
     module = importlib.import_module(SCRIPTS[script])
     full = dataclasses.replace(module.Args(), **module.PAPER)
-    fields = [(f.name, f.type, dataclasses.field(default=getattr(full, f.name))) for f in dataclasses.fields(module.Args) if f.name != without]
+    fields = [(f.name, f.type, dataclasses.field(default=getattr(full, f.name)))
+              for f in dataclasses.fields(module.Args) if f.name != without]
     return dataclasses.make_dataclass("Args", fields)()
 
 
@@ -196,7 +202,8 @@ def test_a_copy_without_any_one_optional_flag_plans_and_checks(script, monkeypat
     for name in optional_flags(script):
         args = stripped_copy(script, name)
         plan = memory_plan.plan(script, args, QWEN, 80e9)
-        assert plan.line.startswith(("memory plan: ", "error: memory plan: ")) and "\n" not in plan.line, (name, plan.line)
+        assert (plan.line.startswith(("memory plan: ", "error: memory plan: "))
+                and "\n" not in plan.line), (name, plan.line)
         if name not in ("sampler_url",):  # (not about the flags: a copy's plan names only flags it has)
             assert f"--{name.replace('_', '-')} " not in plan.line, (name, plan.line)
         checks.check_run_flags(args)

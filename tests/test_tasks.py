@@ -105,7 +105,8 @@ def _canonical(a, op, b):
 
 @pytest.fixture(scope="module")
 def arithmetic_draws():
-    """15,000 held-out and 20,000 train draws of the real arithmetic task (~4 s): every held-out question, most train ones."""
+    """15,000 held-out and 20,000 train draws of the real arithmetic task (~4 s): every held-out question, most
+    train ones."""
     task = make_task("arithmetic", seed=1, tiny_prompts=False)
     return ({_asked(task.problem("test", i)) for i in range(15000)},
             {_asked(task.problem("train", i)) for i in range(20000)})
@@ -190,7 +191,8 @@ def test_held_out_problems_do_not_depend_on_the_seed(name, monkeypatch):
                                                         tiny_prompts=tiny_prompts, test_size=20))
         assert len(set(test(one))) > 10  # 20 problems, not one (the tiny generator may repeat a few)
         if name == "gsm8k":
-            assert train(one) == train(two) == [f"[MATH_TASK] Problem:\n{r['question']}\n\nSolution:" for r in GSM8K_ROWS["train"][:12] * 2][:20]
+            assert train(one) == train(two) == [f"[MATH_TASK] Problem:\n{r['question']}\n\nSolution:"
+                                                for r in GSM8K_ROWS["train"][:12] * 2][:20]
             # the dataset's order
             assert test(one)[0] == f"[MATH_TASK] Problem:\n{GSM8K_ROWS['test'][0]['question']}\n\nSolution:"
         else:
@@ -206,7 +208,8 @@ def test_gsm8k_task_scores_strict_by_default_and_loose_on_request(monkeypatch):
     problem = make_task("gsm8k", 1, tiny_prompts=False).problem("test", 0)  # 100 + 101 = 201
     for match, unmarked in (("strict", 0.0), ("loose", 1.0)):
         task = make_task("gsm8k", 1, tiny_prompts=False, gsm8k_match=match)
-        assert task.reward("so 100+101=201", problem) == unmarked and task.is_correct("so 100+101=201", problem) == bool(unmarked)
+        assert (task.reward("so 100+101=201", problem) == unmarked
+                and task.is_correct("so 100+101=201", problem) == bool(unmarked))
         assert task.reward("100+101=201\n#### 201", problem) == 1.0 and task.reward("#### 200", problem) == 0.0
     with pytest.raises(SystemExit, match="^error: --gsm8k-match"):
         make_task("gsm8k", 1, tiny_prompts=False, gsm8k_match="lenient")
@@ -274,7 +277,8 @@ def test_bad_task_files_and_fields_are_one_line(tmp_path):
     assert error(str(tmp_path / "missing.jsonl")).startswith("error: --task: no such file")
     assert error(_jsonl(tmp_path / "a.jsonl", [{"text": "x"}] * 3)).startswith("error: --prompt-field: row 0")
     (tmp_path / "b.jsonl").write_text('{"prompt": "x"}\nnot json\n')
-    assert error(str(tmp_path / "b.jsonl")).startswith("error: --task:") and "line 2" in error(str(tmp_path / "b.jsonl"))
+    assert (error(str(tmp_path / "b.jsonl")).startswith("error: --task:")
+            and "line 2" in error(str(tmp_path / "b.jsonl")))
     assert error("no-such-task").startswith("error: --task: unknown task")
     assert error("countdown", reward="nomodule_here:score").startswith("error: --reward: cannot import")
     assert error("countdown", reward="json:no_such_function").startswith("error: --reward:")

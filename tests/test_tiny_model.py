@@ -23,7 +23,8 @@ def _prompts(tokenizer, count, split="test"):
 @pytest.mark.slow
 def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer, sampler):
     model = common.load_policy(tiny_path, "cpu")
-    assert model.config.tie_word_embeddings and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert (model.config.tie_word_embeddings
+            and model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr())
     task = tasks.make_task("countdown", seed=0, tiny_prompts=True)
     problems, prompts = _prompts(tokenizer, 200)
     samples = sampler.generate(prompts, n=1, temperature=1.0, max_tokens=32, seed=1)
@@ -75,7 +76,9 @@ def test_steps_task_answers_vary_in_length_and_score(tmp_path):
     counts = np.bincount([len(p.numbers) for p in problems], minlength=8)[3:]
     assert counts.sum() == 1000 and all(a > b for a, b in zip(counts, counts[1:])) and counts[-1] > 0
     tokenizer = tiny_model._tiny_tokenizer()
-    lengths = {n: np.mean([len(tokenizer(task.completion_text(p))["input_ids"]) for p in problems if len(p.numbers) == n]) for n in range(3, 8)}
+    lengths = {n: np.mean([len(tokenizer(task.completion_text(p))["input_ids"])
+                           for p in problems if len(p.numbers) == n])
+               for n in range(3, 8)}
     assert all(lengths[n] < lengths[n + 1] for n in range(3, 7)) and lengths[7] > 2.5 * lengths[3]  # tokens: ~20 -> ~65
     assert all(task.reward(task.completion_text(p), p) == 1.0 for p in problems)
     assert task.completion_text(problems[0]).count(";") == len(problems[0].numbers) - 1  # one step per combination

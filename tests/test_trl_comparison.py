@@ -44,7 +44,8 @@ def test_reward_adapter_reads_conversational_completions():
                    [{"role": "assistant", "content": f"The answer is {problems[1].target + 1}."}]]
     reward = bench.TaskReward(task)
     assert reward.__name__ == "arithmetic"
-    assert reward(prompts=[bench.chat_messages(p) for p in problems], completions=completions, index=[0, 1]) == [1.0, 0.0]
+    assert reward(prompts=[bench.chat_messages(p) for p in problems], completions=completions,
+                  index=[0, 1]) == [1.0, 0.0]
 
 
 def test_train_dataset_is_our_prompts():
@@ -64,7 +65,8 @@ def test_train_dataset_under_the_chat_template_is_the_conversation_ours_template
     pytest.importorskip("datasets")
     task = tasks.make_task("arithmetic", 1, tiny_prompts=False)
     rows = bench.train_dataset(task, 3, chat_template=True)
-    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": task.problem("train", i).user}] for i in range(3)]
+    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": task.problem("train", i).user}]
+                                           for i in range(3)]
     assert rows["index"] == [0, 1, 2]
 
 
@@ -153,14 +155,14 @@ def test_smollm2_trl_config_is_our_settings():
         assert (k["max_steps"], k["max_grad_norm"], k["lr_scheduler_type"], k["weight_decay"], k["adam_epsilon"]) == (
             a.num_rounds, a.max_grad_norm, "constant", 0.0, 1e-7)
         assert not k["bf16"] and not k["fp16"] and not k["gradient_checkpointing"] and k["use_cpu"]
-    assert (kr["num_generations"], kr["max_completion_length"], kr["beta"], kr["num_iterations"], kr["shuffle_dataset"]) == (
-        r.group_size, r.max_new_tokens, r.kl_coef, 1, False)
+    assert (kr["num_generations"], kr["max_completion_length"], kr["beta"], kr["num_iterations"],
+            kr["shuffle_dataset"]) == (r.group_size, r.max_new_tokens, r.kl_coef, 1, False)
     assert kr["per_device_train_batch_size"] * kr["gradient_accumulation_steps"] == r.num_prompts * r.group_size
     assert kr["per_device_train_batch_size"] == 32 and kr["gradient_accumulation_steps"] == 2
     assert (kd["per_device_train_batch_size"], kd["gradient_accumulation_steps"], kd["max_new_tokens"], kd["beta"]) == (
         d.num_prompts, 1, d.max_new_tokens, d.beta)
-    assert (kd["loss_type"], kd["missing_eos_penalty"], kd["train_sampling_strategy"]) == ("sigmoid",
-                                                                                           d.missing_eos_penalty, "sequential")
+    assert (kd["loss_type"], kd["missing_eos_penalty"], kd["train_sampling_strategy"]) == (
+        "sigmoid", d.missing_eos_penalty, "sequential")
 
 
 def test_smollm2_trl_configs_resolve_to_one_generation_per_step(tmp_path):
@@ -199,4 +201,5 @@ def test_smollm2_prompts_are_the_same_token_ids_on_both_sides():
             ours = bench.our_prompt_ids(w, tokenizer, i)
             assert bench.trl_prompt_ids(w.method, dataset[i]["prompt"], tokenizer) == ours
             assert tokenizer.decode(ours).startswith("<|im_start|>system\n")
-            assert tokenizer.decode(ours).endswith(f"{bench.make_task(w).problem('train', i).user}<|im_end|>\n<|im_start|>assistant\n")
+            assert tokenizer.decode(ours).endswith(f"{bench.make_task(w).problem('train', i).user}<|im_end|>\n"
+                                                   "<|im_start|>assistant\n")

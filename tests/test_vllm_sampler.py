@@ -296,7 +296,8 @@ def test_dead_learner_takes_the_sampler_down(tiny_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     pid = int(out.stdout.strip().splitlines()[-1])
     deadline = time.monotonic() + 15
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+    while (psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
