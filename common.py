@@ -233,7 +233,8 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
 def _backbone_and_head(model):
     """(decoder, lm_head) when logits are just lm_head(last hidden state), else (None, None)."""
     config = getattr(model, "config", None)
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None) or not hasattr(model, "get_decoder"):
+    if (getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None)
+            or not hasattr(model, "get_decoder")):
         return None, None
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
@@ -250,7 +251,8 @@ def _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy):
     return chosen, -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1)  # excluded tokens: 0 * -inf -> 0
 
 
-def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None) -> list[list[int]]:
+def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1,
+                  max_rows: int | None = None) -> list[list[int]]:
     """Token-budget micro-batches: the items' indices sorted by length, packed in that order so that
     each micro-batch's padded size (its rows x its longest length) stays within max_tokens (and it
     has at most max_rows items); an item longer than that forms a micro-batch of its own.
@@ -348,8 +350,8 @@ def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int)
 
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """charts/kl in every script: KL(pi || pi_ref) of the sampled responses, estimated with k3 = r - log r - 1
-    (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each response ([N]; the
-    scripts log its mean over the batch). logp: the sampling policy's token logprobs (the script's pi_old: the
+    (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each
+    response ([N]; the scripts log its mean over the batch). logp: the sampling policy's token logprobs (the script's pi_old: the
     learner's recomputation or the sampler's), ref_logp: the reference's, mask: the response tokens ([N, T])."""
     log_ratio = (ref_logp - logp) * mask
     return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
@@ -384,12 +386,12 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
         out[row, plen - 1: plen - 1 + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
     return out
 
-
 # the training-inference mismatch correction and its diagnostics, shared by the scripts whose samples can be off-policy
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
-def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str, cap: float):
+def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str,
+                         cap: float):
     """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
     1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
     tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
