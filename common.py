@@ -351,8 +351,9 @@ def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int)
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """charts/kl in every script: KL(pi || pi_ref) of the sampled responses, estimated with k3 = r - log r - 1
     (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each
-    response ([N]; the scripts log its mean over the batch). logp: the sampling policy's token logprobs (the script's pi_old: the
-    learner's recomputation or the sampler's), ref_logp: the reference's, mask: the response tokens ([N, T])."""
+    response ([N]; the scripts log its mean over the batch). logp: the sampling policy's token logprobs (the
+    script's pi_old: the learner's recomputation or the sampler's), ref_logp: the reference's, mask: the response
+    tokens ([N, T])."""
     log_ratio = (ref_logp - logp) * mask
     return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
 
@@ -392,8 +393,8 @@ MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good a
 
 def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str,
                          cap: float):
-    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs; mask:
-    1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
+    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs;
+    mask: 1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
     tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
     off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
     fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
