@@ -160,15 +160,17 @@ class Resumed:
     data_position: int = 0
     step: int = 0
     sampler_rng: Any = None
+    extra: dict = dataclasses.field(default_factory=dict)  # the method's own entries (Run.checkpoint_also)
 
 
 class Run:
     """One training run's machinery (module docstring). Construction checks the flags (one line naming a bad one,
     before any process starts), joins torchrun, checks the model against the flags (on a GPU, the memory plan) and
-    starts the sampler process, which builds its engine while the learner loads."""
+    starts the sampler process, which builds its engine while the learner loads. `sampler_settings`: more of the
+    sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs)."""
 
     def __init__(self, args, method: str, hub_tasks, resolve_model: Callable[[str, str], str],
-                 overlapped: bool = False, start_sampler: bool = True):
+                 overlapped: bool = False, start_sampler: bool = True, sampler_settings: dict | None = None):
         vllm_sampler.quiet_libraries(args.verbose)
         checks.check_run_flags(args)
         self.args, self.method = args, method
@@ -182,7 +184,7 @@ class Run:
                 gpu_memory_utilization=self.sampler_gpu_memory,
                 max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
                 threads=launch.sampler_threads(args.sampler_threads, overlapped=overlapped), verbose=args.verbose,
-                wait=False)
+                wait=False, **(sampler_settings or {}))
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
         self.push_model = None
@@ -243,10 +245,12 @@ class Run:
         print(f"run directory: {self.logger.dir}")
         resumed = Resumed()
         if args.resume:
-            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
+            state = runlog.load_checkpoint(args.resume, self.checkpointed(), optimizer, dist=dist,
+                                           required=("round", "totals", *self.method_state()))
             distributed.gather_into(policy, self.push_model, dist)  # the sampler starts from the resumed weights
             print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
-            resumed = Resumed(state["round"], state["data_position"], state["step"], state.get("sampler_rng"))
+            resumed = Resumed(state["round"], state["data_position"], state["step"], state.get("sampler_rng"),
+                              {k: state[k] for k in self.method_state()})
             self.totals.update(state["totals"])
         self.resumed = resumed
         if weight_sync:
@@ -334,11 +338,13 @@ class Run:
         """On CPU: every core for the learner while the sampler idles, one while it generates beside it."""
         launch.learner_threads(self.sampler)
 
-    def push(self, step: int, when_idle: bool = False) -> float:
+    def push(self, step: int, when_idle: bool = False, recompute_kv: bool = False) -> float:
         """The learner's new weights to the sampler, labelled policy version `step` (under torchrun every rank
-        gathers, rank 0 sends). `when_idle`: applied once the requests in flight finish. Returns its seconds."""
+        gathers, rank 0 sends). `when_idle`: applied once the requests in flight finish; else at once, between two
+        decode steps (`recompute_kv`: the running sequences re-prefilled with them). Returns its seconds."""
         distributed.gather_into(self.policy, self.push_model, self.dist)
-        seconds = self.sampler.push_weights(step, when_idle=when_idle) if self.dist.is_main else 0.0
+        seconds = (self.sampler.push_weights(step, when_idle=when_idle, recompute_kv=recompute_kv)
+                   if self.dist.is_main else 0.0)
         self.totals["push_seconds"] += seconds
         return seconds
 
@@ -405,6 +411,25 @@ class Run:
         """<run>/checkpoint.pt (weights, Adam, RNGs, totals; --keep-checkpoints) and <run>/model/ (a Hugging Face
         directory); every rank calls it, rank 0 writes."""
         path = self.logger.dir / "checkpoint.pt" if self.dist.is_main else None
-        runlog.save_checkpoint(path, self.policy, self.optimizer, step, data_position, dist=self.dist,
+        runlog.save_checkpoint(path, self.checkpointed(), self.optimizer, step, data_position, dist=self.dist,
                                hf_model=self.push_model, tokenizer=tokenizer, round=rounds_done, totals=self.totals,
-                               sampler_rng=sampler_rng, keep=self.args.keep_checkpoints)
+                               sampler_rng=sampler_rng, keep=self.args.keep_checkpoints, **self.method_state())
+
+    # ---- a method that checkpoints more than the policy (ppo_oppo.py: its critic and OPPO's state) ----
+    trained: torch.nn.Module | None = None
+    method_state: Callable[[], dict] = dict
+
+    def checkpoint_also(self, trained: torch.nn.Module, method_state: Callable[[], dict]) -> None:
+        """Before begin(): the checkpoints hold `trained`, every model the optimizer steps (e.g. ModuleDict(policy=
+        actor, critic=critic)), instead of the policy alone, and method_state()'s entries (plain data) beside it;
+        --resume restores `trained`, needs those entries and returns them in begin()'s Resumed.extra."""
+        self.trained, self.method_state = trained, method_state
+
+    def checkpointed(self) -> torch.nn.Module:
+        """What a checkpoint holds and --resume restores: the policy, or checkpoint_also's `trained`."""
+        return self.policy if self.trained is None else self.trained
+
+    def seconds(self) -> float:
+        """The loop's wall time so far (the whole run, resumes included; what charts/episodes_per_second divides by):
+        for a method's own rates (PPO's tokens per second)."""
+        return max(time.perf_counter() - self._clock, 1e-9)
