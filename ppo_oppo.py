@@ -1,19 +1,15 @@
 """PPO with OPPO's pipeline overlap (Algorithm 1, Eq. 1-4). Paper: Yan et al., "OPPO: Accelerating PPO-based RLHF
 via Pipeline Overlap", arXiv:2509.25762.
 
-PPO as TRL's PPOTrainer, which OPPO builds on: the actor (the vLLM sampler) generates; the critic (a value head on the
-policy architecture), the frozen reference and the reward (the task's verifier, or --reward-model) score; GAE (Eq. 1)
-on per-token rewards with the KL penalty folded in; clipped surrogate (Eq. 2) and clipped value loss over epochs x
-minibatches, one clipped step of actor and critic together. OPPO's two overlaps (both off: plain PPO):
-- intra-step (--no-intra): the sampler streams each response in chunks of C tokens, and the learner prefills each new
-  chunk into the downstream models (critic, reference, reward model) on top of the sequence's cached prefix while the
-  sampler decodes the next; the fastest of --chunk-candidates is kept (tried every --chunk-tune-every rounds).
-- inter-step (--no-inter): over-commit B + Delta prompts, train on the first B to finish; the others keep their
-  partial generation (paused during the update) and go on with the new weights. Delta follows the reward trend.
-A round is the paper's training step (generate, score, update); a step is one optimizer.step(). Under torchrun rank 0
-alone runs the sampler and the OPPO buffer, every rank scores and trains on its share (with --no-intra).
+PPO as TRL's PPOTrainer (OPPO's base): the actor (the vLLM sampler) generates; the critic (a value head), the frozen
+reference and the reward (the task's verifier or --reward-model) score; GAE on per-token rewards with the KL penalty
+folded in; clipped surrogate and value loss over epochs x minibatches. OPPO's overlaps (both off: plain PPO): intra-step
+(--no-intra) streams each response in chunks of C tokens and prefills each new chunk into the downstream models on
+their cached prefix while the sampler decodes the next (C tuned); inter-step (--no-inter) over-commits B + Delta
+prompts, trains on the first B to finish and carries the others, paused with their partial generation, into the next
+round (Delta follows the reward trend). A round is the paper's training step; a step is one optimizer.step().
 
-    python ppo_oppo.py --model tiny
+    python ppo_oppo.py --model tiny                           # OPPO
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
     torchrun --nproc-per-node 2 ppo_oppo.py --model tiny --no-intra   # data-parallel learner (FSDP2)
 """
@@ -178,8 +174,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mask, clip_coef: float, vf_clip: float,
                is_weights: torch.Tensor | None = None):
-    """Clipped surrogate (Eq. 2) and clipped value loss, token means over the mask; `is_weights` (--tis) multiply each
-    token's policy loss (verl, open-instruct), not the value loss (a regression onto the returns)."""
+    """Clipped surrogate (Eq. 2) and clipped value loss, token means; `is_weights` (--tis) weigh the policy loss's."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef))
     if is_weights is not None:
@@ -195,9 +190,8 @@ def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mas
 
 def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, delta_max: int,
                rule: str) -> tuple[int, list[float]]:
-    """Algorithm 1 lines 22-27: once 2W round rewards are in, d = mean(last W) - mean(W before), change = max(1,
-    floor(Delta / 4)), clipped to [Delta_min, Delta_max]; the last W rewards kept. `eq4` grows Delta while the reward
-    improves (d > 0), shrinks it otherwise (Eq. 4, the text); `alg1`: line 25 as printed, Delta - sign(d) * change."""
+    """Algorithm 1 lines 22-27: with 2W round rewards in, d = mean(last W) - mean(W before), Delta moves by max(1,
+    floor(Delta / 4)) within its bounds, `eq4`: up while d > 0 (Eq. 4, the text), `alg1`: - sign(d) (line 25)."""
     if len(rewards) < 2 * window:
         return delta, rewards
     d = np.mean(rewards[-window:]) - np.mean(rewards[-2 * window:-window])
@@ -248,8 +242,7 @@ class Overlap:
 # ALGO LOGIC: the intra-step overlap, an incremental prefill of the downstream models with a KV cache per sequence
 @dataclass
 class Prefix:
-    """One downstream model's state for one sequence: the KV cache over its first `length` tokens, what the model gave
-    for them (critic: V per position; ref: log p(token | prefix); rm: scores) and the last hidden state."""
+    """A downstream model's KV cache over a sequence's first `length` tokens, its outputs and last hidden state."""
 
     length: int = 0
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: [heads, length, head_dim]
@@ -310,24 +303,19 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
     return hidden, kv
 
 
-class Prefilled:
-    """A causal LM as common.token_logprobs reads it (decoder, then lm_head) whose decoder output a cached prefill
-    computed: the reference's streamed logprobs come from the one logprob function."""
-
-    def __init__(self, model, hidden: torch.Tensor):
-        self.config, self.get_output_embeddings = model.config, model.get_output_embeddings
-        self.get_decoder = lambda: (lambda **inputs: SimpleNamespace(last_hidden_state=hidden))
-
-    def __call__(self, **inputs):  # token_logprobs' path for logits that are more than lm_head(hidden)
-        raise NotImplementedError("the reference's logits are not lm_head(last hidden state): no streamed prefill")
+def prefilled(model, hidden: torch.Tensor):
+    """The reference as common.token_logprobs reads it (decoder, lm_head) with a cached prefill's decoder output (not
+    callable: logits that are more than lm_head(hidden), e.g. softcapped, cannot be prefilled in chunks)."""
+    decoder = lambda **inputs: SimpleNamespace(last_hidden_state=hidden)
+    return SimpleNamespace(config=model.config, get_output_embeddings=model.get_output_embeddings,
+                           get_decoder=lambda: decoder)
 
 
 @torch.no_grad()
 def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro_batch_size: int,
             top_p: float = 1.0) -> None:
-    """Prefill the rollouts' tokens `model` has not seen, on top of their cached prefix, keeping per position the
-    critic's value, the reference's logprob (common.token_logprobs at the sampler's temperature and top-p) or the
-    reward model's score (read at one position: rm_position)."""
+    """Prefill the rollouts' tokens `model` has not seen on top of their cached prefix, keeping per position the
+    critic's value, the reference's logprob (the logprob contract) or the reward model's score (see rm_position)."""
     todo = sorted((r for r in rollouts if r.num_tokens > r.prefix[name].length),
                   key=lambda r: (r.num_tokens - r.prefix[name].length, r.prefix[name].length))
     for start in range(0, len(todo), micro_batch_size):
@@ -343,7 +331,7 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
                 states = h if first else torch.cat([p.last_hidden[None], h])
                 ids = torch.tensor([r.tokens[0 if first else p.length - 1: p.length + len(t)]], device=h.device)
                 ones = torch.ones_like(ids)
-                logp = common.token_logprobs(Prefilled(model, states[None]), ids, ones, ones, temperature, top_p=top_p)
+                logp = common.token_logprobs(prefilled(model, states[None]), ids, ones, ones, temperature, top_p=top_p)
                 p.per_token.append(torch.cat([logp.new_zeros(1), logp[0]]) if first else logp[0])
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
@@ -373,8 +361,8 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
 
 
 class OPPOBuffer:
-    """Algorithm 1's buffer: the sequences in flight (`inflight`, by request id in admission order; rank 0, which alone
-    talks to the sampler) and the finished ones not yet trained on (`finished`), and their downstream scoring."""
+    """Algorithm 1's buffer (rank 0's): the sequences in flight (by request id, in admission order), the finished ones
+    not yet trained on, and their downstream scoring."""
 
     def __init__(self, sampler, task, tokenizer, downstream: dict, args: Args, chunk: int):
         self.sampler, self.task, self.tokenizer, self.downstream, self.args = sampler, task, tokenizer, downstream, args
@@ -392,14 +380,12 @@ class OPPOBuffer:
                                                           chat_template=args.chat_template)
         kept = {id(p) for p in problems}
         keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
-        per_prompt = [{} for _ in prompts]
+        # --request-seeds: Sampler.submit adds the request id to the seed
+        per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
         if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
             tail = args.long_tail_scale * (1 + self.rng.pareto(args.long_tail, len(prompts)))
             for extra, n in zip(per_prompt, np.minimum(args.max_new_tokens, tail).astype(int)):
                 extra.update(ignore_eos=True, max_tokens=int(n))
-        if args.request_seeds:  # Sampler.submit adds the request id
-            for extra, k in zip(per_prompt, keys):
-                extra["seed"] = (args.seed * 1_000_003 + k) % 2**31
         if prompts:
             ids = self.sampler.submit(prompts, tags=keys, stream_every=self.chunk if args.intra else 0,
                                       per_prompt=per_prompt, max_tokens=args.max_new_tokens,
@@ -435,10 +421,9 @@ class OPPOBuffer:
         return skipped
 
     def generate_until(self, n: int) -> tuple[float, int]:
-        """Stage 2: receive until n sequences have finished; under --intra meanwhile prefill every sequence's new chunk
-        into the downstream models (the critic's anew: the last update changed it). Then the unfinished ones wait,
-        paused with their KV cache, until the new weights are in (inter: they carry over). Returns the seconds spent
-        prefilling and how many wait."""
+        """Stage 2: receive until n sequences have finished, under --intra prefilling every new chunk meanwhile (the
+        critic's anew: the update changed it); the unfinished ones then wait, paused with their KV cache, for the new
+        weights (inter: they carry over). Returns the seconds spent prefilling and how many wait."""
         for r in self.inflight.values():  # (reference and reward model are frozen: their caches stay valid)
             r.prefix["critic"] = Prefix()
         launch.learner_threads(self.sampler)  # one thread: the sampler generates (intra scores alongside it)
@@ -470,10 +455,9 @@ class OPPOBuffer:
                 prefill(name, model, rollouts, self.args.temperature, self.args.micro_batch_size, self.args.top_p)
 
     def scores(self, batch: list[Rollout], run: Run):
-        """Stage 3: score what is left of the batch, then read off the prefixes (freed): the scores [B] (the reward
-        model's, or the task's reward), the reference's logprobs and the critic's values [B, T] (zeros after each
-        response). Under torchrun (no intra) every rank scores its share, the same number of groups of
-        --micro-batch-size on every rank (a sharded forward is collective; a stand-in on a copy), and sums."""
+        """Stage 3: score what is left of the batch and read off the prefixes (freed): the scores [B] (reward model or
+        task, less --missing-eos-penalty without EOS), which lack EOS, the reference's logprobs and the critic's values
+        [B, T]. Under torchrun every rank scores its share, as many groups on each (a stand-in's on a copy)."""
         mine = set(range(len(batch)))
         if run.dist.enabled:
             plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=self.args.micro_batch_size)
@@ -512,28 +496,21 @@ def sampler_rows(batch: list[Rollout], version: int):
     return mask, sampler_logp, fresh
 
 
-def token_aligned(x: torch.Tensor, batch: list[Rollout]) -> torch.Tensor:
-    """[B, T] response-aligned -> common.token_logprobs' layout [B, L - 1] (each response at its prompt's offset)."""
-    out = torch.zeros((len(batch), max(r.num_tokens for r in batch) - 1))
+def token_aligned(x: torch.Tensor, batch: list[Rollout], inverse: bool = False) -> torch.Tensor:
+    """[B, T] response-aligned -> common.token_logprobs' layout [B, L - 1] (each response at its prompt's offset,
+    zeros elsewhere); `inverse`: back."""
+    out = torch.zeros((len(batch), max(len(r.response) if inverse else r.num_tokens - 1 for r in batch)))
     for i, r in enumerate(batch):
-        out[i, len(r.prompt) - 1: r.num_tokens - 1] = x[i, :len(r.response)]
-    return out
-
-
-def response_aligned(x: torch.Tensor, batch: list[Rollout]) -> torch.Tensor:
-    """token_aligned's inverse: [B, L - 1] -> [B, T], zeros after each response."""
-    out = torch.zeros((len(batch), max(len(r.response) for r in batch)))
-    for i, r in enumerate(batch):
-        out[i, :len(r.response)] = x[i, len(r.prompt) - 1: r.num_tokens - 1]
+        response, in_rows = slice(0, len(r.response)), slice(len(r.prompt) - 1, r.num_tokens - 1)
+        out[i, response if inverse else in_rows] = x[i, in_rows if inverse else response]
     return out
 
 
 # ALGO LOGIC: one minibatch step's loss on a micro-batch (main() adds the micro-batches up to the minibatch's gradient)
 @dataclass
 class Batch(common.Batch):
-    """The PPO batch on the learner (common.Batch: padded rows, mask, the sampler's logprobs), with main()'s per-token
-    tensors in the same layout: PPO's old logprobs, the whitened advantages, the critic's values, the returns, the
-    truncated IS weights (--tis) and `fresh` (1 on the tokens the current weights sampled)."""
+    """The PPO batch on the learner (common.Batch: padded rows, mask, the sampler's logprobs) and main()'s per-token
+    tensors in its layout; `fresh`: 1 on the tokens the current weights sampled."""
 
     old_logp: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -550,9 +527,8 @@ class Batch(common.Batch):
 
 def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibatch: list[int], args: Args,
                     logprob_diff: bool = False):
-    """The PPO loss (Eq. 2 + vf_coef x the clipped value loss, token means) of a micro-batch of a minibatch (mb.items
-    index `minibatch`, rows of the batch), its response tokens, and token-weighted sums of the stats (policy, value,
-    clipfrac, approx_kl, ratio_deviation, entropy; with `logprob_diff` |learner - sampler| on the fresh tokens)."""
+    """A micro-batch's PPO loss (Eq. 2 + vf_coef x value loss; mb.items index `minibatch`, rows of the batch), its
+    response tokens and the token sums of the stats (`logprob_diff`: |learner - sampler| on the fresh tokens)."""
     rows, width = [minibatch[i] for i in mb.items], mb.width
     ids, attn, cmask = (x[rows, :width] for x in (batch.input_ids, batch.attention_mask, batch.completion_mask))
     cut = lambda x: None if x is None else x[rows, :width - 1]
@@ -612,16 +588,11 @@ def load_models(args: Args, run: Run, tokenizer):
 
 
 def minibatches(run: Run, args: Args):
-    """PPO's epochs x minibatches: (whether it is the round's first, its rows); an epoch's permutation is rank 0's
-    draw (the RNG a checkpoint restores), the same on every rank."""
+    """PPO's epochs x minibatches: (the round's first?, rows), each epoch's order rank 0's draw (checkpointed RNG)."""
     for epoch in range(args.num_ppo_epochs):
         order = run.from_main(np.random.permutation, args.batch_size)
         for m, rows in enumerate(np.array_split(order, args.num_minibatches)):
             yield epoch == 0 and m == 0, rows.tolist()
-
-
-def grads(model) -> list[torch.Tensor]:
-    return [p.grad for p in model.parameters() if p.grad is not None]
 
 
 def main():
@@ -632,6 +603,7 @@ def main():
     tis_on = run.mismatch_correction(args.tis)  # pi_old at the learner's precision whenever the sampler's differs
     mean = lambda x: float(np.mean(x)) if len(x) else math.nan  # (no step taken: NaN)
     ratio = lambda total, count: total / count if count else math.nan
+    grads = lambda model: [p.grad for p in model.parameters() if p.grad is not None]
     with run:  # the sampler closes however this ends
         distributed.from_main(lambda: checks.check_args(not (args.intra and run.dist.enabled), "--intra", "runs on "
                               "one process only (rank 0 prefills while it polls): add --no-intra"), run.dist)
@@ -672,7 +644,7 @@ def main():
             data = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             old_logp, tis_weights, tis_stats = sampler_logp, None, {}  # same precision: the sampler's are the learner's
             if tis_on:  # TIS: PPO's old policy is the learner now; the sampler's numerics and staleness in a weight
-                old_logp = response_aligned(data.logprobs(policy, args, run.dist).cpu(), batch)
+                old_logp = token_aligned(data.logprobs(policy, args, run.dist).cpu(), batch, inverse=True)
                 tis_weights, tis_stats = truncated_is_weights(old_logp, sampler_logp, mask, "token", args.tis_cap)
                 logprob_diff = ratio(((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item())
             # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened
@@ -756,12 +728,11 @@ def main():
             run.sampler.abort(list(run.sampler.pending))  # the carried-over sequences: none is trained on now
         run.finish(step)  # pass@k at the end, peak memory
     rows = [r for r in runlog.read_metrics(run.logger.dir) if "time/round_seconds" in r] if run.is_main else []
-    seconds = {name: mean([r[f"time/{name.replace(' ', '_')}_seconds"] for r in rows]) for name in (
-        "round", "generate", "score exposed", "score hidden", "train", "push")}
-    run.report("PPO with OPPO's overlaps: the paper's Figure 6 for this run (seconds per round, by stage)", {
-        "method": {(1, 1): "OPPO", (1, 0): "intra only", (0, 1): "inter only", (0, 0): "plain PPO"}[args.intra,
-                                                                                                 args.inter],
-        **seconds, "reward (last 10)": mean([r["charts/reward"] for r in rows[-10:]])})
+    method = {(1, 1): "OPPO", (1, 0): "intra only", (0, 1): "inter only", (0, 0): "plain PPO"}[args.intra, args.inter]
+    run.report("PPO with OPPO's overlaps: the paper's Figure 6 (seconds per round by stage)", dict(method=method)
+               | {stage: mean([r[f"time/{stage.replace(' ', '_')}_seconds"] for r in rows]) for stage in (
+                   "round", "generate", "score exposed", "score hidden", "train", "push")}
+               | {"reward (last 10)": mean([r["charts/reward"] for r in rows[-10:]])})
 
 
 if __name__ == "__main__":
