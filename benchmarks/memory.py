@@ -36,7 +36,7 @@ import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -351,15 +351,17 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     returns = advantages + values
     advantages = po.whiten(advantages, resp_mask)
     per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, sampler_logp=old_logp, fresh=resp_mask)
+    from fastrl.vllm_sampler import Completion
+
     device = next(policy.parameters()).device
-    data = replace(po.learner_batch(batch, 0, device), **{k: po.token_aligned(x, batch).to(device) for k, x in per_token.items()})
-    hyperparameters = dict(clip_coef=args.clip_coef, vf_clip=args.vf_clip, vf_coef=args.vf_coef, temperature=args.temperature,
-                           top_p=args.top_p, bf16=args.autocast_bf16)
+    samples = [Completion(r.request_id, r.prompt, r.response, [0.0] * T, "stop", [(0, 0, T)]) for r in batch]
+    data = po.Batch.from_samples(samples, 0, device)
+    data.add(batch, **per_token)
     lengths = [r.num_tokens for r in batch]
     learner.train()
     for step in range(steps):
-        loss_fn = functools.partial(po.ppo_micro_batch, minibatch=list(range(B)), policy=policy, critic=critic, data=data,
-                                    logprob_diff=step == 0, **hyperparameters)
+        loss_fn = functools.partial(po.ppo_micro_batch, policy, critic, data, minibatch=list(range(B)), args=args,
+                                    logprob_diff=step == 0)
         loss, _ = common.accumulate(loss_fn, lengths, args.micro_batch_tokens, total=B * T, max_rows=args.micro_batch_size)
         common.optimizer_step(learner, optimizer, args.max_grad_norm, loss)
     critic.eval()

@@ -160,6 +160,7 @@ class Resumed:
     data_position: int = 0
     step: int = 0
     sampler_rng: Any = None
+    extra: dict = dataclasses.field(default_factory=dict)  # the method's own entries (Run.checkpoint_also)
 
 
 class Run:
@@ -248,10 +249,12 @@ class Run:
         print(f"run directory: {self.logger.dir}")
         resumed = Resumed()
         if args.resume:
-            state = runlog.load_checkpoint(args.resume, policy, optimizer, dist=dist, required=("round", "totals"))
+            state = runlog.load_checkpoint(args.resume, self.checkpointed(), optimizer, dist=dist,
+                                           required=("round", "totals", *self.method_state()))
             distributed.gather_into(policy, self.push_model, dist)  # the sampler starts from the resumed weights
             print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
-            resumed = Resumed(state["round"], state["data_position"], state["step"], state.get("sampler_rng"))
+            resumed = Resumed(state["round"], state["data_position"], state["step"], state.get("sampler_rng"),
+                              {k: state[k] for k in self.method_state()})
             self.totals.update(state["totals"])
         self.resumed = resumed
         if weight_sync:
@@ -418,13 +421,13 @@ class Run:
         """<run>/checkpoint.pt (weights, Adam, RNGs, totals; --keep-checkpoints) and <run>/model/ (a Hugging Face
         directory); every rank calls it, rank 0 writes."""
         path = self.logger.dir / "checkpoint.pt" if self.dist.is_main else None
-        runlog.save_checkpoint(path, self.policy, self.optimizer, step, data_position, dist=self.dist,
+        runlog.save_checkpoint(path, self.checkpointed(), self.optimizer, step, data_position, dist=self.dist,
                                hf_model=self.push_model, tokenizer=tokenizer, round=rounds_done, totals=self.totals,
-                               sampler_rng=sampler_rng, keep=self.args.keep_checkpoints)
+                               sampler_rng=sampler_rng, keep=self.args.keep_checkpoints, **self.method_state())
 
     def seconds(self) -> float:
         """The loop's wall time so far (the whole run, resumes included; what charts/episodes_per_second divides by):
-        for a method's own rates (PipelineRL's tokens per second)."""
+        for a method's own rates (PipelineRL's and PPO's tokens per second)."""
         return max(time.perf_counter() - self._clock, 1e-9)
 
     @staticmethod
@@ -439,3 +442,17 @@ class Run:
             elif time.monotonic() - last_progress > timeout:
                 raise RuntimeError(f"no sequence arrived and no prompt was admitted for {timeout:.0f}s: {describe()}")
         return time.monotonic() - start
+
+    # ---- a method that checkpoints more than the policy (ppo_oppo.py: its critic and OPPO's state) ----
+    trained: torch.nn.Module | None = None
+    method_state: Callable[[], dict] = dict
+
+    def checkpoint_also(self, trained: torch.nn.Module, method_state: Callable[[], dict]) -> None:
+        """Before begin(): the checkpoints hold `trained`, every model the optimizer steps (e.g. ModuleDict(policy=
+        actor, critic=critic)), instead of the policy alone, and method_state()'s entries (plain data) beside it;
+        --resume restores `trained`, needs those entries and returns them in begin()'s Resumed.extra."""
+        self.trained, self.method_state = trained, method_state
+
+    def checkpointed(self) -> torch.nn.Module:
+        """What a checkpoint holds and --resume restores: the policy, or checkpoint_also's `trained`."""
+        return self.policy if self.trained is None else self.trained

@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification
 
 import common
 from fastrl import checks, util
+from fastrl.vllm_sampler import Completion
 import online_dpo_async as dpo
 import ppo_oppo as po
 import rloo_kreuse as rloo
@@ -163,14 +164,16 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     per_token = {k: torch.randn((B, T), generator=g) * resp_mask for k in ("advantages", "values", "returns")}
     per_token["old_logp"] = -torch.rand((B, T), generator=g) * resp_mask - 1.0
     per_token["tis"] = torch.rand((B, T), generator=g) * resp_mask
-    data = dataclasses.replace(po.learner_batch(batch, 0, "cpu"), **{k: po.token_aligned(x, batch) for k, x in per_token.items()})
+    samples = [Completion(str(i), p, r, [0.0] * len(r), "stop", [(0, 0, len(r))]) for i, (p, r) in enumerate(zip(prompts, responses))]
+    data = po.Batch.from_samples(samples, 0, "cpu")
+    data.add(batch, **per_token)
+    args = po.Args(clip_coef=0.2, vf_clip=0.2, vf_coef=0.1, temperature=0.7, top_p=0.9, autocast_bf16=False)
     minibatch = [0, 2, 3, 5, 4]
     lengths = [batch[i].num_tokens for i in minibatch]
     results = []
     for tokens, rows in ((BIG, 16), (40, 16), (30, 16), (BIG, 2)):
         policy.zero_grad(), critic.zero_grad()
-        loss_fn = functools.partial(po.ppo_micro_batch, minibatch=minibatch, policy=policy, critic=critic, data=data, clip_coef=0.2,
-                                    vf_clip=0.2, vf_coef=0.1, temperature=0.7, top_p=0.9, bf16=False)
+        loss_fn = functools.partial(po.ppo_micro_batch, policy, critic, data, minibatch=minibatch, args=args)
         loss, out = common.accumulate(loss_fn, lengths, tokens, total=sum(len(responses[i]) for i in minibatch), max_rows=rows)
         results.append((len(common.micro_batches(lengths, tokens, max_rows=rows)), loss, out,
                         _grads(policy) | {f"critic.{k}": v for k, v in _grads(critic).items()}))

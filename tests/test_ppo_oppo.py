@@ -132,17 +132,15 @@ def test_delta_controller_follows_algorithm1():
 
 
 def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
-    candidates, every, chunk, trials, used = (4, 8, 16), 6, 8, {}, []
+    """Overlap.next_chunk (the tuner, formerly chunk_for_round) on scripted rollout seconds."""
+    candidates, every, overlap, used = (4, 8, 16), 6, po.Overlap(0, 8, (4, 8, 16)), []
     fake_seconds = {4: 0.9, 8: 0.5, 16: 0.7}
     for round_index in range(14):
-        chunk = po.chunk_for_round(round_index, chunk, candidates, every, trials)
-        if round_index % every == 0:
-            trials = {}
-        used.append(chunk)
+        used.append(overlap.next_chunk(round_index, every))
         if round_index % every < len(candidates):
-            trials[chunk] = fake_seconds[chunk]
+            overlap.trial_seconds[overlap.chunk] = fake_seconds[overlap.chunk]
     assert used == [4, 8, 16, 8, 8, 8, 4, 8, 16, 8, 8, 8, 4, 8]
-    assert po.chunk_for_round(5, 32, candidates, 0, {}) == 32  # tuning off
+    assert po.Overlap(0, 32, candidates).next_chunk(5, 0) == 32  # tuning off
 
 
 def test_overlap_state_runs_both_controllers_as_the_loop_did():
@@ -551,3 +549,49 @@ def test_the_joint_clipping_is_measured(tmp_path):
     _, rows = _metrics(tmp_path, "clip")
     assert [r["losses/grad_clipped_fraction"] for r in rows] == [1.0, 1.0]
     assert all(0 < r["losses/actor_grad_share"] < 1 and r["losses/grad_norm"] > 1e-6 for r in rows), rows
+
+
+def strip_ppo(source: str) -> str:
+    """ppo_oppo.py as a student strips it to the method (tests/test_pages.py's test for rloo_kreuse.py): no checkpoints,
+    snapshots or evaluation between rounds (run.end_round), no torchrun calls (the --intra and world-size checks,
+    all_sum, full_norm), and one metric besides the seconds."""
+    lines = source.splitlines(keepends=True)
+    for start, count in (("        distributed.from_main(", 3), ("            run.end_round(", 2),
+                         ("                loss, out = run.all_sum((loss, out))", 1)):
+        at = next(i for i, line in enumerate(lines) if line.startswith(start))
+        del lines[at:at + count]
+    source = "".join(lines)
+    for old, new in [("run.full_norm(torch.nn.utils.get_total_norm(grads(policy)))", "torch.nn.utils.get_total_norm(grads(policy))"),
+                     ("run.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm))",
+                      "torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)")]:
+        assert old in source, f"the strip no longer applies: {old[:60]}"
+        source = source.replace(old, new)
+    assert "distributed.check_world_size" not in source and "run.end_round" not in source and "run.all_sum((loss" not in source
+    start = source.index("            metrics = {\n")
+    end = source.index("            }\n", start) + len("            }\n")
+    return source[:start] + ('            metrics = {"charts/reward": scores.mean().item(), '
+                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n') + source[end:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--no-intra", "--no-inter"), ("--delta", "4")], ids=["plain", "oppo"])
+def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(flags):
+    """Issue 48: the copy's obligations are code. Plain PPO: each round after the first was sampled by the weights pushed
+    after the one before (run.check_version in the copy stops it otherwise); OPPO: sequences over-committed and carried,
+    and still a clean stop (the carried ones aborted, the sampler closed)."""
+    import os
+
+    from conftest import scratch_dir
+
+    work = scratch_dir("pytest_ppo_stripped_")
+    copy = work / "ppo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
+    copy.write_text(strip_ppo((ROOT / "ppo_oppo.py").read_text()))
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3", "--batch-size", "4",
+                          "--num-ppo-epochs", "1", "--max-new-tokens", "16", "--chunk-tune-every", "0", "--eval-problems", "4",
+                          "--eval-samples", "1", *flags], cwd=work, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "round 3/3 step 3" in out.stdout and "reward" in out.stdout  # one step a round: 1 epoch x 1 minibatch
+    run_dir = next((work / "runs").glob("pytest_stripped__*"))
+    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
+    assert "Traceback" not in out.stderr and "leaked" not in out.stderr
