@@ -85,7 +85,8 @@ class Args(RunArgs):
     bf16 sampler), PPO's old logprobs are the learner's own and each token's policy loss is weighted by min(pi_old /
     pi_sampler, --tis-cap) (verl, open-instruct; it corrects carried sequences' staleness too); off: the sampler's"""
     tis_cap: float = 2.0
-    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16 uses 3.0)"""
+    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16's GRPOTrainer zeroes a
+    weight above its vllm_importance_sampling_clip_max 3.0 instead)"""
     request_seeds: bool = False
     """seed every request (from --seed and its problem): its tokens then do not depend on the other requests (slower)"""
     max_new_tokens: int = 32

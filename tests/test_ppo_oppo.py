@@ -245,33 +245,6 @@ def test_truncated_is_weights_and_weighted_policy_loss_by_hand():
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.5 / 3, 2 * math.exp(-1.0) / 3, -0.5 / 3, 0.0]]))
 
 
-def test_a_nonfinite_loss_or_gradient_never_reaches_the_weights_nor_adam():
-    """The update's step (common.optimizer_step) with Adam: a NaN loss, or a finite loss with an inf gradient, is
-    skipped, its gradient dropped, the weights and Adam's moments untouched; a finite one steps."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    before = copy.deepcopy(model.state_dict())
-
-    loss = model(torch.ones(1, 3)).sum() * float("nan")
-    loss.backward()
-    _, stepped = common.optimizer_step(model, optimizer, 1.0, loss)  # a NaN loss: no step
-    assert not stepped and all(p.grad is None for p in model.parameters())
-    loss = model(torch.ones(1, 3)).sum()
-    loss.backward()
-    model.weight.grad[0, 0] = float("inf")  # a finite loss with an inf gradient: no step either
-    grad_norm, stepped = common.optimizer_step(model, optimizer, 1.0, loss)
-    assert not stepped and not math.isfinite(grad_norm)
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, before[name])
-    assert not optimizer.state  # Adam's moments never saw them
-
-    loss = model(torch.ones(1, 3)).sum()
-    loss.backward()
-    _, stepped = common.optimizer_step(model, optimizer, 1.0, loss)
-    assert stepped and not torch.equal(model.weight, before["weight"])
-
-
 def test_flags_take_the_paper_defaults_for_a_real_model_and_are_checked_where_declared():
     """--help and a run show the defaults of the model given: the tiny model's, or the paper's for a real one (the
     prompt budget included); each bad value stops in one line naming its flag, before anything starts."""
