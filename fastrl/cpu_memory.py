@@ -9,7 +9,7 @@ Contract:
   learner fits the memory available beside the sampler. Given: kept as it is, and checked. Either way a learner
   that does not fit raises SystemExit with one line:
       error: --micro-batch-tokens 8192: the learner needs ~17.6 GB beside the sampler's ~3.2 GB, this machine has
-             12.0 GB available; --micro-batch-tokens 512 fits
+             12.0 GB available; --micro-batch-tokens 1024 fits
       error: --model smollm2: needs ~6.1 GB (the learner ~2.9 GB at one sequence a micro-batch, the sampler ~3.2 GB),
              this machine has 4.0 GB available
 - release_freed_memory(): glibc keeps what the learner frees (see below); call it once in the learner process, before
@@ -28,8 +28,8 @@ over two steps; release_freed_memory() fixes the threshold at MMAP_THRESHOLD, so
 returned to the system when freed.
 
 Why the budget is small on a CPU: a CPU's matrix products reach their throughput at a few hundred rows, so a larger
-micro-batch buys no speed there, only memory (the measured step time at 512 tokens is that at 8192); CPU_BUDGETS
-starts at that knee. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
+micro-batch buys no speed there, only memory and padding (the measured step at 1024 tokens was faster than at
+8192, at 512 slower); CPU_BUDGETS starts at that knee. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from fastrl import memory_plan
 GB = 1e9
 DEFAULT_GPU_TOKENS = 8192  # --micro-batch-tokens on a GPU when not given (the scripts' default before the CPU plan)
 # the budgets a CPU run may be planned at, the largest first: CPU_BUDGETS[0] is where a CPU's step time stops falling
-# with the budget (SmolLM2 on 2 cores: the step at 512 tokens as fast as at 8192, docs/results.md); below it the
-# step runs more, smaller micro-batches, for a machine that has less memory
-CPU_BUDGETS = (512, 384, 256, 192, 128, 96, 64)
+# with the budget (SmolLM2 on 2 shared cores, fastest of 2-4 steps each: 1024 tokens 35-39 s, 8192 62 s, 512 96 s;
+# docs/results.md); below it the step runs more, smaller micro-batches, for a machine that has less memory
+CPU_BUDGETS = (1024, 768, 512, 384, 256, 192, 128, 96, 64)
 # the learner process's resident memory beside its tensors: Python, torch, transformers, the tokenizer (SmolLM2 on
 # this machine: 985 MiB resident once loaded, of which its fp32 weights are 513 MiB)
 RUNTIME_BYTES = 0.5 * GB
