@@ -29,7 +29,8 @@ returned to the system when freed.
 
 Why the budget is small on a CPU: a CPU's matrix products reach their throughput at a few hundred rows, so a larger
 micro-batch buys no speed there, only memory and padding (the measured step at 1024 tokens was faster than at
-8192, at 512 slower); CPU_BUDGETS starts at that knee. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
+8192, at 512 slower); CPU_BUDGETS starts at that knee. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when
+not given).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def available_bytes() -> float:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def learner_resident_bytes(method: str, args, shape: memory_plan.Shape, budget: int, reward_model_bytes: int = 0) -> float:
+def learner_resident_bytes(method: str, args, shape: memory_plan.Shape, budget: int,
+                           reward_model_bytes: int = 0) -> float:
     """The learner's peak resident memory at --micro-batch-tokens `budget`: RUNTIME_BYTES + memory_plan.learner_bytes
     (the models with gradients and Adam, one micro-batch's activations and logits; worst case: every sequence at
     max_prompt_tokens + max_new_tokens). args: the script's flags (what a stripped copy lacks: memory_plan.OPTIONAL)."""
@@ -112,15 +114,16 @@ def budget_for(method: str, args, shape: memory_plan.Shape, available: float, re
             return given
         fits = fitting_budget(method, args, shape, room, reward_model_bytes)
         hint = f"; --micro-batch-tokens {fits} fits" if fits else "; no --micro-batch-tokens fits (a smaller --model)"
-        raise SystemExit(f"error: --micro-batch-tokens {given}: the learner needs ~{need / GB:.1f} GB{beside}, this machine "
-                         f"has {available / GB:.1f} GB available{hint}")
+        raise SystemExit(f"error: --micro-batch-tokens {given}: the learner needs ~{need / GB:.1f} GB{beside}, "
+                         f"this machine has {available / GB:.1f} GB available{hint}")
     fits = fitting_budget(method, args, shape, room, reward_model_bytes)
     if fits is not None:
         return fits
     least = learner_resident_bytes(method, args, shape, 1, reward_model_bytes)  # one sequence (a DPO pair) at a time
-    parts = f"the learner ~{least / GB:.1f} GB at one sequence a micro-batch" + (f", the sampler ~{sampler / GB:.1f} GB" if sampler else "")
-    raise SystemExit(f"error: --model {getattr(args, 'model', '')}: needs ~{(least + sampler) / GB:.1f} GB ({parts}), this "
-                     f"machine has {available / GB:.1f} GB available")
+    parts = f"the learner ~{least / GB:.1f} GB at one sequence a micro-batch"
+    parts += f", the sampler ~{sampler / GB:.1f} GB" if sampler else ""
+    raise SystemExit(f"error: --model {getattr(args, 'model', '')}: needs ~{(least + sampler) / GB:.1f} GB ({parts}), "
+                     f"this machine has {available / GB:.1f} GB available")
 
 
 def plan(args, model_path: str, method: str, available: float | None = None) -> int:

@@ -108,8 +108,9 @@ budget = cpu_memory.plan(args, path, "rloo", available=24e9)
 policy = common.load_policy(path, "cpu")
 tokenizer = AutoTokenizer.from_pretrained(path)
 optimizer = torch.optim.Adam(policy.parameters(), lr=1e-9, eps=1e-7, fused=True)
-prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 63 - 15? Give the final answer as a number."}],
-                                       add_generation_prompt=True, tokenize=False)
+question = "What is 63 - 15? Give the final answer as a number."
+prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                       tokenize=False)
 prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]  # the preset's prompts: 48 tokens
 text = "63 - 15 = 48. To find the answer, subtract 10 from 63 to get 53, then 5 more to get 48. The answer is 48. " * 3
 response = tokenizer(text, add_special_tokens=False)["input_ids"][:args.max_new_tokens]  # every response at the cap
