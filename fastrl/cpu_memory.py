@@ -1,0 +1,154 @@
+"""The learner's memory on a CPU (issue 50, item 1): before any weight loads, the micro-batch token budget that
+keeps one learner step within the memory this machine has, from the model's config alone, as memory_plan.py sizes
+a GPU run from the card. A machine too small for the run stops it in one line naming the flag that fits.
+
+Contract:
+- plan(args, model_path, method) -> int: the --micro-batch-tokens the run uses when its learner is on the CPU.
+  args: the script's parsed flags (memory_plan.with_defaults fills what a stripped copy lacks); method: rloo, dpo,
+  pipeline or ppo. args.micro_batch_tokens None (not given): planned, the largest budget of CPU_BUDGETS whose
+  learner fits the memory available beside the sampler. Given: kept as it is, and checked. Either way a learner
+  that does not fit raises SystemExit with one line:
+      error: --micro-batch-tokens 8192: the learner needs ~17.6 GB beside the sampler's ~3.2 GB, this machine has
+             12.0 GB available; --micro-batch-tokens 1024 fits
+      error: --model smollm2: needs ~6.1 GB (the learner ~2.9 GB at one sequence a micro-batch, the sampler ~3.2 GB),
+             this machine has 4.0 GB available
+- release_freed_memory(): glibc keeps what the learner frees (see below); call it once in the learner process, before
+  the weights load, to have resident memory follow the live tensors.
+- Never imports common, tasks or a script (fastrl's rule); the model's shape comes from its config.json through
+  memory_plan.shape_of (a meta-device model: no weights).
+
+Where the memory goes (SmolLM2-135M, fp32, measured in docs/results.md, "Where the learner's memory goes on a CPU"):
+the models (weights, gradients and Adam: 16 bytes a parameter, 2.0 GiB) and the runtime (Python, torch,
+transformers: ~0.47 GiB) are fixed; one micro-batch's activations grow with the budget (~1.4 MiB a token for its 30
+layers, and the vocabulary part's logits on the completion's positions). memory_plan.learner_bytes, written for a GPU,
+predicts the CPU's live tensor bytes within a few percent, so the plan reuses it: resident = RUNTIME_BYTES + those
+bytes. What it does not count is glibc's retention: above a dynamic threshold (up to 32 MiB) malloc serves large
+blocks from its arenas and keeps them when freed, so the learner's resident memory grew ~1 GiB above its live tensors
+over two steps; release_freed_memory() fixes the threshold at MMAP_THRESHOLD, so that every tensor above it is
+returned to the system when freed.
+
+Why the budget is small on a CPU: a CPU's matrix products reach their throughput at a few hundred rows, so a larger
+micro-batch buys no speed there, only memory and padding (the measured step at 1024 tokens was faster than at
+8192, at 512 slower); CPU_BUDGETS starts at that knee. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when
+not given).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+from fastrl import memory_plan
+
+GB = 1e9
+DEFAULT_GPU_TOKENS = 8192  # --micro-batch-tokens on a GPU when not given (the scripts' default before the CPU plan)
+# the budgets a CPU run may be planned at, the largest first: CPU_BUDGETS[0] is where a CPU's step time stops falling
+# with the budget (SmolLM2 on 2 shared cores, fastest of 2-4 steps each: 1024 tokens 35-39 s, 8192 62 s, 512 96 s;
+# docs/results.md); below it the step runs more, smaller micro-batches, for a machine that has less memory
+CPU_BUDGETS = (1024, 768, 512, 384, 256, 192, 128, 96, 64)
+# the learner process's resident memory beside its tensors: Python, torch, transformers, the tokenizer (SmolLM2 on
+# this machine: 985 MiB resident once loaded, of which its fp32 weights are 513 MiB)
+RUNTIME_BYTES = 0.5 * GB
+# the sampler process on a CPU (vLLM) beyond its weights and KV cache: SmolLM2's peaked at 3,166 MiB resident with
+# fp32 weights (513 MiB) and vllm_sampler's 256 MiB KV cache (issue 50)
+SAMPLER_RUNTIME_BYTES = 2.5 * GB
+SAMPLER_KV_CACHE_BYTES = 256 * 2**20  # vllm_sampler.SamplerConfig.kv_cache_bytes, its CPU default
+MMAP_THRESHOLD = 128 * 1024  # glibc's own initial value, kept fixed (mallopt) instead of rising to 32 MiB
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def available_bytes() -> float:
+    """Memory this machine can give a new process now: Linux's MemAvailable (free + reclaimable caches); elsewhere the
+    physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def learner_resident_bytes(method: str, args, shape: memory_plan.Shape, budget: int,
+                           reward_model_bytes: int = 0) -> float:
+    """The learner's peak resident memory at --micro-batch-tokens `budget`: RUNTIME_BYTES + memory_plan.learner_bytes
+    (the models with gradients and Adam, one micro-batch's activations and logits; worst case: every sequence at
+    max_prompt_tokens + max_new_tokens). args: the script's flags (what a stripped copy lacks: memory_plan.OPTIONAL)."""
+    a = memory_plan.with_defaults(method, args)
+    a.micro_batch_tokens = budget
+    step, _ = memory_plan.script_step(method, a, shape, reward_model_bytes)
+    return RUNTIME_BYTES + memory_plan.learner_bytes(shape, step, getattr(a, "dtype", "float32"), bool(a.autocast_bf16),
+                                                     bool(a.gradient_checkpointing))
+
+
+def sampler_resident_bytes(args, shape: memory_plan.Shape) -> float:
+    """The sampler's resident memory when it runs on this machine (0 beside a remote sampler, --sampler-url)."""
+    if getattr(args, "sampler_url", None):
+        return 0.0
+    dtype = getattr(args, "sampler_dtype", "auto")
+    weight_bytes = memory_plan.DTYPE_BYTES.get(dtype, 4)  # "auto" on a CPU: fp32
+    return SAMPLER_RUNTIME_BYTES + shape.params * weight_bytes + SAMPLER_KV_CACHE_BYTES
+
+
+def fitting_budget(method: str, args, shape: memory_plan.Shape, room: float, reward_model_bytes: int = 0) -> int | None:
+    """The largest of CPU_BUDGETS whose learner fits `room` bytes; None when not even the smallest does."""
+    for budget in CPU_BUDGETS:
+        if learner_resident_bytes(method, args, shape, budget, reward_model_bytes) <= room:
+            return budget
+    return None
+
+
+def budget_for(method: str, args, shape: memory_plan.Shape, available: float, reward_model_bytes: int = 0) -> int:
+    """plan()'s arithmetic on numbers: the budget for `args` (micro_batch_tokens None: planned) on a machine with
+    `available` bytes, or SystemExit with the one line (module docstring)."""
+    args = memory_plan.with_defaults(method, args)
+    given = args.micro_batch_tokens
+    sampler = sampler_resident_bytes(args, shape)
+    room = available - sampler
+    beside = f" beside the sampler's ~{sampler / GB:.1f} GB" if sampler else ""
+    if given is not None:
+        need = learner_resident_bytes(method, args, shape, given, reward_model_bytes)
+        if need <= room:
+            return given
+        fits = fitting_budget(method, args, shape, room, reward_model_bytes)
+        hint = f"; --micro-batch-tokens {fits} fits" if fits else "; no --micro-batch-tokens fits (a smaller --model)"
+        raise SystemExit(f"error: --micro-batch-tokens {given}: the learner needs ~{need / GB:.1f} GB{beside}, "
+                         f"this machine has {available / GB:.1f} GB available{hint}")
+    fits = fitting_budget(method, args, shape, room, reward_model_bytes)
+    if fits is not None:
+        return fits
+    least = learner_resident_bytes(method, args, shape, 1, reward_model_bytes)  # one sequence (a DPO pair) at a time
+    parts = f"the learner ~{least / GB:.1f} GB at one sequence a micro-batch"
+    parts += f", the sampler ~{sampler / GB:.1f} GB" if sampler else ""
+    raise SystemExit(f"error: --model {getattr(args, 'model', '')}: needs ~{(least + sampler) / GB:.1f} GB ({parts}), "
+                     f"this machine has {available / GB:.1f} GB available")
+
+
+def plan(args, model_path: str, method: str, available: float | None = None) -> int:
+    """The --micro-batch-tokens of a run whose learner is on the CPU, before any weight loads (module docstring):
+    args.micro_batch_tokens when given and it fits, else the largest of CPU_BUDGETS that fits; SystemExit with one
+    line naming the flag that fits when nothing does. available: bytes (default: available_bytes() now)."""
+    from transformers import AutoConfig
+
+    from fastrl.util import load_hf
+
+    shape = memory_plan.shape_of(load_hf(AutoConfig, model_path))
+    reward = 0
+    if getattr(args, "reward_model", None):
+        reward = memory_plan.reward_model_bytes(load_hf(AutoConfig, args.reward_model, flag="--reward-model"))
+    return budget_for(method, args, shape, available_bytes() if available is None else available, reward)
+
+
+def release_freed_memory() -> bool:
+    """Have glibc return freed tensors to the system (module docstring): fix malloc's mmap threshold at
+    MMAP_THRESHOLD, so that every block above it is mapped on its own and unmapped when freed, instead of the
+    threshold rising to 32 MiB and such blocks staying in malloc's arenas. Numbers are unchanged (where memory comes
+    from, not what is computed). Returns whether it applied (False off glibc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to set
+        return False
