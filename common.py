@@ -272,56 +272,11 @@ def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1,
 class MicroBatch:
     """One micro-batch of a step: `items` (indices into the batch: rows, or DPO's pairs), `width`
     (the longest item's length: cut the right-padded tensors to [:, :width]) and `weight` (1; 0 for a
-    torchrun stand-in that only keeps the ranks in step: accumulate() scales it away)."""
+    torchrun stand-in that only keeps the ranks in step: the scripts scale its share to 0)."""
 
     items: list[int]
     width: int
     weight: float = 1.0
-
-
-def accumulate(loss_fn, lengths: list[int], max_tokens: int, total: float | None = None, rows_per_item: int = 1,
-               dist=None, max_rows: int | None = None) -> tuple[torch.Tensor, dict]:
-    """The gradient of one batch's loss, accumulated over micro-batches of at most `max_tokens`
-    padded tokens (and at most `max_rows` items: micro_batches), so that memory is bounded whatever the batch size.
-
-    loss_fn(mb: MicroBatch) -> (loss, size, outputs): the micro-batch's mean loss (a scalar tensor),
-    its size in the units the batch's mean is taken over (items or tokens; `total` is the batch's
-    total of them, default len(lengths)) and a dict of outputs. Each micro-batch's loss is
-    backpropagated with its share of the batch, weight * size / total, so the accumulated gradient
-    is exactly the batch mean's. Outputs: a tensor with one value per item ([len(mb.items)]) comes
-    back as [len(lengths)] with every item's value; anything else (a number, a 0-d tensor) comes
-    back summed over the micro-batches.
-
-    Returns (loss, outputs): the batch's loss (sum of share * loss) and the outputs, whole on every
-    rank. Under torchrun each rank takes its share of the micro-batches and the results are summed
-    over ranks (distributed.my_micro_batches, all_sum); in one process both do nothing."""
-    total = len(lengths) if total is None else total
-    loss, outputs = 0.0, {}
-    for items, weight in distributed.my_micro_batches(micro_batches(lengths, max_tokens, rows_per_item, max_rows), dist):
-        mb = MicroBatch(items, max(lengths[i] for i in items), weight)
-        mb_loss, size, mb_outputs = loss_fn(mb)
-        share = weight * size / total
-        (mb_loss * share).backward()
-        loss = loss + mb_loss.detach() * share
-        for name, value in mb_outputs.items():
-            if torch.is_tensor(value) and value.dim() == 1:
-                laid_out = outputs.setdefault(name, torch.zeros(len(lengths), dtype=value.dtype, device=value.device))
-                laid_out[items] += value.detach() * weight
-            else:
-                outputs[name] = outputs.get(name, 0.0) + (value.detach() if torch.is_tensor(value) else value) * weight
-    return distributed.all_sum((loss, outputs), dist)
-
-
-def optimizer_step(model, optimizer, max_grad_norm: float, loss: torch.Tensor, dist=None) -> tuple[float, bool]:
-    """Clip the gradient to `max_grad_norm`, step, and zero the gradient. A non-finite loss or
-    gradient never reaches the weights (nor the sampler, nor a checkpoint): that step is skipped,
-    for the caller to count. Returns (the gradient's norm before clipping, whether it stepped)."""
-    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
-    stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad()
-    return grad_norm.item(), stepped
 
 
 def micro_batch_plan(lengths: list[int], max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None,

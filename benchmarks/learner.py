@@ -7,7 +7,7 @@ One round's batch: `EPISODESxRESPONSE` episodes (default 64x32, the issue's RLOO
 samples, responses ~32 tokens; and 16x128, the long-response round), each prompt an arithmetic question in
 the chat template with its system turn (~45 tokens), each response sampled from the model itself at T 0.8,
 top-p 0.95 (cached in ~/.cache/fastrl/learner_bench), lengths varied around RESPONSE. The step is RLOO's
-(rloo_kreuse.micro_batch_loss without its ratios): common.accumulate over micro-batches of
+(rloo_kreuse.micro_batch_loss without its ratios): the scripts' update loop over micro-batches of
 --micro-batch-tokens, common.token_logprobs under the sampler's processing with the entropy, a
 policy-gradient loss with an entropy bonus, backward.
 
@@ -43,6 +43,9 @@ import torch  # noqa: E402
 import tyro  # noqa: E402
 
 import common  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from memory import update  # noqa: E402  (the scripts' update loop)
 from fastrl import memory_plan  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "fastrl" / "learner_bench"
@@ -152,7 +155,7 @@ def learner_step(lib, model, batch, args):
         ent = ((entropy * m).sum(1) / per_row).mean()
         return pg - args.ent_coef * ent, len(rows), {}
 
-    return lib.accumulate(loss_fn, lengths, args.micro_batch_tokens)
+    return update(loss_fn, lengths, args.micro_batch_tokens)
 
 
 def floor_step(model, batch, args):
@@ -169,7 +172,7 @@ def floor_step(model, batch, args):
         m = mask[rows, :logp.shape[1]]
         return -(advantages[rows] * (logp * m).sum(1) / m.sum(1).clamp(min=1)).mean(), len(rows), {}
 
-    return common.accumulate(loss_fn, lengths, args.micro_batch_tokens)
+    return update(loss_fn, lengths, args.micro_batch_tokens)
 
 
 class HeadOnly(torch.nn.Module):
@@ -188,7 +191,7 @@ class HeadOnly(torch.nn.Module):
 
 
 def breakdown(model, batch, args) -> dict:
-    """One learner step by parts, micro-batch by micro-batch as common.accumulate cuts it."""
+    """One learner step by parts, micro-batch by micro-batch as the scripts cut it (common.micro_batches)."""
     ids, attn, cmask, lengths = batch[:4]
     mask = cmask[:, 1:].float()
     parts = dict(backbone_forward=0.0, vocab=0.0, backbone_backward=0.0, padding=0.0)

@@ -223,6 +223,30 @@ def with_autocast(enabled: bool):
 # --------------------------------------------------------------------------------------
 
 
+def update(loss_fn, lengths: list[int], max_tokens: int, total: float | None = None, rows_per_item: int = 1,
+           max_rows: int | None = None, model=None, optimizer=None, max_grad_norm: float = 1.0):
+    """The update each script writes in its round (e.g. rloo_kreuse.main): common.micro_batch_plan's micro-batches,
+    each loss_fn(mb) -> (mean loss, size, outputs) backpropagated with its share size / `total` (default: the items),
+    outputs laid out by common.add_outputs; then, given a model and an optimizer, one clipped step (a non-finite one
+    skipped). Returns (loss, outputs). Here to drive the scripts' micro-batch losses in the memory steps and in
+    tests/test_memory.py; the scripts' own loops run end to end in their tests (test_rloo_kreuse's micro-batch
+    check, test_pipeline_rl's train_step)."""
+    total = len(lengths) if total is None else total
+    loss, outputs = 0.0, {}
+    for mb in common.micro_batch_plan(lengths, max_tokens, rows_per_item, max_rows):
+        mb_loss, size, mb_outputs = loss_fn(mb)
+        share = mb.weight * size / total
+        (mb_loss * share).backward()
+        loss = loss + mb_loss.detach() * share
+        common.add_outputs(outputs, mb, mb_outputs, len(lengths))
+    if optimizer is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        if bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm)):
+            optimizer.step()
+        optimizer.zero_grad()
+    return loss, outputs
+
+
 def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None,
               autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
     """rloo_kreuse.py at the paper's v3 setup: 4 prompts x 2 responses, K steps on the batch."""
@@ -243,8 +267,8 @@ def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, respo
     batch.old_logp = batch.sampler_logp
     for k_step in range(steps):  # K steps reuse the batch
         loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, args=args, logprob_diff=k_step == 0)
-        loss, _ = common.accumulate(loss_fn, lengths, args.micro_batch_tokens)
-        common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
+        update(loss_fn, lengths, args.micro_batch_tokens, model=policy, optimizer=optimizer,
+               max_grad_norm=args.max_grad_norm)
     return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens)), rows=n, tokens=sum(lengths))
 
 
@@ -271,8 +295,8 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
         batch.ref_seq = batch.logprobs(ref, args).sum(1)
         loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows, rejected_rows=rejected_rows,
                                     args=args, logprob_diff=round_index == 0)
-        loss, _ = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen_rows, rejected_rows), args.micro_batch_tokens, rows_per_item=2)
-        common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
+        update(loss_fn, dpo.pair_lengths(lengths, chosen_rows, rejected_rows), args.micro_batch_tokens, rows_per_item=2,
+               model=policy, optimizer=optimizer, max_grad_norm=args.max_grad_norm)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
     return dict(micro_batches=len(common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n, tokens=sum(lengths))
 
@@ -302,9 +326,8 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     batch.fresh, batch.total = torch.ones(B, dtype=torch.bool, device=device), B  # (--loss-norm sequence)
     for step in range(steps):  # the round's micro-batch loop, clip and step (its own autocast)
         loss_fn = functools.partial(prl.micro_batch_loss, policy, ref, batch, args=args)
-        loss, _ = common.accumulate(loss_fn, batch.lengths, args.micro_batch_tokens, total=batch.total,
-                                    max_rows=args.micro_batch_size)
-        common.optimizer_step(policy, optimizer, args.max_grad_norm, loss)
+        update(loss_fn, batch.lengths, args.micro_batch_tokens, total=batch.total, max_rows=args.micro_batch_size,
+               model=policy, optimizer=optimizer, max_grad_norm=args.max_grad_norm)
     return dict(micro_batches=math.ceil(B / args.micro_batch_size), rows=B, tokens=B * (prompt + args.max_new_tokens),
                 kl_coef=args.kl_coef)
 
@@ -362,8 +385,8 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     for step in range(steps):
         loss_fn = functools.partial(po.ppo_micro_batch, policy, critic, data, minibatch=list(range(B)), args=args,
                                     logprob_diff=step == 0)
-        loss, _ = common.accumulate(loss_fn, lengths, args.micro_batch_tokens, total=B * T, max_rows=args.micro_batch_size)
-        common.optimizer_step(learner, optimizer, args.max_grad_norm, loss)
+        update(loss_fn, lengths, args.micro_batch_tokens, total=B * T, max_rows=args.micro_batch_size, model=learner,
+               optimizer=optimizer, max_grad_norm=args.max_grad_norm)
     critic.eval()
     return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size)), rows=B,
                 tokens=B * (prompt + T), carried=args.delta)

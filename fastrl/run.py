@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
-from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
+from fastrl import checks, cpu_memory, distributed, launch, runlog, util, vllm_sampler
 
 TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, push_seconds=0.0, wall_seconds=0.0,
               nonfinite_skipped=0)
@@ -179,6 +179,9 @@ class Run:
         self.name = runlog.run_name(args.exp_name, args.seed, args.resume)
         self.dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
         self.model_path, self.sampler_gpu_memory = checks.check_model(args, method, hub_tasks, resolve_model)
+        if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit this machine, or one line says so
+            distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, method), self.dist)
+            cpu_memory.release_freed_memory()  # resident memory follows the live tensors (before any weight loads)
         self.sampler = None
         if start_sampler and self.dist.is_main:
             self.sampler = launch.start_sampler(

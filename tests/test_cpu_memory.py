@@ -23,7 +23,7 @@ SMOLLM2 = memory_plan.Shape(params=134515008, critic_params=134515584, largest=2
                             intermediate=1536, heads=9, kv_dim=192, vocab=49152)
 # the learner at the plan today (the issue's goal, 4 GB and PPO's 8, needs the vocabulary part's chunk smaller on a
 # CPU as well: docs/results.md, "Where the learner's memory goes on a CPU")
-PLANNED = {"rloo": 5 * GB, "dpo": 5 * GB, "pipeline": 5 * GB, "ppo": 9.5 * GB}
+PLANNED = {"rloo": 5 * GB, "dpo": 5 * GB, "pipeline": 5 * GB, "ppo": 7.5 * GB}
 
 
 def rloo_args(**changes):
@@ -33,7 +33,7 @@ def rloo_args(**changes):
 
 
 def preset_args(method: str):
-    """A script's Args at its --model smollm2 defaults, the budget left to the plan."""
+    """A script's Args at its --model smollm2 defaults (their --micro-batch-tokens included)."""
     import online_dpo_async as dpo
     import pipeline_rl as pipeline
     import ppo_oppo as ppo
@@ -41,9 +41,7 @@ def preset_args(method: str):
 
     module = {"rloo": rloo, "dpo": dpo, "pipeline": pipeline, "ppo": ppo}[method]
     args = checks.model_defaults(module.Args, "smollm2", module.PAPER, module.SMOLLM2)
-    args = SimpleNamespace(**vars(args))
-    args.micro_batch_tokens = None
-    return args
+    return SimpleNamespace(**vars(args))
 
 
 def test_a_big_machine_gets_the_cpu_knee_and_a_smaller_one_less():
@@ -76,9 +74,10 @@ def test_a_machine_too_small_for_one_sequence_is_refused_naming_the_model():
 
 @pytest.mark.parametrize("method", ["rloo", "dpo", "pipeline", "ppo"])
 def test_each_smollm2_preset_is_planned_under_the_goal(method):
+    """Each preset's --micro-batch-tokens fits this 24 GB machine beside its sampler, its learner within PLANNED."""
     args = preset_args(method)
     budget = cpu_memory.budget_for(method, args, SMOLLM2, 24 * GB)
-    assert budget == cpu_memory.CPU_BUDGETS[0]
+    assert budget == args.micro_batch_tokens == {"ppo": 512}.get(method, 1024)
     planned = memory_plan.with_defaults(method, args)
     assert cpu_memory.learner_resident_bytes(method, planned, SMOLLM2, budget) <= PLANNED[method]
 
@@ -128,7 +127,9 @@ def loss_fn(mb):
     return -(advantages[r] * (logp * m).sum(1) / m.sum(1)).mean(), len(r), {}
 
 for _ in range(2):  # the second step with Adam's moments alive: the run's steady state
-    common.accumulate(loss_fn, lengths, budget)
+    for mb in common.micro_batch_plan(lengths, budget):  # the scripts' update loop
+        mb_loss, size, _ = loss_fn(mb)
+        (mb_loss * size / rows).backward()
     optimizer.step()
     optimizer.zero_grad()
 print(json.dumps(dict(budget=budget, rows=rows, released=released,

@@ -94,7 +94,7 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
         mask = cmask[:, 1:].float()
         batch = dpo.Batch(ids, attn, cmask, lengths, mask, None, logp_mask=mask, ref_seq=ref_seq)
         loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen, rejected_rows=rejected, args=DPO)
-        loss, outputs = common.accumulate(loss_fn, dpo.pair_lengths(lengths, chosen, rejected), budget, rows_per_item=2)
+        loss, outputs = memory.update(loss_fn, dpo.pair_lengths(lengths, chosen, rejected), budget, rows_per_item=2)
         results.append((ref_seq, loss, outputs["margins"], _grads(policy)))
     (ref_a, loss_a, margins_a, grads_a), (ref_b, loss_b, margins_b, grads_b) = results
     torch.testing.assert_close(ref_a, ref_b, atol=1e-5, rtol=0)
@@ -133,7 +133,7 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
             batch.old_logp = batch.logprobs(policy, args) - 0.01 * mask  # K-reuse: w != 1
             policy.zero_grad()
             loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, args=args)
-            loss, out = common.accumulate(loss_fn, lengths, budget)
+            loss, out = memory.update(loss_fn, lengths, budget)
             per_budget.append((batch.ref_logp, loss, out, _grads(policy)))  # out["w"]: one per row, in row order
         (ref_a, loss_a, out_a, grads_a), (ref_b, loss_b, out_b, grads_b) = per_budget
         torch.testing.assert_close(ref_a, ref_b, atol=1e-5, rtol=0)
@@ -174,7 +174,7 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     for tokens, rows in ((BIG, 16), (40, 16), (30, 16), (BIG, 2)):
         policy.zero_grad(), critic.zero_grad()
         loss_fn = functools.partial(po.ppo_micro_batch, policy, critic, data, minibatch=minibatch, args=args)
-        loss, out = common.accumulate(loss_fn, lengths, tokens, total=sum(len(responses[i]) for i in minibatch), max_rows=rows)
+        loss, out = memory.update(loss_fn, lengths, tokens, total=sum(len(responses[i]) for i in minibatch), max_rows=rows)
         results.append((len(common.micro_batches(lengths, tokens, max_rows=rows)), loss, out,
                         _grads(policy) | {f"critic.{k}": v for k, v in _grads(critic).items()}))
     assert [n for n, *_ in results] == [1, 3, 4, 3]
