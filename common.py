@@ -323,8 +323,8 @@ def batch_logprobs(model, input_ids, attention_mask, completion_mask, lengths: l
     for rows, weight in distributed.my_micro_batches(micro_batches(lengths, max_tokens), dist):
         width = max(lengths[i] for i in rows)
         with autocast(input_ids.device, bf16):
-            logp = token_logprobs(model, input_ids[rows, :width], attention_mask[rows, :width], completion_mask[rows, :width],
-                                  **processing)
+            logp = token_logprobs(model, input_ids[rows, :width], attention_mask[rows, :width],
+                                  completion_mask[rows, :width], **processing)
         if weight:
             out[rows, :logp.shape[1]] = logp
     return distributed.all_sum(out, dist)

@@ -88,7 +88,8 @@ def round_batch(model, tokenizer, episodes: int, response: int, temperature: flo
         prompts = []
         for _ in range(episodes):
             a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(10, 99)
-            text = tokenizer.apply_chat_template([{"role": "user", "content": f"What is {a} * {b} + {c}? Think step by step."}],
+            text = tokenizer.apply_chat_template([{"role": "user",
+                                                   "content": f"What is {a} * {b} + {c}? Think step by step."}],
                                                  add_generation_prompt=True, tokenize=False)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         lengths = [max(4, int(response * rng.uniform(0.6, 1.4))) for _ in range(episodes)]  # ~response tokens each
@@ -204,8 +205,8 @@ def breakdown(model, batch, args) -> dict:
         hidden = decoder(input_ids=x, attention_mask=a).last_hidden_state
         t1 = time.perf_counter()
         h = hidden.detach().requires_grad_()
-        logp, entropy = common.token_logprobs(HeadOnly(model, h), x, a, c, temperature=args.temperature, top_p=args.top_p,
-                                              with_entropy=True)
+        logp, entropy = common.token_logprobs(HeadOnly(model, h), x, a, c, temperature=args.temperature,
+                                              top_p=args.top_p, with_entropy=True)
         m = mask[rows, :logp.shape[1]]
         ((logp * m).sum() / m.sum() + args.ent_coef * (entropy * m).sum() / m.sum()).backward()
         t2 = time.perf_counter()
@@ -221,7 +222,8 @@ def breakdown(model, batch, args) -> dict:
 
 
 def load_baseline(commit: str):
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:common.py"], check=True, capture_output=True, text=True).stdout
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:common.py"], check=True, capture_output=True,
+                            text=True).stdout
     path = Path(tempfile.mkdtemp()) / f"common_{commit}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"common_{commit}", path)
@@ -324,15 +326,18 @@ def main():
         for name in arms:
             print(f"  {name}_s={med[name]:.2f} (runs: {', '.join(f'{t:.2f}' for t in times[name])})")
         if base is not None:
-            print(f"  base_vs_floor={med['base'] / med['floor']:.2f}  learner_vs_base={med['learner'] / med['base']:.2f}")
+            print(f"  base_vs_floor={med['base'] / med['floor']:.2f}  "
+                  f"learner_vs_base={med['learner'] / med['base']:.2f}")
         print(f"  learner_vs_floor={med['learner'] / med['floor']:.2f}  floor_vs_matmul={med['floor'] / matmul_s:.2f}")
         if args.breakdown:
             parts = breakdown(model, batch, args)
             total = sum(v for k, v in parts.items() if k != "padding")
             print("  learner step by parts: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items())
-                  + f" (sum {total:.2f} s; padding is the backbone's share on pad tokens, inside its forward and backward)")
+                  + f" (sum {total:.2f} s; padding is the backbone's share on pad tokens, "
+                    "inside its forward and backward)")
         whole, step_part = plan_bytes(model, batch, args)
-        print(f"  peak memory above the step's start: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in peaks.items())
+        print("  peak memory above the step's start: "
+              + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in peaks.items())
               + f"; memory plan: learner {whole / 2**20:.0f} MiB, of which the step (gradients, activations, logits) "
               f"{step_part / 2**20:.0f} MiB")
 

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from fastrl import launch
+from fastrl import launch  # noqa: E402
 from fastrl import vllm_sampler  # noqa: E402
 
 GB = 1e9
@@ -124,7 +124,8 @@ def measure(step, math_attention: bool = False) -> dict:
     step set (tracker.mark), in bytes. math_attention: SDPA's math kernel, as CUDA picks it for fp32."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kernels = [SDPBackend.MATH] if math_attention else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    kernels = ([SDPBackend.MATH] if math_attention
+               else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
     with sdpa_kernel(kernels), FakeTensorMode(allow_non_fake_inputs=True), LiveTensorBytes() as tracker:
         step(tracker)
         final = tracker.current
@@ -164,10 +165,11 @@ def qwen25_05b_config(num_layers: int = 24):
     """Qwen/Qwen2.5-0.5B's architecture (config.json), written out: nothing is downloaded."""
     from transformers import Qwen2Config
 
-    return Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=num_layers, num_attention_heads=14,
-                       num_key_value_heads=2, max_position_embeddings=32_768, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-                       tie_word_embeddings=True, hidden_act="silu", attention_dropout=0.0, use_sliding_window=False,
-                       bos_token_id=151_643, eos_token_id=151_643, pad_token_id=151_643)
+    return Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=num_layers,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32_768,
+                       rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu",
+                       attention_dropout=0.0, use_sliding_window=False, bos_token_id=151_643, eos_token_id=151_643,
+                       pad_token_id=151_643)
 
 
 def causal_lm(config, trained: bool, checkpointing: bool = False):
@@ -247,15 +249,17 @@ def update(loss_fn, lengths: list[int], max_tokens: int, total: float | None = N
     return loss, outputs
 
 
-def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None,
-              autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
+def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, response: int = 512,
+              micro_batch_tokens: int | None = None, autocast: bool = False, checkpointing: bool = False,
+              steps: int = 1, tracker=None):
     """rloo_kreuse.py at the paper's v3 setup: 4 prompts x 2 responses, K steps on the batch."""
     import functools
 
     import rloo_kreuse as rloo
 
     overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
-    args = rloo.Args(**rloo.PAPER | overrides | (dict(micro_batch_tokens=micro_batch_tokens) if micro_batch_tokens else {}))
+    args = rloo.Args(**rloo.PAPER | overrides
+                     | (dict(micro_batch_tokens=micro_batch_tokens) if micro_batch_tokens else {}))
     policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)
     optimizer = adam(policy.parameters())
     n = prompts * group
@@ -272,8 +276,8 @@ def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, respo
     return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens)), rows=n, tokens=sum(lengths))
 
 
-def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None, autocast: bool = False,
-             checkpointing: bool = False, steps: int = 1, group: int = 2, tracker=None):
+def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None,
+             autocast: bool = False, checkpointing: bool = False, steps: int = 1, group: int = 2, tracker=None):
     """online_dpo_async.py at the paper's setting: 64 prompts x 2 samples, one pair per prompt, one DPO step a round
     (the second step: the next round, Adam's moments allocated)."""
     import functools
@@ -293,16 +297,17 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
     batch = dpo.Batch(ids, attn, cmask, lengths, cmask[:, 1:].float(), sampler_logp, logp_mask=cmask[:, 1:].float())
     for round_index in range(steps):
         batch.ref_seq = batch.logprobs(ref, args).sum(1)
-        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows, rejected_rows=rejected_rows,
-                                    args=args, logprob_diff=round_index == 0)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen_rows,
+                                    rejected_rows=rejected_rows, args=args, logprob_diff=round_index == 0)
         update(loss_fn, dpo.pair_lengths(lengths, chosen_rows, rejected_rows), args.micro_batch_tokens, rows_per_item=2,
                model=policy, optimizer=optimizer, max_grad_norm=args.max_grad_norm)
     pair_lengths = [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
-    return dict(micro_batches=len(common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n, tokens=sum(lengths))
+    return dict(micro_batches=len(common.micro_batches(pair_lengths, args.micro_batch_tokens, rows_per_item=2)), rows=n,
+                tokens=sum(lengths))
 
 
-def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None, autocast: bool = False,
-                  checkpointing: bool = False, steps: int = 1, tracker=None):
+def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None,
+                  autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
     """pipeline_rl.py's step (its micro_batch_loss: the truncated-IS loss; its --micro-batch-size rule, clipping,
     Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
     --gradient-checkpointing."""
@@ -311,14 +316,16 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     import pipeline_rl as prl
 
     overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing,
-                     max_new_tokens=response or prl.PAPER["max_new_tokens"], micro_batch_size=micro_batch_size or prl.Args.micro_batch_size)
+                     max_new_tokens=response or prl.PAPER["max_new_tokens"],
+                     micro_batch_size=micro_batch_size or prl.Args.micro_batch_size)
     args = prl.mode_defaults(prl.Args(**prl.PAPER | overrides))  # the paper's defaults, in pipeline mode
     policy = causal_lm(config, True, checkpointing)
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
     optimizer = adam(policy.parameters())
     B = args.train_batch_size
-    samples = [vllm_sampler.Completion(request_id=str(i), prompt_token_ids=[5] * prompt, token_ids=[7] * args.max_new_tokens,
-                                 logprobs=[-1.0] * args.max_new_tokens, finish_reason="length", versions=[(0, 0, args.max_new_tokens)])
+    samples = [vllm_sampler.Completion(request_id=str(i), prompt_token_ids=[5] * prompt,
+                                       token_ids=[7] * args.max_new_tokens, logprobs=[-1.0] * args.max_new_tokens,
+                                       finish_reason="length", versions=[(0, 0, args.max_new_tokens)])
                for i in range(B)]
     device = next(policy.parameters()).device
     batch = prl.Batch.from_samples(samples, 0, device)
@@ -332,8 +339,8 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
                 kl_coef=args.kl_coef)
 
 
-def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch_tokens: int | None = None, autocast: bool = False,
-             checkpointing: bool = False, steps: int = 1, tracker=None):
+def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch_tokens: int | None = None,
+             autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
     """ppo_oppo.py at its non-tiny defaults (B = 112 sequences, 1024-token responses, Delta = 8 over-committed,
     C = 256-token chunks): the downstream models (critic, reference) prefill every sequence of the
     buffer chunk by chunk, keeping one KV cache per sequence and model (OPPO's intra-step overlap); the
@@ -353,7 +360,8 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     optimizer = adam(learner.parameters())
     downstream = dict(critic=critic, ref=ref)
     B, T = args.batch_size, args.max_new_tokens
-    buffer = [po.Rollout(str(i), i, None, [5] * prompt, 0, prefix={name: po.Prefix() for name in downstream}) for i in range(B + args.delta)]
+    buffer = [po.Rollout(str(i), i, None, [5] * prompt, 0, prefix={name: po.Prefix() for name in downstream})
+              for i in range(B + args.delta)]
     for done in range(0, T + 1, chunk):  # the prompts, then each streamed chunk of every response
         for r in buffer:
             r.response = [7] * done
@@ -373,7 +381,8 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     advantages = po.gae(rewards, values, args.gamma, args.lam)
     returns = advantages + values
     advantages = po.whiten(advantages, resp_mask)
-    per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, sampler_logp=old_logp, fresh=resp_mask)
+    per_token = dict(old_logp=old_logp, advantages=advantages, values=values, returns=returns, sampler_logp=old_logp,
+                     fresh=resp_mask)
     from fastrl.vllm_sampler import Completion
 
     device = next(policy.parameters()).device
@@ -388,8 +397,9 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
         update(loss_fn, lengths, args.micro_batch_tokens, total=B * T, max_rows=args.micro_batch_size, model=learner,
                optimizer=optimizer, max_grad_norm=args.max_grad_norm)
     critic.eval()
-    return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size)), rows=B,
-                tokens=B * (prompt + T), carried=args.delta)
+    return dict(micro_batches=len(common.micro_batches(lengths, args.micro_batch_tokens,
+                                                       max_rows=args.micro_batch_size)),
+                rows=B, tokens=B * (prompt + T), carried=args.delta)
 
 
 # --------------------------------------------------------------------------------------
@@ -399,8 +409,10 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
 TARGETS_GB = dict(rloo=16.0, dpo=16.0, pipeline=16.0, ppo=28.0)
 STEPS = dict(rloo=rloo_step, dpo=dpo_step, pipeline=pipeline_step, ppo=ppo_step)
 SHAPES = dict(rloo="4 prompts x 2, 256 + 512 tokens, K steps", dpo="64 pairs (128 seq), 256 + 512 tokens",
-              pipeline="B = 64, 256 + 1024 tokens, micro-batches of 16 seq", ppo="B = 112 (+8 carried), 256 + 1024 tokens")
-VARIANTS = {"fp32": (False, False), "bf16 autocast": (True, False), "checkpointing": (False, True), "bf16 + checkpointing": (True, True)}
+              pipeline="B = 64, 256 + 1024 tokens, micro-batches of 16 seq",
+              ppo="B = 112 (+8 carried), 256 + 1024 tokens")
+VARIANTS = {"fp32": (False, False), "bf16 autocast": (True, False), "checkpointing": (False, True),
+            "bf16 + checkpointing": (True, True)}
 
 
 @dataclass
@@ -439,7 +451,8 @@ def main():
                 info.update(STEPS[script](config, tracker=tracker, **kwargs))
 
             try:
-                result = measure(step, math_attention=not bf16) if args.device == "fake" else measure_on_device(step, args.device)
+                result = (measure(step, math_attention=not bf16) if args.device == "fake"
+                          else measure_on_device(step, args.device))
             except torch.OutOfMemoryError:
                 print(f"{script} {variant}: out of memory on {args.device}")
                 rows.append((script, variant, float("inf"), TARGETS_GB[script], info, {}))
@@ -447,17 +460,22 @@ def main():
             peak = result["peak"] / GB
             rows.append((script, variant, peak, TARGETS_GB[script], info, result["marks"]))
             marks = " ".join(f"{k}: {v / GB:.2f} GB" for k, v in result["marks"].items())
-            print(f"[{time.time() - start:6.1f}s] {script:8s} {variant:22s} peak {peak:6.2f} GB (target <= {TARGETS_GB[script]:.0f}) "
-                  f"{info.get('micro_batches')} micro-batches of {info.get('rows')} seq, measured in {time.time() - t0:.1f}s {marks}",
+            print(f"[{time.time() - start:6.1f}s] {script:8s} {variant:22s} peak {peak:6.2f} GB "
+                  f"(target <= {TARGETS_GB[script]:.0f}) "
+                  f"{info.get('micro_batches')} micro-batches of {info.get('rows')} seq, "
+                  f"measured in {time.time() - t0:.1f}s {marks}",
                   flush=True)
     params = sum(p.numel() for p in causal_lm_params(config))
-    how = ("fake tensors (no compute), each tensor rounded up to 512 bytes as CUDA's allocator does; its fragmentation and the "
-           "CUDA context not included" if args.device == "fake" else f"real tensors on {args.device}, torch.cuda.max_memory_allocated")
-    print(f"\nLearner peak tensor memory, one step at the paper's shapes, Qwen2.5-0.5B shapes ({params / 1e6:.0f}M parameters, "
+    how = ("fake tensors (no compute), each tensor rounded up to 512 bytes as CUDA's allocator does; its fragmentation "
+           "and the CUDA context not included" if args.device == "fake"
+           else f"real tensors on {args.device}, torch.cuda.max_memory_allocated")
+    print(f"\nLearner peak tensor memory, one step at the paper's shapes, Qwen2.5-0.5B shapes "
+          f"({params / 1e6:.0f}M parameters, "
           f"{args.num_layers} layers, vocabulary {config.vocab_size}); fp32 weights, gradients and Adam; {how}\n")
     print("| script | shapes | variant | peak (GB) | target (GB) | within |\n|---|---|---|---|---|---|")
     for script, variant, peak, target, info, _ in rows:
-        print(f"| {script} | {SHAPES[script]} | {variant} | {peak:.2f} | <= {target:.0f} | {'yes' if peak <= target else 'NO'} |")
+        print(f"| {script} | {SHAPES[script]} | {variant} | {peak:.2f} | <= {target:.0f} | "
+              f"{'yes' if peak <= target else 'NO'} |")
     print(f"\nmeasured in {time.time() - start:.0f} s")
 
 

@@ -68,7 +68,8 @@ def test_micro_batches_pack_by_length_within_the_token_budget():
         assert all(len(b) == 1 or len(b) * max(lengths[i] for i in b) <= budget for b in packed)
 
 
-DPO = SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9, autocast_bf16=False)  # dpo_micro_batch's args
+DPO = SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=0.9,
+                      autocast_bf16=False)  # dpo_micro_batch's args
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
@@ -93,7 +94,8 @@ def test_dpo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path, check
         policy.zero_grad()
         mask = cmask[:, 1:].float()
         batch = dpo.Batch(ids, attn, cmask, lengths, mask, None, logp_mask=mask, ref_seq=ref_seq)
-        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen, rejected_rows=rejected, args=DPO)
+        loss_fn = functools.partial(dpo.dpo_micro_batch, policy, batch, chosen_rows=chosen, rejected_rows=rejected,
+                                    args=DPO)
         loss, outputs = memory.update(loss_fn, dpo.pair_lengths(lengths, chosen, rejected), budget, rows_per_item=2)
         results.append((ref_seq, loss, outputs["margins"], _grads(policy)))
     (ref_a, loss_a, margins_a, grads_a), (ref_b, loss_b, margins_b, grads_b) = results
@@ -128,7 +130,8 @@ def test_rloo_micro_batches_give_the_batch_loss_and_gradient(tiny_path):
             args = rloo.Args(temperature=0.8, top_p=0.95, iw_level=iw_level, kl_estimator="k3", kl_coef=0.01,
                              ent_coef=0.05, micro_batch_tokens=budget)
             assert len(common.micro_batches(lengths, budget)) == (1 if budget == BIG else 4)
-            batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask), advantages=advantages)
+            batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask),
+                               advantages=advantages)
             batch.ref_logp = batch.logprobs(ref, args)
             batch.old_logp = batch.logprobs(policy, args) - 0.01 * mask  # K-reuse: w != 1
             policy.zero_grad()
@@ -154,7 +157,8 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     torch.manual_seed(0)
     policy = common.load_policy(tiny_path, "cpu")
     critic = util.load_hf(AutoModelForSequenceClassification, tiny_path, quiet=True, num_labels=1)
-    prompts, responses, *_ = _batch(policy.config.vocab_size, [(6, 9), (4, 3), (7, 20), (5, 11), (3, 5), (8, 2)], seed=2)
+    prompts, responses, *_ = _batch(policy.config.vocab_size, [(6, 9), (4, 3), (7, 20), (5, 11), (3, 5), (8, 2)],
+                                    seed=2)
     batch = [po.Rollout(str(i), i, None, p, 0, response=r) for i, (p, r) in enumerate(zip(prompts, responses))]
     B, T = len(batch), max(map(len, responses))
     resp_mask = torch.zeros((B, T))
@@ -164,7 +168,8 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     per_token = {k: torch.randn((B, T), generator=g) * resp_mask for k in ("advantages", "values", "returns")}
     per_token["old_logp"] = -torch.rand((B, T), generator=g) * resp_mask - 1.0
     per_token["tis"] = torch.rand((B, T), generator=g) * resp_mask
-    samples = [Completion(str(i), p, r, [0.0] * len(r), "stop", [(0, 0, len(r))]) for i, (p, r) in enumerate(zip(prompts, responses))]
+    samples = [Completion(str(i), p, r, [0.0] * len(r), "stop", [(0, 0, len(r))])
+               for i, (p, r) in enumerate(zip(prompts, responses))]
     data = po.Batch.from_samples(samples, 0, "cpu")
     data.add(batch, **per_token)
     args = po.Args(clip_coef=0.2, vf_clip=0.2, vf_coef=0.1, temperature=0.7, top_p=0.9, autocast_bf16=False)
@@ -174,7 +179,8 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     for tokens, rows in ((BIG, 16), (40, 16), (30, 16), (BIG, 2)):
         policy.zero_grad(), critic.zero_grad()
         loss_fn = functools.partial(po.ppo_micro_batch, policy, critic, data, minibatch=minibatch, args=args)
-        loss, out = memory.update(loss_fn, lengths, tokens, total=sum(len(responses[i]) for i in minibatch), max_rows=rows)
+        loss, out = memory.update(loss_fn, lengths, tokens, total=sum(len(responses[i]) for i in minibatch),
+                                  max_rows=rows)
         results.append((len(common.micro_batches(lengths, tokens, max_rows=rows)), loss, out,
                         _grads(policy) | {f"critic.{k}": v for k, v in _grads(critic).items()}))
     assert [n for n, *_ in results] == [1, 3, 4, 3]
@@ -203,8 +209,10 @@ def test_dpo_peak_memory_is_flat_in_the_batch_at_a_fixed_token_budget(realistic_
     peaks = {}
     for budget in (2048, BIG):
         for pairs in (16, 32):
-            peaks[budget, pairs] = memory.measure(lambda tracker: memory.dpo_step(config, pairs, prompt=96, response=160,
-                                                                                micro_batch_tokens=budget, steps=1))["peak"]
+            peaks[budget, pairs] = memory.measure(lambda tracker: memory.dpo_step(config, pairs, prompt=96,
+                                                                                  response=160,
+                                                                                  micro_batch_tokens=budget,
+                                                                                  steps=1))["peak"]
     flat = peaks[2048, 32] / peaks[2048, 16]
     grows = peaks[BIG, 32] / peaks[BIG, 16]
     assert flat < 1.10, peaks
@@ -241,9 +249,10 @@ def _paper_args(script: str, prompt: int, response: int, autocast: bool, checkpo
                 sampler_gpu_memory=None, sampler_url=None)
     per_script = dict(rloo=dict(num_prompts=4, group_size=2, kl_coef=0.01, top_p=0.95),
                       dpo=dict(num_prompts=64, group_size=2, top_p=1.0),
-                      pipeline=dict(train_batch_size=64, micro_batch_size=16, kl_coef=0.0, gen_batch_size=None, mode="pipeline",
-                                    steps_per_rl_step=4, background_push=True, top_p=1.0),
-                      ppo=dict(batch_size=112, delta=8, delta_max=16, inter=True, num_minibatches=1, micro_batch_size=16, top_p=1.0))
+                      pipeline=dict(train_batch_size=64, micro_batch_size=16, kl_coef=0.0, gen_batch_size=None,
+                                    mode="pipeline", steps_per_rl_step=4, background_push=True, top_p=1.0),
+                      ppo=dict(batch_size=112, delta=8, delta_max=16, inter=True, num_minibatches=1,
+                               micro_batch_size=16, top_p=1.0))
     return SimpleNamespace(**base | per_script[script] | kw)
 
 
@@ -261,10 +270,12 @@ def test_plan_estimates_the_measured_learner_step_within_15_percent(script, prom
     caches) is too slow here: its 24-layer comparison is the table in docs/memory.md."""
     autocast, checkpointing = memory.VARIANTS[variant]
     config = memory.qwen25_05b_config(num_layers=4)
-    measured = memory.measure(lambda tracker: memory.STEPS[script](config, tracker=tracker, prompt=prompt, response=response,
-                                                                   autocast=autocast, checkpointing=checkpointing, **kw),
+    measured = memory.measure(lambda tracker: memory.STEPS[script](config, tracker=tracker, prompt=prompt,
+                                                                   response=response, autocast=autocast,
+                                                                   checkpointing=checkpointing, **kw),
                               math_attention=not autocast)["peak"]
-    args = _paper_args(script, prompt, response, autocast, checkpointing, **({"num_prompts": kw["pairs"]} if "pairs" in kw else {}))
+    args = _paper_args(script, prompt, response, autocast, checkpointing,
+                       **({"num_prompts": kw["pairs"]} if "pairs" in kw else {}))
     step, _ = memory_plan.script_step(script, args, memory_plan.shape_of(config))
     estimate = memory_plan.learner_bytes(memory_plan.shape_of(config), step, "float32", autocast, checkpointing)
     assert abs(estimate / measured - 1) <= 0.15, (estimate / GB, measured / GB)
@@ -285,8 +296,10 @@ def test_plan_line_and_refusal_with_hand_made_numbers():
                "(CUDA contexts 1.0 + the sampler's push clones 0.6 + fragmentation 1.3) of 24 GB")
     alone = memory_plan.Headroom(contexts=1, push_clones=0, fragmentation=1.25e9)
     line = memory_plan.plan_line(12e9, 68e9, 0.5e9, 80e9, alone, sampler_total=80e9, sampler_room=1.9e9)
-    assert line.startswith("memory plan: learner ~12.0 GB + transfer 0.5 GB + headroom 1.8 GB (CUDA context 0.5 + fragmentation 1.2) of 80 GB; ")
-    assert line.endswith("sampler 68.0 GB + its CUDA context and push buffers 1.9 GB (the sampler's on its own GPU of 80 GB)")
+    assert line.startswith("memory plan: learner ~12.0 GB + transfer 0.5 GB + headroom 1.8 GB "
+                           "(CUDA context 0.5 + fragmentation 1.2) of 80 GB; ")
+    assert line.endswith("sampler 68.0 GB + its CUDA context and push buffers 1.9 GB "
+                         "(the sampler's on its own GPU of 80 GB)")
     line = memory_plan.refusal(33.6e9, 2.0e9, 0.5e9, 24e9, ["--gradient-checkpointing", "--placement separate"], room)
     assert line.startswith("error: memory plan: learner ~33.6 GB + sampler 2.0 GB + transfer 0.5 GB + headroom 2.8 GB "
                            "(CUDA contexts 1.0 + the sampler's push clones 0.6 + fragmentation 1.3) = 38.9 GB")
@@ -311,7 +324,8 @@ def test_headroom_budgets_contexts_push_clones_and_fragmentation():
     """Issue 40, item 8: each part of the headroom is a budget of its own. Colocated: two CUDA contexts (vLLM's share
     does not hold its own: its snapshot follows device init), the sampler's clone of a pushed chunk and its materialised
     layer (Qwen2.5-0.5B's bf16 embedding twice, ~0.55 GB), and fragmentation, calibrated so that the one GPU measurement
-    (RLOO's learner, 12.0 GB on an H100 where the estimate is 11.6 GB) sits inside it with the allocator's reserve beside."""
+    (RLOO's learner, 12.0 GB on an H100 where the estimate is 11.6 GB) sits inside it with the allocator's reserve
+    beside."""
     embedding = QWEN.largest * 2  # bf16
     assert memory_plan.sampler_push_bytes(QWEN, "bfloat16", "colocate") == 2 * embedding
     assert abs(2 * embedding / GB - 0.545) < 0.001
@@ -320,19 +334,21 @@ def test_headroom_budgets_contexts_push_clones_and_fragmentation():
     room = memory_plan.headroom(QWEN, 11.6e9, 0.5e9, "bfloat16", "colocate")
     assert room.contexts == 2 and room.push_clones == 2 * embedding
     assert room.fragmentation == pytest.approx(memory_plan.FRAGMENTATION * 12.1e9)
-    assert room.bytes == pytest.approx(2 * memory_plan.CUDA_CONTEXT + 2 * embedding + memory_plan.FRAGMENTATION * 12.1e9)
+    assert room.bytes == pytest.approx(2 * memory_plan.CUDA_CONTEXT + 2 * embedding
+                                       + memory_plan.FRAGMENTATION * 12.1e9)
     alone = memory_plan.headroom(QWEN, 11.6e9, 0.5e9, "bfloat16", "separate")
     assert alone.contexts == 1 and alone.push_clones == 0  # the sampler's context and buffers are on its own GPU
     # the calibration: the H100's 12.0 GB is within the estimate's half of the margin; the other half is the allocator's
-    rloo = memory_plan.learner_bytes(QWEN, memory_plan.script_step("rloo", _paper_args("rloo", 256, 512, True, True), QWEN)[0],
-                                     "float32", True, True)
+    rloo = memory_plan.learner_bytes(QWEN, memory_plan.script_step("rloo", _paper_args("rloo", 256, 512, True, True),
+                                                                   QWEN)[0], "float32", True, True)
     assert f"{rloo / GB:.1f}" == "11.6"
-    assert 12.0e9 <= rloo * (1 + memory_plan.FRAGMENTATION / 2) and 12.0e9 + memory_plan.FRAGMENTATION / 2 * rloo <= rloo + room.fragmentation
+    assert (12.0e9 <= rloo * (1 + memory_plan.FRAGMENTATION / 2)
+            and 12.0e9 + memory_plan.FRAGMENTATION / 2 * rloo <= rloo + room.fragmentation)
 
 
 def test_rloo_on_a_24_gb_card_fits_with_each_budget_itemised():
-    """RLOO colocated with Qwen2.5-0.5B (its GPU defaults) on a 24 GB card: the learner, the transfer, two CUDA contexts,
-    the sampler's push clones and fragmentation leave the sampler 0.37 of the card, more than its weights, the
+    """RLOO colocated with Qwen2.5-0.5B (its GPU defaults) on a 24 GB card: the learner, the transfer, two CUDA
+    contexts, the sampler's push clones and fragmentation leave the sampler 0.37 of the card, more than its weights, the
     batch's KV cache and its overhead; the line says each part. The old sizing (0.43: 1.5 GB of headroom for all of
     it) given by hand is refused, naming the fix, which is the same run with the share the plan sizes."""
     args = _paper_args("rloo", 256, 512, True, True)
@@ -347,7 +363,8 @@ def test_rloo_on_a_24_gb_card_fits_with_each_budget_itemised():
     assert p.sampler >= memory_plan.sampler_need_bytes(QWEN, sequences, step.seq_len, "bfloat16")
     old = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.43), QWEN, 24 * GB)
     assert not old.fits and old.line.endswith("to fit: leave --sampler-gpu-memory out (the plan sizes it)"), old.line
-    assert "\n" not in old.line and "headroom 2.8 GB (CUDA contexts 1.0 + the sampler's push clones 0.5 + fragmentation 1.2)" in old.line
+    assert ("\n" not in old.line
+            and "headroom 2.8 GB (CUDA contexts 1.0 + the sampler's push clones 0.5 + fragmentation 1.2)" in old.line)
 
 
 def test_a_card_too_small_for_rloo_beside_its_sampler_is_refused_with_only_fixes_that_train_the_same():
@@ -364,7 +381,8 @@ def test_a_card_too_small_for_rloo_beside_its_sampler_is_refused_with_only_fixes
     p = memory_plan.plan("rloo", args, QWEN, 16 * GB, gpus=2)
     assert p.line.endswith("; to fit: --placement separate (the sampler on a second GPU)"), p.line
     p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 16 * GB, gpus=2)
-    assert p.fits and "(CUDA context 0.5 + fragmentation 1.2) of 16 GB; sampler 13.6 GB + its CUDA context and push buffers 1.9 GB" in p.line
+    assert p.fits and ("(CUDA context 0.5 + fragmentation 1.2) of 16 GB; "
+                       "sampler 13.6 GB + its CUDA context and push buffers 1.9 GB" in p.line)
 
 
 # PPO on Qwen2.5-0.5B with its GPU defaults on 24 GB: nothing that trains it fits (issue 49, item 7)
@@ -467,12 +485,14 @@ def test_plan_refuses_in_one_line_naming_the_flags_that_fit():
     # 40 GB: checkpointing alone
     p = memory_plan.plan("ppo", args, QWEN, 40 * GB)
     assert not p.fits and p.line.endswith("to fit: --gradient-checkpointing"), p.line
-    # RLOO with the memory defaults but --sampler-gpu-memory 0.8 on 24 GB: leave it out, or a second GPU where there is one
-    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8, placement="colocate"), QWEN, 24 * GB)
+    # RLOO with the memory defaults but --sampler-gpu-memory 0.8 on 24 GB: leave it out, or a second GPU where there
+    # is one
+    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8,
+                                             placement="colocate"), QWEN, 24 * GB)
     assert not p.fits
     assert "leave --sampler-gpu-memory out" in p.line and "--placement separate" not in p.line  # one GPU: refused there
-    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8, placement="colocate"), QWEN, 24 * GB,
-                         gpus=2)
+    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8,
+                                             placement="colocate"), QWEN, 24 * GB, gpus=2)
     assert "leave --sampler-gpu-memory out" in p.line and "--placement separate" in p.line
     # separate: the learner's GPU holds the learner and the transfer, the sampler its default 0.85 of the next
     p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 24 * GB)
@@ -507,17 +527,20 @@ def _suggested_command_lines() -> dict[str, set[str]]:
     for script in ("rloo", "dpo", "pipeline", "ppo"):
         prompt, response = dict(rloo=(256, 512), dpo=(512, 512), pipeline=(512, 1024), ppo=(512, 1024))[script]
         lines[script] = set()
-        for autocast, checkpointing, extra in [(False, False, {}), (True, False, {}), (False, True, {}), (True, True, {}),
-                                               (True, True, {"sampler_gpu_memory": 0.8})]:
+        for autocast, checkpointing, extra in [(False, False, {}), (True, False, {}), (False, True, {}),
+                                               (True, True, {}), (True, True, {"sampler_gpu_memory": 0.8})]:
             for total_gb in (8, 12, 24, 40):
-                for fix in memory_plan.fixes(script, _paper_args(script, prompt, response, autocast, checkpointing, **extra), QWEN,
-                                             total_gb * GB, "colocate", gpus=2):
+                for fix in memory_plan.fixes(script, _paper_args(script, prompt, response, autocast, checkpointing,
+                                                                 **extra),
+                                             QWEN, total_gb * GB, "colocate", gpus=2):
                     if not fix.startswith("leave "):
                         lines[script].add(fix.split(" (")[0])
     doc = (Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
-    lines["all"] = {span.replace(" N", " 4096") for span in re.findall(r"`(--[^`]*)`", doc)  # (`--micro-batch-tokens N`)
+    lines["all"] = {span.replace(" N", " 4096")
+                    for span in re.findall(r"`(--[^`]*)`", doc)  # (`--micro-batch-tokens N`)
                     if span.split()[0] in ("--gradient-checkpointing", "--autocast-bf16", "--no-autocast-bf16")
-                    or (span.split()[0] in ("--placement", "--micro-batch-tokens") and " " in span)}  # (not a flag's mere name)
+                    or (span.split()[0] in ("--placement", "--micro-batch-tokens")
+                        and " " in span)}  # (not a flag's mere name)
     return lines
 
 
@@ -559,7 +582,8 @@ def test_docs_memory_table_is_the_plan_the_code_prints():
         if len(cells) == 3 and cells[0] in names and cells[1].count("`") == 2:
             script = names[cells[0]]
             for cell, total_gb in zip(cells[1:], (24, 80)):
-                line = memory_plan.plan(script, _paper_args(script, *sizes[script], True, True), QWEN, total_gb * GB).line
+                line = memory_plan.plan(script, _paper_args(script, *sizes[script], True, True), QWEN,
+                                        total_gb * GB).line
                 assert cell.split("`")[1] in line and line.endswith(cell.split("`")[1]), (script, total_gb, line)
                 checked += 1
     assert checked == 8
@@ -569,10 +593,12 @@ def test_the_vocabulary_part_is_planned_on_the_completions_positions_only():
     """common.token_logprobs projects only the completion's positions onto the vocabulary: a plan for a 1,024-token
     prompt and a 32-token answer counts 32 positions' logits (SmolLM2's 49,152 vocabulary: 16 rows x 32 x 4 bytes x V,
     under the chunk cap), not 1,056; the backbone's hidden state still covers every position."""
-    s = memory_plan.Shape(params=135_000_000, critic_params=107_000_000, largest=28_311_552, layers=30, hidden=576, intermediate=1536, heads=9, kv_dim=192, vocab=49_152)
+    s = memory_plan.Shape(params=135_000_000, critic_params=107_000_000, largest=28_311_552, layers=30, hidden=576,
+                          intermediate=1536, heads=9, kv_dim=192, vocab=49_152)
     plain = memory_plan.head_bytes(s, rows=16, seq_len=1056, phase="forward", completion_len=32)
     assert plain == 4 * (4 * 16 * 32 * s.vocab) + 2 * 4 * 16 * 1056 * s.hidden
     assert memory_plan.head_bytes(s, rows=16, seq_len=1056, phase="forward") == \
         4 * min(memory_plan.LOGIT_CHUNK_BYTES, 4 * 16 * 1056 * s.vocab) + 2 * 4 * 16 * 1056 * s.hidden
     step = memory_plan.Step(16, 1056, (s.params,), top_p=0.95)
-    assert memory_plan.learner_bytes(s, dataclasses.replace(step, completion_len=32)) < memory_plan.learner_bytes(s, step)
+    assert (memory_plan.learner_bytes(s, dataclasses.replace(step, completion_len=32))
+            < memory_plan.learner_bytes(s, step))
