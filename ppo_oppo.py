@@ -29,7 +29,7 @@ from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
 import tasks
-from common import truncated_is_weights  # (shared with rloo_kreuse, pipeline_rl)
+from common import scheduled_learning_rate, truncated_is_weights  # (shared with the other scripts)
 from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 from fastrl.run import Run, RunArgs
 
@@ -199,11 +199,6 @@ def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, de
     change = max(1, delta // 4)
     direction = (1 if d > 0 else -1) if rule == "eq4" else -int(np.sign(d))
     return int(np.clip(delta + direction * change, delta_min, delta_max)), rewards[-window:]
-
-
-def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
-    """Constant, or TRL's linear decay to 0 (HF's linear schedule, no warmup, stepped once a round)."""
-    return learning_rate if schedule == "constant" else learning_rate * max(0.0, 1 - round_index / num_rounds)
 
 
 @dataclass
