@@ -1,13 +1,12 @@
 """PPO with OPPO's pipeline overlap (Algorithm 1, Eq. 1-4). Paper: Yan et al., "OPPO: Accelerating PPO-based RLHF
-via Pipeline Overlap", arXiv:2509.25762.
-
-PPO as TRL's PPOTrainer (OPPO's base): the actor (the vLLM sampler) generates; the critic (a value head), the frozen
-reference and the reward (the task's verifier or --reward-model) score; GAE on per-token rewards with the KL penalty
-folded in; clipped surrogate and value loss over epochs x minibatches. OPPO's overlaps (both off: plain PPO): intra-step
-(--no-intra) streams each response in chunks of C tokens and prefills each new chunk into the downstream models on
-their cached prefix while the sampler decodes the next (C tuned); inter-step (--no-inter) over-commits B + Delta
-prompts, trains on the first B to finish and carries the others, paused with their partial generation, into the next
-round (Delta follows the reward trend). A round is the paper's training step; a step is one optimizer.step().
+via Pipeline Overlap", arXiv:2509.25762. PPO as TRL's PPOTrainer (OPPO's base): the actor (the vLLM sampler)
+generates; the critic (a value head), the frozen reference and the reward (the task's verifier or --reward-model)
+score; GAE on per-token rewards with the KL penalty folded in; clipped surrogate and value loss over epochs x
+minibatches. OPPO's overlaps (both off: plain PPO): intra-step (--no-intra) streams each response in chunks of C tokens
+and prefills each new chunk into the downstream models on their cached prefix while the sampler decodes the next (C
+tuned); inter-step (--no-inter) over-commits B + Delta prompts, trains on the first B to finish and carries the others,
+paused, into the next round (Delta follows the reward trend). A round is the paper's training step; a step is one
+optimizer.step().
 
     python ppo_oppo.py --model tiny                           # OPPO
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
@@ -275,17 +274,14 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
         ids[i, :len(t)] = torch.tensor(t)
         attention[i, P - p.length: P + len(t)] = 1
         positions[i] = torch.arange(p.length, p.length + N)
-    cache = DynamicCache()
-    if P:
-        layers = []
-        for layer, (k0, v0) in enumerate(next(p.kv for p in prefixes if p.kv)):
-            keys = k0.new_zeros((b, k0.shape[0], P, k0.shape[2]))
-            values = v0.new_zeros((b, v0.shape[0], P, v0.shape[2]))
-            for i, p in enumerate(prefixes):
-                if p.length:
-                    keys[i, :, P - p.length:], values[i, :, P - p.length:] = p.kv[layer]
-            layers.append((keys, values))
-        cache = DynamicCache(layers)
+    layers = []  # the cached prefixes, left-padded to P (none before the first chunk)
+    for layer, (k0, v0) in enumerate(next(p.kv for p in prefixes if p.kv) if P else []):
+        keys, values = (x.new_zeros((b, x.shape[0], P, x.shape[2])) for x in (k0, v0))
+        for i, p in enumerate(prefixes):
+            if p.length:
+                keys[i, :, P - p.length:], values[i, :, P - p.length:] = p.kv[layer]
+        layers.append((keys, values))
+    cache = DynamicCache(layers) if P else DynamicCache()
     out = body(input_ids=ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
                past_key_values=cache, use_cache=True)
     hidden, kv = [], []
@@ -294,13 +290,6 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
         kv.append([(layer.keys[i][:, rows], layer.values[i][:, rows]) for layer in out.past_key_values.layers])
         hidden.append(out.last_hidden_state[i, :len(t)])
     return hidden, kv
-
-
-def prefilled(model, hidden: torch.Tensor):
-    """The reference as common.token_logprobs reads it (decoder, lm_head) on a cached prefill's decoder output."""
-    decoder = lambda **inputs: SimpleNamespace(last_hidden_state=hidden)
-    return SimpleNamespace(config=model.config, get_output_embeddings=model.get_output_embeddings,
-                           get_decoder=lambda: decoder)
 
 
 @torch.no_grad()
@@ -322,8 +311,10 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
                 first = p.last_hidden is None
                 states = h if first else torch.cat([p.last_hidden[None], h])
                 ids = torch.tensor([r.tokens[0 if first else p.length - 1: p.length + len(t)]], device=h.device)
-                ones = torch.ones_like(ids)
-                logp = common.token_logprobs(prefilled(model, states[None]), ids, ones, ones, temperature, top_p=top_p)
+                ones, decoded = torch.ones_like(ids), SimpleNamespace(last_hidden_state=states[None])
+                prefilled = SimpleNamespace(config=model.config, get_output_embeddings=model.get_output_embeddings,
+                                            get_decoder=lambda: lambda **inputs: decoded)  # as token_logprobs reads it
+                logp = common.token_logprobs(prefilled, ids, ones, ones, temperature, top_p=top_p)
                 p.per_token.append(torch.cat([logp.new_zeros(1), logp[0]]) if first else logp[0])
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
@@ -512,7 +503,7 @@ class Batch(common.Batch):
 def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibatch: list[int], args: Args,
                     logprob_diff: bool = False):
     """A micro-batch's PPO loss (Eq. 2 + vf_coef x value loss; mb.items index `minibatch`), its response tokens and
-    the token sums of the stats (`logprob_diff`: |learner - sampler| on the fresh tokens)."""
+    the stats' token sums (`logprob_diff`: |learner - sampler| on the fresh tokens)."""
     rows, width = [minibatch[i] for i in mb.items], mb.width
     ids, attn, cmask = (x[rows, :width] for x in (batch.input_ids, batch.attention_mask, batch.completion_mask))
     cut = lambda x: None if x is None else x[rows, :width - 1]
@@ -524,9 +515,8 @@ def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibat
     mask = cmask[:, 1:].float()
     pg, vf, stats = ppo_losses(logp, cut(batch.old_logp), cut(batch.advantages), values_pred, cut(batch.values),
                                cut(batch.returns), mask, args.clip_coef, args.vf_clip, is_weights=cut(batch.tis))
-    tokens = mask.sum()
-    n = tokens.item()
-    out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / tokens).items()}
+    n = mask.sum().item()
+    out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / mask.sum()).items()}
     out["tokens"] = n
     if logprob_diff:
         fresh = cut(batch.fresh) * mask
@@ -546,10 +536,8 @@ def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str
     critic = util.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
                           num_labels=1, flag=flag, dtype=dtype).to(device)
     ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
-    rm = None
-    if reward_model:
-        rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
-                          dtype="auto").to(device).eval().requires_grad_(False)
+    rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
+                      dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None
     return policy, critic, ref_policy, rm
 
 
