@@ -303,6 +303,15 @@ def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int)
     return outputs
 
 
+def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
+    """The learning rate of round `round_index` (0-based), for all its steps (ppo_oppo, online_dpo_async): constant,
+    or a linear decay to 0, lr * (1 - round_index / num_rounds) (HF's linear schedule without warmup, one step a
+    round: docs/defaults.md)."""
+    if schedule == "constant":
+        return learning_rate
+    return learning_rate * max(0.0, 1 - round_index / num_rounds)
+
+
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """charts/kl in every script: KL(pi || pi_ref) of the sampled responses, estimated with k3 = r - log r - 1
     (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import common
 import tasks
+from common import scheduled_learning_rate  # (shared with ppo_oppo)
 from fastrl import checks
 from fastrl.run import Run, RunArgs
 
@@ -196,14 +197,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, *, beta: 
     if loss_type == "dpo":
         return -F.logsigmoid(beta * h), beta * h
     return (h - 1 / (2 * beta)) ** 2, beta * h
-
-
-def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
-    """The learning rate of round `round_index` (0-based), for all its N steps: constant, or a linear decay to 0, lr *
-    (1 - round_index / num_rounds) (HF's linear schedule without warmup, one step a round: docs/defaults.md)."""
-    if schedule == "constant":
-        return learning_rate
-    return learning_rate * max(0.0, 1 - round_index / num_rounds)
 
 
 # ALGO LOGIC: one DPO step's loss on a micro-batch of whole pairs (main() adds them up to the minibatch's gradient)

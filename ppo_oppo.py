@@ -1,13 +1,12 @@
 """PPO with OPPO's pipeline overlap (Algorithm 1, Eq. 1-4). Paper: Yan et al., "OPPO: Accelerating PPO-based RLHF
-via Pipeline Overlap", arXiv:2509.25762.
-
-PPO as TRL's PPOTrainer (OPPO's base): the actor (the vLLM sampler) generates; the critic (a value head), the frozen
-reference and the reward (the task's verifier or --reward-model) score; GAE on per-token rewards with the KL penalty
-folded in; clipped surrogate and value loss over epochs x minibatches. OPPO's overlaps (both off: plain PPO): intra-step
-(--no-intra) streams each response in chunks of C tokens and prefills each new chunk into the downstream models on
-their cached prefix while the sampler decodes the next (C tuned); inter-step (--no-inter) over-commits B + Delta
-prompts, trains on the first B to finish and carries the others, paused with their partial generation, into the next
-round (Delta follows the reward trend). A round is the paper's training step; a step is one optimizer.step().
+via Pipeline Overlap", arXiv:2509.25762. PPO as TRL's PPOTrainer (OPPO's base): the actor (the vLLM sampler)
+generates; the critic (a value head), the frozen reference and the reward (the task's verifier or --reward-model)
+score; GAE on per-token rewards with the KL penalty folded in; clipped surrogate and value loss over epochs x
+minibatches. OPPO's overlaps (both off: plain PPO): intra-step (--no-intra) streams each response in chunks of C tokens
+and prefills each new chunk into the downstream models on their cached prefix while the sampler decodes the next (C
+tuned); inter-step (--no-inter) over-commits B + Delta prompts, trains on the first B to finish and carries the others,
+paused, into the next round (Delta follows the reward trend). A round is the paper's training step; a step is one
+optimizer.step().
 
     python ppo_oppo.py --model tiny                           # OPPO
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
@@ -29,7 +28,7 @@ from transformers import AutoModelForSequenceClassification, DynamicCache
 
 import common
 import tasks
-from common import truncated_is_weights  # (shared with rloo_kreuse, pipeline_rl)
+from common import scheduled_learning_rate, truncated_is_weights  # (shared with the other scripts)
 from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
 from fastrl.run import Run, RunArgs
 
@@ -81,12 +80,10 @@ class Args(RunArgs):
     top_p: float = 1.0
     """nucleus sampling, the learner's logprobs too (the logprob contract) [TRL's PPOTrainer samples without one]"""
     tis: Literal["auto", "on", "off"] = "auto"
-    """training-inference mismatch correction: on (auto: when the sampler's numbers differ from the learner's, e.g. a
-    bf16 sampler), PPO's old logprobs are the learner's own and each token's policy loss is weighted by min(pi_old /
-    pi_sampler, --tis-cap) (verl, open-instruct; it corrects carried sequences' staleness too); off: the sampler's"""
+    """mismatch correction: on (auto: when the sampler's precision differs from the learner's), pi_old is the learner's
+    and each token's policy loss is weighted by min(pi_old / pi_sampler, --tis-cap) (carried staleness too); off"""
     tis_cap: float = 2.0
-    """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16's GRPOTrainer zeroes a
-    weight above its vllm_importance_sampling_clip_max 3.0 instead)"""
+    """C, the truncated importance weight's cap (verl's rollout_is_threshold; TRL's differs: docs/defaults.md)"""
     request_seeds: bool = False
     """seed every request (from --seed and its problem): its tokens then do not depend on the other requests (slower)"""
     max_new_tokens: int = 32
@@ -202,15 +199,9 @@ def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, de
     return int(np.clip(delta + direction * change, delta_min, delta_max)), rewards[-window:]
 
 
-def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
-    """Constant, or TRL's linear decay to 0 (HF's linear schedule, no warmup, stepped once a round)."""
-    return learning_rate if schedule == "constant" else learning_rate * max(0.0, 1 - round_index / num_rounds)
-
-
 @dataclass
 class Overlap:
-    """OPPO's state from round to round (rank 0 acts on it; checkpoints keep it but the tuner's timings): Delta and
-    the round rewards its controller reads, C, the sizes the tuner tries and their seconds, the next prompt to admit."""
+    """OPPO's state from round to round, rank 0's (checkpointed but the tuner's seconds): Delta, C, the next prompt."""
 
     delta: int
     chunk: int
@@ -275,8 +266,8 @@ class Rollout:
 
 
 def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
-    """Run a decoder on each sequence's new tokens on top of its cached prefix, in one batch (prefixes left-padded to
-    a common length P, new tokens right-padded, explicit positions): each one's new hidden states and extended cache."""
+    """A decoder on each sequence's new tokens on top of its cached prefix, batched (prefixes left-padded to length P,
+    new tokens right-padded, explicit positions): each one's new hidden states and extended cache."""
     device = next(body.parameters()).device
     b, P, N = len(prefixes), max(p.length for p in prefixes), max(len(t) for t in new_tokens)
     ids, attention, positions = (torch.zeros((b, n), dtype=torch.long) for n in (N, P + N, N))
@@ -284,17 +275,14 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
         ids[i, :len(t)] = torch.tensor(t)
         attention[i, P - p.length: P + len(t)] = 1
         positions[i] = torch.arange(p.length, p.length + N)
-    cache = DynamicCache()
-    if P:
-        layers = []
-        for layer, (k0, v0) in enumerate(next(p.kv for p in prefixes if p.kv)):
-            keys = k0.new_zeros((b, k0.shape[0], P, k0.shape[2]))
-            values = v0.new_zeros((b, v0.shape[0], P, v0.shape[2]))
-            for i, p in enumerate(prefixes):
-                if p.length:
-                    keys[i, :, P - p.length:], values[i, :, P - p.length:] = p.kv[layer]
-            layers.append((keys, values))
-        cache = DynamicCache(layers)
+    layers = []  # the cached prefixes, left-padded to P (none before the first chunk)
+    for layer, (k0, v0) in enumerate(next(p.kv for p in prefixes if p.kv) if P else []):
+        keys, values = (x.new_zeros((b, x.shape[0], P, x.shape[2])) for x in (k0, v0))
+        for i, p in enumerate(prefixes):
+            if p.length:
+                keys[i, :, P - p.length:], values[i, :, P - p.length:] = p.kv[layer]
+        layers.append((keys, values))
+    cache = DynamicCache(layers) if P else DynamicCache()
     out = body(input_ids=ids.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
                past_key_values=cache, use_cache=True)
     hidden, kv = [], []
@@ -305,19 +293,11 @@ def extend_prefix(body, prefixes: list[Prefix], new_tokens: list[list[int]]):
     return hidden, kv
 
 
-def prefilled(model, hidden: torch.Tensor):
-    """The reference as common.token_logprobs reads it (decoder, lm_head) with a cached prefill's decoder output (not
-    callable: logits that are more than lm_head(hidden), e.g. softcapped, cannot be prefilled in chunks)."""
-    decoder = lambda **inputs: SimpleNamespace(last_hidden_state=hidden)
-    return SimpleNamespace(config=model.config, get_output_embeddings=model.get_output_embeddings,
-                           get_decoder=lambda: decoder)
-
-
 @torch.no_grad()
 def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro_batch_size: int,
             top_p: float = 1.0) -> None:
-    """Prefill the rollouts' tokens `model` has not seen on top of their cached prefix, keeping per position the
-    critic's value, the reference's logprob (the logprob contract) or the reward model's score (see rm_position)."""
+    """Prefill the tokens `model` has not seen on their cached prefix, keeping per position the critic's value, the
+    reference's logprob (the logprob contract) or the reward model's score."""
     todo = sorted((r for r in rollouts if r.num_tokens > r.prefix[name].length),
                   key=lambda r: (r.num_tokens - r.prefix[name].length, r.prefix[name].length))
     for start in range(0, len(todo), micro_batch_size):
@@ -332,23 +312,24 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
                 first = p.last_hidden is None
                 states = h if first else torch.cat([p.last_hidden[None], h])
                 ids = torch.tensor([r.tokens[0 if first else p.length - 1: p.length + len(t)]], device=h.device)
-                ones = torch.ones_like(ids)
-                logp = common.token_logprobs(prefilled(model, states[None]), ids, ones, ones, temperature, top_p=top_p)
+                ones, decoded = torch.ones_like(ids), SimpleNamespace(last_hidden_state=states[None])
+                prefilled = SimpleNamespace(config=model.config, get_output_embeddings=model.get_output_embeddings,
+                                            get_decoder=lambda: lambda **inputs: decoded)  # as token_logprobs reads it
+                logp = common.token_logprobs(prefilled, ids, ones, ones, temperature, top_p=top_p)
                 p.per_token.append(torch.cat([logp.new_zeros(1), logp[0]]) if first else logp[0])
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
 
 def rm_position(tokens: list[int], pad_token_id: int | None) -> int:
-    """Where a transformers sequence classifier reads its score: the rightmost token that is not its pad id, whatever
-    the mask (pad == eos: a response ending in EOS is scored before it); no pad id: the last; all pads: 0."""
+    """Where a transformers sequence classifier reads its score: the rightmost token not its pad id (pad == eos: before
+    an ending EOS), whatever the mask; no pad id: the last; all pads: 0."""
     if pad_token_id is None:
         return len(tokens) - 1
     return next((i for i in range(len(tokens) - 1, -1, -1) if tokens[i] != pad_token_id), 0)
 
 
 def scored(r: Rollout, name: str, model) -> torch.Tensor:
-    """What downstream model `name` gave for the response: the critic's V(s_t) for every response token's state, the
-    reference's logprob of every response token, or the RM score (= transformers' model(tokens).logits)."""
+    """Model `name`'s output for the response: the critic's V(s_t), the reference's token logprobs, or the RM score."""
     outputs = torch.cat(r.prefix[name].per_token)
     if name == "rm":
         return outputs[rm_position(r.tokens, model.config.get_text_config().pad_token_id)].squeeze()
@@ -363,8 +344,7 @@ def critic_values(critic, input_ids, attention_mask, completion_mask):
 
 
 class OPPOBuffer:
-    """Algorithm 1's buffer (rank 0's): the sequences in flight (by request id, in admission order), the finished ones
-    not yet trained on, and their downstream scoring."""
+    """Algorithm 1's buffer (rank 0's): the sequences in flight by request id, the finished ones, their scoring."""
 
     def __init__(self, sampler, task, tokenizer, downstream: dict, args: Args, chunk: int):
         self.sampler, self.task, self.tokenizer, self.downstream, self.args = sampler, task, tokenizer, downstream, args
@@ -374,8 +354,7 @@ class OPPOBuffer:
         self.finished: list[Rollout] = []
 
     def admit(self, keys, round_index: int) -> int:
-        """Submit these train problems' prompts, one sample each (streamed in chunks of C under --intra); returns how
-        many were skipped as longer than --max-prompt-tokens."""
+        """Submit these train problems' prompts, one sample each (streamed in chunks of C under --intra): skipped."""
         args, keys = self.args, list(keys)
         candidates = [self.task.problem("train", k) for k in keys]
         problems, prompts, skipped = tasks.encode_prompts(self.tokenizer, candidates, args.max_prompt_tokens,
@@ -423,9 +402,8 @@ class OPPOBuffer:
         return skipped
 
     def generate_until(self, n: int) -> tuple[float, int]:
-        """Stage 2: receive until n sequences have finished, under --intra prefilling every new chunk meanwhile (the
-        critic's anew: the update changed it); the unfinished ones then wait, paused with their KV cache, for the new
-        weights (inter: they carry over). Returns the seconds spent prefilling and how many wait."""
+        """Stage 2: receive until n sequences have finished, under --intra prefilling every new chunk meanwhile; the
+        others wait, paused with their KV cache, for the new weights. Returns the seconds prefilling, how many wait."""
         for r in self.inflight.values():  # (reference and reward model are frozen: their caches stay valid)
             r.prefix["critic"] = Prefix()
         launch.learner_threads(self.sampler)  # one thread: the sampler generates (intra scores alongside it)
@@ -457,9 +435,8 @@ class OPPOBuffer:
                 prefill(name, model, rollouts, self.args.temperature, self.args.micro_batch_size, self.args.top_p)
 
     def scores(self, batch: list[Rollout], run: Run):
-        """Stage 3: score what is left of the batch and read off the prefixes (freed): the scores [B] (reward model or
-        task, less --missing-eos-penalty without EOS), which lack EOS, the reference's logprobs and the critic's values
-        [B, T]. Under torchrun every rank scores its share, as many groups on each (a stand-in's on a copy)."""
+        """Stage 3: score what is left and read off the prefixes (freed): scores [B] (less --missing-eos-penalty), which
+        lack EOS, the reference's logprobs and the critic's values [B, T]. Under torchrun each rank scores its share."""
         mine = set(range(len(batch)))
         if run.dist.enabled:
             plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=self.args.micro_batch_size)
@@ -486,8 +463,7 @@ class OPPOBuffer:
 
 
 def sampler_rows(batch: list[Rollout], version: int):
-    """[B, T] response-aligned: the response mask, the sampler's logprobs and `fresh`, 1 on the tokens the current
-    weights (`version`) sampled."""
+    """[B, T] response-aligned: the mask, the sampler's logprobs, `fresh` (1 on the tokens `version` sampled)."""
     B, T = len(batch), max(len(r.response) for r in batch)
     mask, sampler_logp, fresh = (torch.zeros((B, T)) for _ in range(3))
     for i, r in enumerate(batch):
@@ -499,8 +475,7 @@ def sampler_rows(batch: list[Rollout], version: int):
 
 
 def token_aligned(x: torch.Tensor, batch: list[Rollout], inverse: bool = False) -> torch.Tensor:
-    """[B, T] response-aligned -> common.token_logprobs' layout [B, L - 1] (each response at its prompt's offset,
-    zeros elsewhere); `inverse`: back."""
+    """[B, T] response-aligned -> common.token_logprobs' layout [B, L - 1] (zeros elsewhere); `inverse`: back."""
     out = torch.zeros((len(batch), max(len(r.response) if inverse else r.num_tokens - 1 for r in batch)))
     for i, r in enumerate(batch):
         response, in_rows = slice(0, len(r.response)), slice(len(r.prompt) - 1, r.num_tokens - 1)
@@ -511,8 +486,7 @@ def token_aligned(x: torch.Tensor, batch: list[Rollout], inverse: bool = False) 
 # ALGO LOGIC: one minibatch step's loss on a micro-batch (main() adds the micro-batches up to the minibatch's gradient)
 @dataclass
 class Batch(common.Batch):
-    """The PPO batch on the learner (common.Batch: padded rows, mask, the sampler's logprobs) and main()'s per-token
-    tensors in its layout; `fresh`: 1 on the tokens the current weights sampled."""
+    """The PPO batch on the learner (common.Batch: padded rows, mask, the sampler's logprobs) with main()'s tensors."""
 
     old_logp: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
@@ -529,8 +503,8 @@ class Batch(common.Batch):
 
 def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibatch: list[int], args: Args,
                     logprob_diff: bool = False):
-    """A micro-batch's PPO loss (Eq. 2 + vf_coef x value loss; mb.items index `minibatch`, rows of the batch), its
-    response tokens and the token sums of the stats (`logprob_diff`: |learner - sampler| on the fresh tokens)."""
+    """A micro-batch's PPO loss (Eq. 2 + vf_coef x value loss; mb.items index `minibatch`), its response tokens and
+    the stats' token sums (`logprob_diff`: |learner - sampler| on the fresh tokens)."""
     rows, width = [minibatch[i] for i in mb.items], mb.width
     ids, attn, cmask = (x[rows, :width] for x in (batch.input_ids, batch.attention_mask, batch.completion_mask))
     cut = lambda x: None if x is None else x[rows, :width - 1]
@@ -542,9 +516,8 @@ def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibat
     mask = cmask[:, 1:].float()
     pg, vf, stats = ppo_losses(logp, cut(batch.old_logp), cut(batch.advantages), values_pred, cut(batch.values),
                                cut(batch.returns), mask, args.clip_coef, args.vf_clip, is_weights=cut(batch.tis))
-    tokens = mask.sum()
-    n = tokens.item()
-    out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / tokens).items()}
+    n = mask.sum().item()
+    out = {k: v.item() * n for k, v in dict(policy=pg, value=vf, **stats, entropy=entropy.sum() / mask.sum()).items()}
     out["tokens"] = n
     if logprob_diff:
         fresh = cut(batch.fresh) * mask
@@ -564,16 +537,13 @@ def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str
     critic = util.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
                           num_labels=1, flag=flag, dtype=dtype).to(device)
     ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
-    rm = None
-    if reward_model:
-        rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
-                          dtype="auto").to(device).eval().requires_grad_(False)
+    rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
+                      dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None
     return policy, critic, ref_policy, rm
 
 
 def load_models(args: Args, run: Run, tokenizer):
-    """The actor (the sampler's), the downstream models (critic, reference, reward model), the trained pair (actor +
-    critic: what checkpoints hold) and its Adam. Reward and critic models must read the actor's token ids."""
+    """The actor, the downstream models (critic, reference, reward model), the trained pair (actor + critic), Adam."""
     for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
         checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
                           "must share the policy's tokenizer: it reads the actor's token ids as they stream")

@@ -22,13 +22,14 @@ import tyro
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from fastrl import launch, runlog  # noqa: E402
+from fastrl import runlog  # noqa: E402
 
-# the papers' regime: rounds of 4 responses with a longer forced tail (scale 8: median 18 tokens), so that a round waits on its
-# longest answer while scoring and training stay small: generation measured 71-73% of a plain PPO round on 2 cores (batch 32 at
-# scale 4: 49%; 16 at scale 8: 54%; 8 at scale 8: 64-65%); docs/results.md
+# the papers' regime: rounds of 4 responses with a longer forced tail (scale 8: median 18 tokens), so that a round
+# waits on its longest answer while scoring and training stay small: generation measured 71-73% of a plain PPO round
+# on 2 cores (batch 32 at scale 4: 49%; 16 at scale 8: 54%; 8 at scale 8: 64-65%); docs/results.md
 REGIME = ("--long-tail 0.8 --long-tail-scale 8 --max-new-tokens 96", "--batch-size 4 --num-ppo-epochs 1")
-VARIANTS = {"plain PPO": ["--no-intra", "--no-inter"], "intra only": ["--no-inter"], "inter only": ["--no-intra"], "OPPO": []}
+VARIANTS = {"plain PPO": ["--no-intra", "--no-inter"], "intra only": ["--no-inter"], "inter only": ["--no-intra"],
+            "OPPO": []}
 
 
 @dataclass
@@ -41,14 +42,16 @@ class Args:
     config: str = "--batch-size 32 --num-ppo-epochs 1"
     """PPO flags shared by every variant"""
     regime: bool = False
-    """the papers' regime instead of --workload/--config: REGIME (generation as much of a plain round as this machine allows)"""
+    """the papers' regime instead of --workload/--config: REGIME (generation as much of a plain round as this machine
+    allows)"""
     plot: str = "docs/ppo_oppo_ablation.png"
     """where to write the reward curves (empty: no plot)"""
 
 
 def run(label: str, args: Args) -> dict:
     flags = ["--num-rounds", str(args.num_rounds), "--seed", str(args.seed), "--eval-problems", "50",
-             "--exp-name", "oppo_bench_" + label.replace(" ", "_"), *args.config.split(), *args.workload.split(), *VARIANTS[label]]
+             "--exp-name", "oppo_bench_" + label.replace(" ", "_"), *args.config.split(), *args.workload.split(),
+             *VARIANTS[label]]
     print(f"running {label}: ppo_oppo.py {' '.join(flags)}", flush=True)
     out = subprocess.run([sys.executable, str(ROOT / "ppo_oppo.py"), *flags], cwd=ROOT, capture_output=True, text=True)
     if out.returncode != 0:
@@ -57,8 +60,9 @@ def run(label: str, args: Args) -> dict:
     rows = [r for r in runlog.read_metrics(run_dir) if "time/round_seconds" in r]
     mean = lambda k: float(np.mean([r[k] for r in rows]))  # noqa: E731
     return dict(label=label, dir=run_dir, round=mean("time/round_seconds"), generate=mean("time/generate_seconds"),
-                exposed=mean("time/score_exposed_seconds"), hidden=mean("time/score_hidden_seconds"), train=mean("time/train_seconds"),
-                push=mean("time/push_seconds"), reward=mean("charts/reward"), reward_last=float(np.mean([r["charts/reward"] for r in rows[-10:]])),
+                exposed=mean("time/score_exposed_seconds"), hidden=mean("time/score_hidden_seconds"),
+                train=mean("time/train_seconds"), push=mean("time/push_seconds"), reward=mean("charts/reward"),
+                reward_last=float(np.mean([r["charts/reward"] for r in rows[-10:]])),
                 delta=mean("charts/delta"), carried=mean("charts/carried_in_batch"), lag=mean("charts/lag_mean"))
 
 
@@ -84,14 +88,18 @@ def main():
 
         dirs, labels = [r["dir"] for r in results], [r["label"] for r in results]
         out = Path(args.plot)
-        plot_runs.plot(dirs, ["charts/reward"], x="step", out=ROOT / out.with_name(out.stem + "_steps.png"), labels=labels, smooth=5)
+        plot_runs.plot(dirs, ["charts/reward"], x="step", out=ROOT / out.with_name(out.stem + "_steps.png"),
+                       labels=labels, smooth=5)
         plot_runs.plot(dirs, ["charts/reward"], x="wall", out=ROOT / out, labels=labels, smooth=5)
         print(f"reward curves: {out} (wall-clock), {out.with_name(out.stem + '_steps.png')} (optimizer steps)")
-    # last: against the best baseline, plain PPO, whose sampler and learner each use every core in turn (launch.sampler_threads);
-    # the ideal hides all generation behind the rest of the round, or the rest behind generation
+    # last: against the best baseline, plain PPO, whose sampler and learner each use every core in turn
+    # (launch.sampler_threads); the ideal hides all generation behind the rest of the round, or the rest behind
+    # generation
     rest = plain["round"] - plain["generate"]
-    print(f"speed-up against the best baseline at equal hardware (plain PPO, every core in turn): OPPO {plain['round'] / oppo['round']:.2f}x "
-          f"per round (ideal {plain['round'] / max(plain['generate'], rest):.2f}x: perfect overlap, from plain PPO's phase times)")
+    print(f"speed-up against the best baseline at equal hardware (plain PPO, every core in turn): OPPO "
+          f"{plain['round'] / oppo['round']:.2f}x per round "
+          f"(ideal {plain['round'] / max(plain['generate'], rest):.2f}x: "
+          f"perfect overlap, from plain PPO's phase times)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """PPO with OPPO: chunked prefill = full forward for critic, reference (top-p) and a reward model,
 and the RM score = transformers' with pad == eos; GAE, the PPO losses and TIS by hand; NaN steps
-skipped; the flags' defaults and checks; the Delta controller and chunk tuner on scripted inputs; carried-over sequences resuming on
-the real sampler; OPPO at Delta 0 = plain PPO; every ablation and the realistic model from the
-command line."""
+skipped; the flags' defaults and checks; the Delta controller and chunk tuner on scripted inputs;
+carried-over sequences resuming on the real sampler; OPPO at Delta 0 = plain PPO; every ablation and
+the realistic model from the command line."""
 
 import copy
 import json
@@ -26,7 +26,8 @@ def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, ti
     rm_score = util.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
     _, critic, _, rm = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
     assert torch.equal(critic.score.weight, rm_score) and critic.score.weight.data_ptr() != rm.score.weight.data_ptr()
-    _, critic, _, _ = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model, critic_model=tiny_path)
+    _, critic, _, _ = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model,
+                                       critic_model=tiny_path)
     assert not torch.equal(critic.score.weight, rm_score)  # --critic-model: the policy's checkpoint, a fresh head
     _, critic, _, rm = po.load_networks(tiny_path, "cpu", torch.float32)
     assert rm is None and not torch.equal(critic.score.weight, rm_score)
@@ -46,7 +47,8 @@ def test_chunked_prefill_equals_full_forward(tiny_path, tokenizer, tiny_reward_m
     models = dict(critic=critic, ref=ref, rm=rm)
     prompts = [tokenizer(p)["input_ids"] for p in ("1 2 3->6:", "4 5 9->20:", "7 8 9->56:")]
     responses = [torch.randint(3, len(tokenizer), (n,)).tolist() for n in (13, 5, 21)]
-    rollouts = [po.Rollout(str(i), i, None, p, 0, prefix={name: po.Prefix() for name in models}) for i, p in enumerate(prompts)]
+    rollouts = [po.Rollout(str(i), i, None, p, 0, prefix={name: po.Prefix() for name in models})
+                for i, p in enumerate(prompts)]
     for name, model in models.items():  # the prompts, before any response token
         po.prefill(name, model, rollouts, 0.7, micro_batch_size=2, top_p=0.9)
     done = [0, 0, 0]
@@ -144,8 +146,8 @@ def test_chunk_tuner_tries_every_candidate_then_keeps_the_fastest():
 
 
 def test_overlap_state_runs_both_controllers_as_the_loop_did():
-    """main()'s OPPO state object: next_chunk at a round's start and update after its PPO step give the chunk schedule of
-    the tuner above and the Delta trace of next_delta, from one object a checkpoint saves."""
+    """main()'s OPPO state object: next_chunk at a round's start and update after its PPO step give the chunk schedule
+    of the tuner above and the Delta trace of next_delta, from one object a checkpoint saves."""
     args = po.Args(delta=8, delta_window=2, delta_min=0, delta_max=16, delta_rule="eq4", chunk_tune_every=6)
     overlap = po.Overlap(args.delta, 8, (4, 8, 16))
     fake_seconds, used, deltas = {4: 0.9, 8: 0.5, 16: 0.7}, [], []
@@ -204,7 +206,8 @@ def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_pa
         alone = torch.stack([rm(input_ids=torch.tensor([seq])).logits[0, 0] for seq in sequences])
         right_padded = rm(input_ids=right, attention_mask=right_mask).logits[:, 0]
         left_padded = rm(input_ids=left, attention_mask=left_mask).logits[:, 0]
-        at_eos = torch.stack([rm.score(rm.model(input_ids=torch.tensor([seq])).last_hidden_state)[0, -1, 0] for seq in sequences])
+        at_eos = torch.stack([rm.score(rm.model(input_ids=torch.tensor([seq])).last_hidden_state)[0, -1, 0]
+                              for seq in sequences])
     torch.testing.assert_close(ours, alone, atol=1e-4, rtol=0)
     torch.testing.assert_close(ours, right_padded, atol=1e-4, rtol=0)
     torch.testing.assert_close(ours, left_padded, atol=1e-4, rtol=0)
@@ -253,7 +256,8 @@ def test_flags_take_the_paper_defaults_for_a_real_model_and_are_checked_where_de
     assert (tiny.num_rounds, tiny.batch_size, tiny.max_prompt_tokens, tiny.max_new_tokens) == (60, 64, 32, 32)
     assert (real.num_rounds, real.batch_size, real.max_prompt_tokens, real.max_new_tokens) == (1000, 112, 512, 1024)
     assert po.chunk_sizes(tiny) == (8, (4, 8, 16)) and po.chunk_sizes(real) == (256, (128, 256, 512))
-    for flags, flag in ((["--num-minibatches", "65"], "--num-minibatches"), (["--delta", "20", "--delta-max", "16"], "--delta"),
+    for flags, flag in ((["--num-minibatches", "65"], "--num-minibatches"),
+                        (["--delta", "20", "--delta-max", "16"], "--delta"),
                         (["--chunk-candidates", "1", "2", "3", "--chunk-tune-every", "3"], "--chunk-tune-every"),
                         (["--top-p", "0"], "--top-p"), (["--sampler-url", "http://host:8000"], "--sampler-url")):
         with pytest.raises(SystemExit) as stop:
@@ -280,9 +284,9 @@ def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, ti
     monkeypatch.setattr(po, "load_networks", load_networks)
     monkeypatch.setattr(po, "ppo_losses", nan_losses)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-rounds", "2", "--batch-size", "4",
-                                      "--num-ppo-epochs", "2", "--max-new-tokens", "8", "--eval-problems", "2", "--eval-samples", "1",
-                                      "--chunk-tune-every", "0"])
+    monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-rounds", "2",
+                                      "--batch-size", "4", "--num-ppo-epochs", "2", "--max-new-tokens", "8",
+                                      "--eval-problems", "2", "--eval-samples", "1", "--chunk-tune-every", "0"])
     po.main()
     run, rows = _metrics(tmp_path, "nan")
     assert [r["charts/nonfinite_skipped"] for r in rows] == [2, 4]
@@ -363,29 +367,31 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
     (No torchrun resume here: test_distributed.py covers the checkpoints both ways.)"""
     from safetensors.torch import load_file
 
-    flags = ["--model", "tiny", "--no-intra", "--no-inter", "--batch-size", "8", "--max-new-tokens", "16", "--micro-batch-size", "3",
-             "--micro-batch-tokens", "64",
-             "--reward-model", tiny_reward_model, "--tis", "on", "--eval-problems", "4", "--eval-samples", "1", "--seed", "3"]
+    flags = ["--model", "tiny", "--no-intra", "--no-inter", "--batch-size", "8", "--max-new-tokens", "16",
+             "--micro-batch-size", "3", "--micro-batch-tokens", "64",
+             "--reward-model", tiny_reward_model, "--tis", "on", "--eval-problems", "4", "--eval-samples", "1",
+             "--seed", "3"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     runs = {}
     for name, launcher in (("two", torchrun), ("one", [sys.executable])):
         cwd = tmp_path / name
         cwd.mkdir()
-        out = subprocess.run([*launcher, str(ROOT / "ppo_oppo.py"), *flags, "--num-rounds", "2"], cwd=cwd, capture_output=True,
-                             text=True, timeout=300)
+        out = subprocess.run([*launcher, str(ROOT / "ppo_oppo.py"), *flags, "--num-rounds", "2"], cwd=cwd,
+                             capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
         runs[name] = cwd / out.stdout.split("run directory: ")[1].split()[0]
     assert len(list(runs["two"].parent.iterdir())) == 1  # only rank 0 writes a run directory
     rows = {k: [r for r in runlog.read_metrics(d) if "time/round_seconds" in r] for k, d in runs.items()}
     assert [r["step"] for r in rows["two"]] == [r["step"] for r in rows["one"]] == [2, 4]  # 2 epochs x 1 minibatch
-    for key in ("charts/reward", "charts/kl", "charts/explained_variance", "charts/tis_max_ratio", "losses/policy", "losses/value",
-                "losses/approx_kl", "losses/entropy", "losses/grad_norm"):
+    for key in ("charts/reward", "charts/kl", "charts/explained_variance", "charts/tis_max_ratio", "losses/policy",
+                "losses/value", "losses/approx_kl", "losses/entropy", "losses/grad_norm"):
         assert [r[key] for r in rows["two"]] == pytest.approx([r[key] for r in rows["one"]], rel=1e-4, abs=1e-6), key
     assert all(r["charts/logprob_diff"] < 1e-4 for r in rows["two"])  # rank 0 pushed the gathered weights
     two, one = (load_file(d / "model" / "model.safetensors") for d in (runs["two"], runs["one"]))
     assert max((two[k] - one[k]).abs().max().item() for k in one) < 1e-5
     two, one = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (runs["two"], runs["one"]))
-    assert sorted(two) == sorted(one) and max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"]) < 1e-5
+    assert sorted(two) == sorted(one)
+    assert max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"]) < 1e-5
 
 
 @pytest.mark.slow
@@ -413,7 +419,8 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
     assert all(r["time/score_hidden_seconds"] > 0 for r in oppo)  # it really streamed
     assert all(r["charts/delta"] == 0 for r in oppo)
     # plain PPO: no carry-over, nothing scored during generation, and its name in the summary
-    assert all(r["charts/carried_in_batch"] == 0 and r["charts/lag_max"] == 0 and r["time/score_hidden_seconds"] == 0 for r in plain)
+    assert all(r["charts/carried_in_batch"] == 0 and r["charts/lag_max"] == 0 and r["time/score_hidden_seconds"] == 0
+               for r in plain)
     assert "| plain PPO |" in out.stdout
     for a, b in zip(oppo, plain):
         assert a["step"] == b["step"]
@@ -430,13 +437,15 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
 def test_plain_ppo_resume_is_exact(tmp_path):
     """Plain PPO stopped after 2 rounds and resumed to 3 gives the uninterrupted run's rounds,
     row for row (the checkpoint keeps the sampler's generators and the learner's RNG)."""
-    flags = ("--no-intra", "--no-inter", "--max-new-tokens", "24", "--num-minibatches", "2", "--eval-problems", "4", "--eval-samples", "1")
+    flags = ("--no-intra", "--no-inter", "--max-new-tokens", "24", "--num-minibatches", "2", "--eval-problems", "4",
+             "--eval-samples", "1")
     _run(tmp_path, "--exp-name", "straight", "--num-rounds", "3", *flags)
     _run(tmp_path, "--exp-name", "stopped", "--num-rounds", "2", *flags)
     [stopped] = (tmp_path / "runs").glob("stopped__*")
     _run(tmp_path, "--resume", str(stopped), "--num-rounds", "3", *flags)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k  # noqa: E731
-    rows = [[{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, name)[1]] for name in ("straight", "stopped")]
+    rows = [[{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, name)[1]]
+            for name in ("straight", "stopped")]
     assert len(rows[0]) == len(rows[1]) == 3 and rows[0] == rows[1]
 
 
@@ -451,8 +460,9 @@ def _run_realistic(tmp_path, realistic_path, exp_name, *flags, bf16_sampler: boo
     top-p 0.95; only sizes and counts shrunk. `bf16_sampler`: --sampler-dtype bfloat16 (a GPU's
     default precision split)."""
     flags = (*flags, "--sampler-dtype", "bfloat16") if bf16_sampler else flags
-    cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", realistic_path, "--exp-name", exp_name, "--top-p", "0.95",
-           "--num-rounds", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1", *flags]
+    cmd = [sys.executable, str(ROOT / "ppo_oppo.py"), "--model", realistic_path, "--exp-name", exp_name, "--top-p",
+           "0.95", "--num-rounds", "2", "--batch-size", "4", "--max-new-tokens", "16", "--eval-problems", "2",
+           "--eval-samples", "1", *flags]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     run, rows = _metrics(tmp_path, exp_name)
@@ -485,7 +495,8 @@ def test_realistic_model_chat_template_and_bf16_sampler_by_default(tmp_path, rea
     assert "<|im_start|>user" in out.stdout and "<|im_start|>assistant" in out.stdout  # the printed sample prompt
     for r in rows:  # before the first step of every round, the ratio is 1: pi_old is the learner's
         assert r["charts/first_ratio_deviation"] < 1e-3
-        assert 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0  # (a carried-over token's ratio also carries its staleness)
+        # (a carried-over token's ratio also carries its staleness)
+        assert 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0
     assert rows[0]["charts/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at round 0
     # nothing stale yet: the weight corrects the bf16 sampler's own numbers only, ratios near 1 but not 1
     assert rows[0]["charts/tis_max_ratio"] != pytest.approx(1.0, abs=1e-6) and rows[0]["charts/tis_max_ratio"] < 2.0
@@ -496,7 +507,8 @@ def test_learning_rate_decays_linearly_for_a_real_model_as_trl():
     gets it, the tiny model and --lr-schedule constant a constant rate."""
     real = checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B"], paper=po.PAPER)
     assert (real.lr_schedule, checks.parse_args(po.Args, [], paper=po.PAPER).lr_schedule) == ("linear", "constant")
-    assert checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--lr-schedule", "constant"], paper=po.PAPER).lr_schedule == "constant"
+    constant = checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--lr-schedule", "constant"], paper=po.PAPER)
+    assert constant.lr_schedule == "constant"
     rates = [po.scheduled_learning_rate(3e-6, "linear", i, 4) for i in range(4)]
     assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
     # HF's get_linear_schedule_with_warmup (TRL's lr_scheduler_type "linear"), stepped once per iteration
@@ -534,24 +546,26 @@ def strip_ppo(source: str) -> str:
         at = next(i for i, line in enumerate(lines) if line.startswith(start))
         del lines[at:at + count]
     source = "".join(lines)
-    for old, new in [("run.full_norm(torch.nn.utils.get_total_norm(grads(policy)))", "torch.nn.utils.get_total_norm(grads(policy))"),
+    for old, new in [("run.full_norm(torch.nn.utils.get_total_norm(grads(policy)))",
+                      "torch.nn.utils.get_total_norm(grads(policy))"),
                      ("run.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm))",
                       "torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)")]:
         assert old in source, f"the strip no longer applies: {old[:60]}"
         source = source.replace(old, new)
-    assert "distributed.check_world_size" not in source and "run.end_round" not in source and "run.all_sum((loss" not in source
+    assert all(gone not in source for gone in ("distributed.check_world_size", "run.end_round", "run.all_sum((loss"))
     start = source.index("            metrics = {\n")
     end = source.index("            }\n", start) + len("            }\n")
     return source[:start] + ('            metrics = {"charts/reward": scores.mean().item(), '
-                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n') + source[end:]
+                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n'
+                             ) + source[end:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [("--no-intra", "--no-inter"), ("--delta", "4")], ids=["plain", "oppo"])
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(flags):
-    """Issue 48: the copy's obligations are code. Plain PPO: each round after the first was sampled by the weights pushed
-    after the one before (run.check_version in the copy stops it otherwise); OPPO: sequences over-committed and carried,
-    and still a clean stop (the carried ones aborted, the sampler closed)."""
+    """Issue 48: the copy's obligations are code. Plain PPO: each round after the first was sampled by the weights
+    pushed after the one before (run.check_version in the copy stops it otherwise); OPPO: sequences over-committed and
+    carried, and still a clean stop (the carried ones aborted, the sampler closed)."""
     import os
 
     from conftest import scratch_dir
@@ -559,9 +573,10 @@ def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(flags):
     work = scratch_dir("pytest_ppo_stripped_")
     copy = work / "ppo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
     copy.write_text(strip_ppo((ROOT / "ppo_oppo.py").read_text()))
-    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3", "--batch-size", "4",
-                          "--num-ppo-epochs", "1", "--max-new-tokens", "16", "--chunk-tune-every", "0", "--eval-problems", "4",
-                          "--eval-samples", "1", *flags], cwd=work, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3",
+                          "--batch-size", "4", "--num-ppo-epochs", "1", "--max-new-tokens", "16", "--chunk-tune-every",
+                          "0", "--eval-problems", "4", "--eval-samples", "1", *flags], cwd=work, capture_output=True,
+                         text=True, timeout=600,
                          env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "round 3/3 step 3" in out.stdout and "reward" in out.stdout  # one step a round: 1 epoch x 1 minibatch
