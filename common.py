@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastrl import distributed
-from fastrl.checks import SMOLLM2, TINY
-from fastrl.util import load_hf
+from fastrl.checks import SMOLLM2, TINY, check_args
+from fastrl.util import load_hf, load_tokenizer
 
 if TYPE_CHECKING:  # annotations only
     from fastrl.vllm_sampler import Completion
@@ -86,6 +86,28 @@ def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torc
     from transformers import AutoModelForCausalLM
 
     return load_hf(AutoModelForCausalLM, path, dtype=dtype).to(device)
+
+
+def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None,
+                  critic_model: str | None = None, tokenizer=None):
+    """PPO's networks: actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a
+    fresh score head) and frozen reference in `dtype` whatever the checkpoint's; the frozen reward model in its own
+    dtype. `tokenizer` (the policy's): first a one-line error naming --reward-model / --critic-model if its model's
+    tokenizer differs (it reads the actor's token ids as they stream)."""
+    from transformers import AutoModelForSequenceClassification
+
+    for flag, path in (("--reward-model", reward_model), ("--critic-model", critic_model)):
+        check_args(tokenizer is None or path is None or load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(),
+                   flag, "must share the policy's tokenizer: it reads the actor's token ids as they stream")
+    policy = load_policy(model_path, device, dtype=dtype)
+    critic_path = critic_model or reward_model or model_path  # a reward model already reads whole responses
+    flag = "--critic-model" if critic_model else "--reward-model" if reward_model else "--model"
+    critic = load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
+                     num_labels=1, flag=flag, dtype=dtype).to(device)
+    ref_policy = load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
+    rm = load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
+                 dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None
+    return policy, critic, ref_policy, rm
 
 
 # --------------------------------------------------------------------------------------
@@ -351,6 +373,30 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
         out[row, plen - 1: plen - 1 + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
     return out
 
+
+def sampler_rows(samples: list["Completion"], version: int):
+    """Response-aligned [N, T] rows (T: the longest completion) of the completions: the mask, the sampler's logprobs
+    and `fresh` (1 on the tokens that the weights of `version` sampled, from Completion.versions' spans)."""
+    N, T = len(samples), max(len(s.token_ids) for s in samples)
+    mask, sampler_logp, fresh = (torch.zeros((N, T)) for _ in range(3))
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        mask[i, :n] = 1
+        sampler_logp[i, :n] = torch.tensor(s.logprobs)
+        fresh[i, :n] = torch.tensor([float(v == version) for v, start, end in s.versions for _ in range(end - start)])
+    return mask, sampler_logp, fresh
+
+
+def token_aligned(x: torch.Tensor, samples: list["Completion"], inverse: bool = False) -> torch.Tensor:
+    """Per-response values [N, T] (sampler_rows' layout) -> token_logprobs' layout [N, L - 1] of the completions'
+    prompt + completion rows (zeros elsewhere); `inverse`: back."""
+    ends = [len(s.prompt_token_ids) + len(s.token_ids) - 1 for s in samples]
+    out = torch.zeros((len(samples), max(len(s.token_ids) for s in samples) if inverse else max(ends)))
+    for i, (s, end) in enumerate(zip(samples, ends)):
+        response, in_rows = slice(0, len(s.token_ids)), slice(len(s.prompt_token_ids) - 1, end)
+        out[i, response if inverse else in_rows] = x[i, in_rows if inverse else response]
+    return out
+
 # the training-inference mismatch correction and its diagnostics, shared by the scripts whose samples can be off-policy
 MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
@@ -404,6 +450,12 @@ class Batch:
         sampler_logp = sampler_logprob_tensor(samples, prompt_lengths, mask.shape[1]).to(device)
         lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
         return cls(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
+
+    def add(self, samples, **response_tensors) -> None:
+        """Set these per-token tensors (a script's Batch fields) from the completions' [N, T] response-aligned values
+        (token_aligned), on the batch's device; None stays None."""
+        for name, x in response_tensors.items():
+            setattr(self, name, None if x is None else token_aligned(x, samples).to(self.input_ids.device))
 
     def logprobs(self, model, args, dist=None) -> torch.Tensor:
         """No-grad token logprobs of every row under `model`, processed as the sampler's (args.temperature and

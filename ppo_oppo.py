@@ -24,12 +24,12 @@ from typing import Literal
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, DynamicCache
+from transformers import DynamicCache
 
 import common
 import tasks
 from common import scheduled_learning_rate, truncated_is_weights  # (shared with the other scripts)
-from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, vllm_sampler
 from fastrl.run import Run, RunArgs
 
 ON_GPU = torch.cuda.is_available()
@@ -462,27 +462,6 @@ class OPPOBuffer:
         return scores - penalty * no_eos, no_eos, *run.all_sum((ref_logp, values))
 
 
-def sampler_rows(batch: list[Rollout], version: int):
-    """[B, T] response-aligned: the mask, the sampler's logprobs, `fresh` (1 on the tokens `version` sampled)."""
-    B, T = len(batch), max(len(r.response) for r in batch)
-    mask, sampler_logp, fresh = (torch.zeros((B, T)) for _ in range(3))
-    for i, r in enumerate(batch):
-        n = len(r.response)
-        mask[i, :n] = 1
-        sampler_logp[i, :n] = torch.tensor(r.final.logprobs)
-        fresh[i, :n] = torch.tensor([float(v == version) for v, s, e in r.final.versions for _ in range(e - s)])
-    return mask, sampler_logp, fresh
-
-
-def token_aligned(x: torch.Tensor, batch: list[Rollout], inverse: bool = False) -> torch.Tensor:
-    """[B, T] response-aligned -> common.token_logprobs' layout [B, L - 1] (zeros elsewhere); `inverse`: back."""
-    out = torch.zeros((len(batch), max(len(r.response) if inverse else r.num_tokens - 1 for r in batch)))
-    for i, r in enumerate(batch):
-        response, in_rows = slice(0, len(r.response)), slice(len(r.prompt) - 1, r.num_tokens - 1)
-        out[i, response if inverse else in_rows] = x[i, in_rows if inverse else response]
-    return out
-
-
 # ALGO LOGIC: one minibatch step's loss on a micro-batch (main() adds the micro-batches up to the minibatch's gradient)
 @dataclass
 class Batch(common.Batch):
@@ -494,11 +473,6 @@ class Batch(common.Batch):
     returns: torch.Tensor | None = None
     tis: torch.Tensor | None = None
     fresh: torch.Tensor | None = None
-
-    def add(self, rollouts: list[Rollout], **response_tensors) -> None:
-        """Set these per-token tensors from their [B, T] response-aligned values (token_aligned), on the device."""
-        for name, x in response_tensors.items():
-            setattr(self, name, None if x is None else token_aligned(x, rollouts).to(self.input_ids.device))
 
 
 def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibatch: list[int], args: Args,
@@ -527,28 +501,10 @@ def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibat
 
 
 # TRY NOT TO MODIFY: loading
-def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None,
-                  critic_model: str | None = None):
-    """Actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a fresh score
-    head) and frozen reference in `dtype` whatever the checkpoint's; the frozen reward model in its own dtype."""
-    policy = common.load_policy(model_path, device, dtype=dtype)
-    critic_path = critic_model or reward_model or model_path  # a reward model already reads whole responses
-    flag = "--critic-model" if critic_model else "--reward-model" if reward_model else "--model"
-    critic = util.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
-                          num_labels=1, flag=flag, dtype=dtype).to(device)
-    ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
-    rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
-                      dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None
-    return policy, critic, ref_policy, rm
-
-
 def load_models(args: Args, run: Run, tokenizer):
     """The actor, the downstream models (critic, reference, reward model), the trained pair (actor + critic), Adam."""
-    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
-        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
-                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    policy, critic, ref_policy, reward_model = load_networks(run.model_path, run.device, getattr(torch, args.dtype),
-                                                             args.reward_model, args.critic_model)
+    policy, critic, ref_policy, reward_model = common.load_networks(  # (--reward-model, --critic-model: tokenizer)
+        run.model_path, run.device, getattr(torch, args.dtype), args.reward_model, args.critic_model, tokenizer)
     if args.gradient_checkpointing:  # in train mode only (the update's); the critic's prefill keeps its KV cache
         critic.gradient_checkpointing_enable()
     policy = run.learner_model(policy)
@@ -612,11 +568,11 @@ def main():
             train_start, samples = time.perf_counter(), [r.final for r in batch]
             run.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same")
             run.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: the learner's
-            mask, sampler_logp, fresh = sampler_rows(batch, step)
+            mask, sampler_logp, fresh = common.sampler_rows(samples, step)
             data = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             old_logp, tis_weights, tis_stats = sampler_logp, None, {}  # same precision: the sampler's are the learner's
             if tis_on:  # TIS: PPO's old policy is the learner now; the sampler's numerics and staleness in a weight
-                old_logp = token_aligned(data.logprobs(policy, args, run.dist).cpu(), batch, inverse=True)
+                old_logp = common.token_aligned(data.logprobs(policy, args, run.dist).cpu(), samples, inverse=True)
                 tis_weights, tis_stats = truncated_is_weights(old_logp, sampler_logp, mask, "token", args.tis_cap)
                 logprob_diff = ratio(((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item())
             # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened
@@ -624,7 +580,7 @@ def main():
             rewards[torch.arange(B), mask.sum(1).long() - 1] += scores
             advantages = gae(rewards, values, args.gamma, args.lam)
             returns = advantages + values
-            data.add(batch, old_logp=old_logp, advantages=whiten(advantages, mask), values=values, returns=returns,
+            data.add(samples, old_logp=old_logp, advantages=whiten(advantages, mask), values=values, returns=returns,
                      tis=tis_weights, fresh=fresh)
             # ALGO LOGIC: PPO epochs x minibatches, one optimizer step of actor + critic per minibatch
             learner.train()  # (for the update only)
