@@ -1,7 +1,8 @@
 """The learner's side of the method, what a reader of the four scripts looks up: loading the policy
-(and the built-in tiny model), the learner's token logprobs under the logprob contract (the
-sampler's temperature and top-p, sampling_logits), padding, token-budget micro-batches and adding up
-their outputs, the sampled KL of `charts/kl`, and bf16 autocast. The method itself lives in each
+(and the built-in tiny model, PPO's networks), the learner's token logprobs under the logprob contract
+(the sampler's temperature and top-p, sampling_logits), padding and per-response values in their layout,
+token-budget micro-batches and adding up their outputs (a frozen scoring's share per rank), the sampled
+KL of `charts/kl`, bf16 autocast and per-request sampling overrides. The method itself lives in each
 script; tasks.py holds tasks, prompts, rewards and evaluation. Plumbing is the package fastrl/, which
 never imports this module, tasks.py or a script (imports run scripts -> common, tasks -> fastrl):
 
@@ -325,6 +326,20 @@ def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int)
     return outputs
 
 
+def score_my_share(items: list, lengths: list[int], max_rows: int, score, stand_in, dist=None) -> set[int]:
+    """Frozen scoring of a batch spread over the ranks: under torchrun score(...) runs on this rank's micro-batches of
+    at most `max_rows` items (distributed.my_micro_batches; a rank short of one scores [stand_in(an item)] so that the
+    ranks' forwards match), else once on all the items. Returns the indices of the items this rank scored."""
+    if dist is None or not dist.enabled:
+        score(items)
+        return set(range(len(items)))
+    mine: set[int] = set()
+    for rows, weight in distributed.my_micro_batches(micro_batches(lengths, 2**62, max_rows=max_rows), dist):
+        score([items[i] for i in rows] if weight else [stand_in(items[rows[0]])])
+        mine.update(rows if weight else [])
+    return mine
+
+
 def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
     """The learning rate of round `round_index` (0-based), for all its steps (ppo_oppo, online_dpo_async): constant,
     or a linear decay to 0, lr * (1 - round_index / num_rounds) (HF's linear schedule without warmup, one step a
@@ -463,3 +478,17 @@ class Batch:
         return batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths,
                               args.micro_batch_tokens, dist, bf16=args.autocast_bf16, temperature=args.temperature,
                               top_p=args.top_p)
+
+
+def request_overrides(keys: list[int], args, rng) -> list[dict]:
+    """Each request's sampling overrides (Sampler.submit's per_prompt), keys: its problem's index: --request-seeds, a
+    seed per problem (Sampler.submit adds the request id); --long-tail, the benchmark workload's forced length
+    (ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs), drawn from `rng`."""
+    import numpy as np
+
+    per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
+    if args.long_tail:
+        tail = args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(keys)))
+        for extra, n in zip(per_prompt, np.minimum(args.max_new_tokens, tail).astype(int)):
+            extra.update(ignore_eos=True, max_tokens=int(n))
+    return per_prompt

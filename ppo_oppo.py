@@ -320,19 +320,11 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
 
-def rm_position(tokens: list[int], pad_token_id: int | None) -> int:
-    """Where a transformers sequence classifier reads its score: the rightmost token not its pad id (pad == eos: before
-    an ending EOS), whatever the mask; no pad id: the last; all pads: 0."""
-    if pad_token_id is None:
-        return len(tokens) - 1
-    return next((i for i in range(len(tokens) - 1, -1, -1) if tokens[i] != pad_token_id), 0)
-
-
 def scored(r: Rollout, name: str, model) -> torch.Tensor:
     """Model `name`'s output for the response: the critic's V(s_t), the reference's token logprobs, or the RM score."""
     outputs = torch.cat(r.prefix[name].per_token)
     if name == "rm":
-        return outputs[rm_position(r.tokens, model.config.get_text_config().pad_token_id)].squeeze()
+        return outputs[tasks.rm_position(r.tokens, model.config.get_text_config().pad_token_id)].squeeze()
     plen, T = len(r.prompt), len(r.response)
     return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
@@ -361,12 +353,7 @@ class OPPOBuffer:
                                                           chat_template=args.chat_template)
         kept = {id(p) for p in problems}
         keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
-        # --request-seeds: Sampler.submit adds the request id to the seed
-        per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
-        if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
-            tail = args.long_tail_scale * (1 + self.rng.pareto(args.long_tail, len(prompts)))
-            for extra, n in zip(per_prompt, np.minimum(args.max_new_tokens, tail).astype(int)):
-                extra.update(ignore_eos=True, max_tokens=int(n))
+        per_prompt = common.request_overrides(keys, args, self.rng)  # --request-seeds, --long-tail
         if prompts:
             ids = self.sampler.submit(prompts, tags=keys, stream_every=self.chunk if args.intra else 0,
                                       per_prompt=per_prompt, max_tokens=args.max_new_tokens,
@@ -437,16 +424,8 @@ class OPPOBuffer:
     def scores(self, batch: list[Rollout], run: Run):
         """Stage 3: score what is left and read off the prefixes (freed): scores [B] (less --missing-eos-penalty), which
         lack EOS, the reference's logprobs and the critic's values [B, T]. Under torchrun each rank scores its share."""
-        mine = set(range(len(batch)))
-        if run.dist.enabled:
-            plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=self.args.micro_batch_size)
-            mine = set()
-            for rows, weight in distributed.my_micro_batches(plan, run.dist):
-                stand_in = replace(batch[rows[0]], prefix={k: Prefix() for k in self.downstream})
-                self.score([batch[i] for i in rows] if weight else [stand_in])
-                mine.update(rows if weight else [])
-        else:
-            self.score(batch)
+        mine = common.score_my_share(batch, [r.num_tokens for r in batch], self.args.micro_batch_size, self.score,
+                                     lambda r: replace(r, prefix={k: Prefix() for k in self.downstream}), run.dist)
         B, T, rm = len(batch), max(len(r.response) for r in batch), self.downstream.get("rm")
         scores = torch.tensor([scored(r, "rm", rm).item() if i in mine else 0.0 for i, r in enumerate(batch)]
                               if rm is not None else [self.task.reward(r.final.text, r.problem) for r in batch])
