@@ -1,7 +1,8 @@
 """The learner's side of the method, what a reader of the four scripts looks up: loading the policy
-(and the built-in tiny model), the learner's token logprobs under the logprob contract (the
-sampler's temperature and top-p, sampling_logits), padding, token-budget micro-batches and adding up
-their outputs, the sampled KL of `charts/kl`, and bf16 autocast. The method itself lives in each
+(and the built-in tiny model, PPO's networks), the learner's token logprobs under the logprob contract
+(the sampler's temperature and top-p, sampling_logits), padding and per-response values in their layout,
+token-budget micro-batches and adding up their outputs (a frozen scoring's share per rank), the sampled
+KL of `charts/kl`, bf16 autocast and per-request sampling overrides. The method itself lives in each
 script; tasks.py holds tasks, prompts, rewards and evaluation. Plumbing is the package fastrl/, which
 never imports this module, tasks.py or a script (imports run scripts -> common, tasks -> fastrl):
 
@@ -31,8 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fastrl import distributed
-from fastrl.checks import SMOLLM2, TINY
-from fastrl.util import load_hf
+from fastrl.checks import SMOLLM2, TINY, check_args
+from fastrl.util import load_hf, load_tokenizer
 
 if TYPE_CHECKING:  # annotations only
     from fastrl.vllm_sampler import Completion
@@ -86,6 +87,28 @@ def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torc
     from transformers import AutoModelForCausalLM
 
     return load_hf(AutoModelForCausalLM, path, dtype=dtype).to(device)
+
+
+def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None,
+                  critic_model: str | None = None, tokenizer=None):
+    """PPO's networks: actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a
+    fresh score head) and frozen reference in `dtype` whatever the checkpoint's; the frozen reward model in its own
+    dtype. `tokenizer` (the policy's): first a one-line error naming --reward-model / --critic-model if its model's
+    tokenizer differs (it reads the actor's token ids as they stream)."""
+    from transformers import AutoModelForSequenceClassification
+
+    for flag, path in (("--reward-model", reward_model), ("--critic-model", critic_model)):
+        check_args(tokenizer is None or path is None or load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(),
+                   flag, "must share the policy's tokenizer: it reads the actor's token ids as they stream")
+    policy = load_policy(model_path, device, dtype=dtype)
+    critic_path = critic_model or reward_model or model_path  # a reward model already reads whole responses
+    flag = "--critic-model" if critic_model else "--reward-model" if reward_model else "--model"
+    critic = load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
+                     num_labels=1, flag=flag, dtype=dtype).to(device)
+    ref_policy = load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
+    rm = load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
+                 dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None
+    return policy, critic, ref_policy, rm
 
 
 # --------------------------------------------------------------------------------------
@@ -303,6 +326,20 @@ def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int)
     return outputs
 
 
+def score_my_share(items: list, lengths: list[int], max_rows: int, score, stand_in, dist=None) -> set[int]:
+    """Frozen scoring of a batch spread over the ranks: under torchrun score(...) runs on this rank's micro-batches of
+    at most `max_rows` items (distributed.my_micro_batches; a rank short of one scores [stand_in(an item)] so that the
+    ranks' forwards match), else once on all the items. Returns the indices of the items this rank scored."""
+    if dist is None or not dist.enabled:
+        score(items)
+        return set(range(len(items)))
+    mine: set[int] = set()
+    for rows, weight in distributed.my_micro_batches(micro_batches(lengths, 2**62, max_rows=max_rows), dist):
+        score([items[i] for i in rows] if weight else [stand_in(items[rows[0]])])
+        mine.update(rows if weight else [])
+    return mine
+
+
 def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: int, num_rounds: int) -> float:
     """The learning rate of round `round_index` (0-based), for all its steps (ppo_oppo, online_dpo_async): constant,
     or a linear decay to 0, lr * (1 - round_index / num_rounds) (HF's linear schedule without warmup, one step a
@@ -349,6 +386,30 @@ def sampler_logprob_tensor(samples: list["Completion"], prompt_lens: list[int], 
     out = torch.zeros((len(samples), width), dtype=torch.float32)
     for row, (s, plen) in enumerate(zip(samples, prompt_lens)):
         out[row, plen - 1: plen - 1 + len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return out
+
+
+def sampler_rows(samples: list["Completion"], version: int):
+    """Response-aligned [N, T] rows (T: the longest completion) of the completions: the mask, the sampler's logprobs
+    and `fresh` (1 on the tokens that the weights of `version` sampled, from Completion.versions' spans)."""
+    N, T = len(samples), max(len(s.token_ids) for s in samples)
+    mask, sampler_logp, fresh = (torch.zeros((N, T)) for _ in range(3))
+    for i, s in enumerate(samples):
+        n = len(s.token_ids)
+        mask[i, :n] = 1
+        sampler_logp[i, :n] = torch.tensor(s.logprobs)
+        fresh[i, :n] = torch.tensor([float(v == version) for v, start, end in s.versions for _ in range(end - start)])
+    return mask, sampler_logp, fresh
+
+
+def token_aligned(x: torch.Tensor, samples: list["Completion"], inverse: bool = False) -> torch.Tensor:
+    """Per-response values [N, T] (sampler_rows' layout) -> token_logprobs' layout [N, L - 1] of the completions'
+    prompt + completion rows (zeros elsewhere); `inverse`: back."""
+    ends = [len(s.prompt_token_ids) + len(s.token_ids) - 1 for s in samples]
+    out = torch.zeros((len(samples), max(len(s.token_ids) for s in samples) if inverse else max(ends)))
+    for i, (s, end) in enumerate(zip(samples, ends)):
+        response, in_rows = slice(0, len(s.token_ids)), slice(len(s.prompt_token_ids) - 1, end)
+        out[i, response if inverse else in_rows] = x[i, in_rows if inverse else response]
     return out
 
 # the training-inference mismatch correction and its diagnostics, shared by the scripts whose samples can be off-policy
@@ -405,9 +466,29 @@ class Batch:
         lengths = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
         return cls(input_ids, attention_mask, completion_mask, lengths, mask, sampler_logp)
 
+    def add(self, samples, **response_tensors) -> None:
+        """Set these per-token tensors (a script's Batch fields) from the completions' [N, T] response-aligned values
+        (token_aligned), on the batch's device; None stays None."""
+        for name, x in response_tensors.items():
+            setattr(self, name, None if x is None else token_aligned(x, samples).to(self.input_ids.device))
+
     def logprobs(self, model, args, dist=None) -> torch.Tensor:
         """No-grad token logprobs of every row under `model`, processed as the sampler's (args.temperature and
         args.top_p: the logprob contract), within --micro-batch-tokens, under --autocast-bf16; whole on every rank."""
         return batch_logprobs(model, self.input_ids, self.attention_mask, self.completion_mask, self.lengths,
                               args.micro_batch_tokens, dist, bf16=args.autocast_bf16, temperature=args.temperature,
                               top_p=args.top_p)
+
+
+def request_overrides(keys: list[int], args, rng) -> list[dict]:
+    """Each request's sampling overrides (Sampler.submit's per_prompt), keys: its problem's index: --request-seeds, a
+    seed per problem (Sampler.submit adds the request id); --long-tail, the benchmark workload's forced length
+    (ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs), drawn from `rng`."""
+    import numpy as np
+
+    per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
+    if args.long_tail:
+        tail = args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(keys)))
+        for extra, n in zip(per_prompt, np.minimum(args.max_new_tokens, tail).astype(int)):
+            extra.update(ignore_eos=True, max_tokens=int(n))
+    return per_prompt

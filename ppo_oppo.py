@@ -24,12 +24,12 @@ from typing import Literal
 
 import numpy as np
 import torch
-from transformers import AutoModelForSequenceClassification, DynamicCache
+from transformers import DynamicCache
 
 import common
 import tasks
 from common import scheduled_learning_rate, truncated_is_weights  # (shared with the other scripts)
-from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, vllm_sampler
 from fastrl.run import Run, RunArgs
 
 ON_GPU = torch.cuda.is_available()
@@ -320,19 +320,11 @@ def prefill(name: str, model, rollouts: list[Rollout], temperature: float, micro
             p.last_hidden, p.kv, p.length = h[-1], cache, p.length + len(t)
 
 
-def rm_position(tokens: list[int], pad_token_id: int | None) -> int:
-    """Where a transformers sequence classifier reads its score: the rightmost token not its pad id (pad == eos: before
-    an ending EOS), whatever the mask; no pad id: the last; all pads: 0."""
-    if pad_token_id is None:
-        return len(tokens) - 1
-    return next((i for i in range(len(tokens) - 1, -1, -1) if tokens[i] != pad_token_id), 0)
-
-
 def scored(r: Rollout, name: str, model) -> torch.Tensor:
     """Model `name`'s output for the response: the critic's V(s_t), the reference's token logprobs, or the RM score."""
     outputs = torch.cat(r.prefix[name].per_token)
     if name == "rm":
-        return outputs[rm_position(r.tokens, model.config.get_text_config().pad_token_id)].squeeze()
+        return outputs[tasks.rm_position(r.tokens, model.config.get_text_config().pad_token_id)].squeeze()
     plen, T = len(r.prompt), len(r.response)
     return outputs[plen - 1: plen - 1 + T].squeeze(-1) if name == "critic" else outputs[plen: plen + T]
 
@@ -361,12 +353,7 @@ class OPPOBuffer:
                                                           chat_template=args.chat_template)
         kept = {id(p) for p in problems}
         keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
-        # --request-seeds: Sampler.submit adds the request id to the seed
-        per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
-        if args.long_tail:  # ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs
-            tail = args.long_tail_scale * (1 + self.rng.pareto(args.long_tail, len(prompts)))
-            for extra, n in zip(per_prompt, np.minimum(args.max_new_tokens, tail).astype(int)):
-                extra.update(ignore_eos=True, max_tokens=int(n))
+        per_prompt = common.request_overrides(keys, args, self.rng)  # --request-seeds, --long-tail
         if prompts:
             ids = self.sampler.submit(prompts, tags=keys, stream_every=self.chunk if args.intra else 0,
                                       per_prompt=per_prompt, max_tokens=args.max_new_tokens,
@@ -437,16 +424,8 @@ class OPPOBuffer:
     def scores(self, batch: list[Rollout], run: Run):
         """Stage 3: score what is left and read off the prefixes (freed): scores [B] (less --missing-eos-penalty), which
         lack EOS, the reference's logprobs and the critic's values [B, T]. Under torchrun each rank scores its share."""
-        mine = set(range(len(batch)))
-        if run.dist.enabled:
-            plan = common.micro_batches([r.num_tokens for r in batch], 2**62, max_rows=self.args.micro_batch_size)
-            mine = set()
-            for rows, weight in distributed.my_micro_batches(plan, run.dist):
-                stand_in = replace(batch[rows[0]], prefix={k: Prefix() for k in self.downstream})
-                self.score([batch[i] for i in rows] if weight else [stand_in])
-                mine.update(rows if weight else [])
-        else:
-            self.score(batch)
+        mine = common.score_my_share(batch, [r.num_tokens for r in batch], self.args.micro_batch_size, self.score,
+                                     lambda r: replace(r, prefix={k: Prefix() for k in self.downstream}), run.dist)
         B, T, rm = len(batch), max(len(r.response) for r in batch), self.downstream.get("rm")
         scores = torch.tensor([scored(r, "rm", rm).item() if i in mine else 0.0 for i, r in enumerate(batch)]
                               if rm is not None else [self.task.reward(r.final.text, r.problem) for r in batch])
@@ -462,27 +441,6 @@ class OPPOBuffer:
         return scores - penalty * no_eos, no_eos, *run.all_sum((ref_logp, values))
 
 
-def sampler_rows(batch: list[Rollout], version: int):
-    """[B, T] response-aligned: the mask, the sampler's logprobs, `fresh` (1 on the tokens `version` sampled)."""
-    B, T = len(batch), max(len(r.response) for r in batch)
-    mask, sampler_logp, fresh = (torch.zeros((B, T)) for _ in range(3))
-    for i, r in enumerate(batch):
-        n = len(r.response)
-        mask[i, :n] = 1
-        sampler_logp[i, :n] = torch.tensor(r.final.logprobs)
-        fresh[i, :n] = torch.tensor([float(v == version) for v, s, e in r.final.versions for _ in range(e - s)])
-    return mask, sampler_logp, fresh
-
-
-def token_aligned(x: torch.Tensor, batch: list[Rollout], inverse: bool = False) -> torch.Tensor:
-    """[B, T] response-aligned -> common.token_logprobs' layout [B, L - 1] (zeros elsewhere); `inverse`: back."""
-    out = torch.zeros((len(batch), max(len(r.response) if inverse else r.num_tokens - 1 for r in batch)))
-    for i, r in enumerate(batch):
-        response, in_rows = slice(0, len(r.response)), slice(len(r.prompt) - 1, r.num_tokens - 1)
-        out[i, response if inverse else in_rows] = x[i, in_rows if inverse else response]
-    return out
-
-
 # ALGO LOGIC: one minibatch step's loss on a micro-batch (main() adds the micro-batches up to the minibatch's gradient)
 @dataclass
 class Batch(common.Batch):
@@ -494,11 +452,6 @@ class Batch(common.Batch):
     returns: torch.Tensor | None = None
     tis: torch.Tensor | None = None
     fresh: torch.Tensor | None = None
-
-    def add(self, rollouts: list[Rollout], **response_tensors) -> None:
-        """Set these per-token tensors from their [B, T] response-aligned values (token_aligned), on the device."""
-        for name, x in response_tensors.items():
-            setattr(self, name, None if x is None else token_aligned(x, rollouts).to(self.input_ids.device))
 
 
 def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibatch: list[int], args: Args,
@@ -527,28 +480,10 @@ def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibat
 
 
 # TRY NOT TO MODIFY: loading
-def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None,
-                  critic_model: str | None = None):
-    """Actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a fresh score
-    head) and frozen reference in `dtype` whatever the checkpoint's; the frozen reward model in its own dtype."""
-    policy = common.load_policy(model_path, device, dtype=dtype)
-    critic_path = critic_model or reward_model or model_path  # a reward model already reads whole responses
-    flag = "--critic-model" if critic_model else "--reward-model" if reward_model else "--model"
-    critic = util.load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
-                          num_labels=1, flag=flag, dtype=dtype).to(device)
-    ref_policy = common.load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
-    rm = util.load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
-                      dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None
-    return policy, critic, ref_policy, rm
-
-
 def load_models(args: Args, run: Run, tokenizer):
     """The actor, the downstream models (critic, reference, reward model), the trained pair (actor + critic), Adam."""
-    for flag, path in (("--reward-model", args.reward_model), ("--critic-model", args.critic_model)):
-        checks.check_args(path is None or util.load_tokenizer(path, flag).get_vocab() == tokenizer.get_vocab(), flag,
-                          "must share the policy's tokenizer: it reads the actor's token ids as they stream")
-    policy, critic, ref_policy, reward_model = load_networks(run.model_path, run.device, getattr(torch, args.dtype),
-                                                             args.reward_model, args.critic_model)
+    policy, critic, ref_policy, reward_model = common.load_networks(  # (--reward-model, --critic-model: tokenizer)
+        run.model_path, run.device, getattr(torch, args.dtype), args.reward_model, args.critic_model, tokenizer)
     if args.gradient_checkpointing:  # in train mode only (the update's); the critic's prefill keeps its KV cache
         critic.gradient_checkpointing_enable()
     policy = run.learner_model(policy)
@@ -612,11 +547,11 @@ def main():
             train_start, samples = time.perf_counter(), [r.final for r in batch]
             run.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same")
             run.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: the learner's
-            mask, sampler_logp, fresh = sampler_rows(batch, step)
+            mask, sampler_logp, fresh = common.sampler_rows(samples, step)
             data = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             old_logp, tis_weights, tis_stats = sampler_logp, None, {}  # same precision: the sampler's are the learner's
             if tis_on:  # TIS: PPO's old policy is the learner now; the sampler's numerics and staleness in a weight
-                old_logp = token_aligned(data.logprobs(policy, args, run.dist).cpu(), batch, inverse=True)
+                old_logp = common.token_aligned(data.logprobs(policy, args, run.dist).cpu(), samples, inverse=True)
                 tis_weights, tis_stats = truncated_is_weights(old_logp, sampler_logp, mask, "token", args.tis_cap)
                 logprob_diff = ratio(((old_logp - sampler_logp).abs() * fresh).sum().item(), fresh.sum().item())
             # ALGO LOGIC: per-token rewards with the KL penalty to the reference folded in, GAE (Eq. 1), whitened
@@ -624,7 +559,7 @@ def main():
             rewards[torch.arange(B), mask.sum(1).long() - 1] += scores
             advantages = gae(rewards, values, args.gamma, args.lam)
             returns = advantages + values
-            data.add(batch, old_logp=old_logp, advantages=whiten(advantages, mask), values=values, returns=returns,
+            data.add(samples, old_logp=old_logp, advantages=whiten(advantages, mask), values=values, returns=returns,
                      tis=tis_weights, fresh=fresh)
             # ALGO LOGIC: PPO epochs x minibatches, one optimizer step of actor + critic per minibatch
             learner.train()  # (for the update only)

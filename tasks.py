@@ -639,6 +639,14 @@ class RewardModel:
         return scores
 
 
+def rm_position(tokens: list[int], pad_token_id: int | None) -> int:
+    """Where a transformers sequence classifier reads its score: the rightmost token not its pad id (pad == eos: before
+    an ending EOS), whatever the mask; no pad id: the last; all pads: 0."""
+    if pad_token_id is None:
+        return len(tokens) - 1
+    return next((i for i in range(len(tokens) - 1, -1, -1) if tokens[i] != pad_token_id), 0)
+
+
 def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
                    chat_template: bool = False) -> tuple[list[Problem], list[list[int]], int]:
     """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`.

@@ -190,7 +190,7 @@ def critic_model(config, checkpointing: bool = False):
     from transformers import AutoModelForSequenceClassification
 
     config = copy.deepcopy(config)
-    config.num_labels = 1  # as ppo_oppo.load_networks: the policy's architecture with a 1-output score head
+    config.num_labels = 1  # as common.load_networks: the policy's architecture with a 1-output score head
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
     if checkpointing:
         model.gradient_checkpointing_enable()
@@ -388,7 +388,7 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     device = next(policy.parameters()).device
     samples = [Completion(r.request_id, r.prompt, r.response, [0.0] * T, "stop", [(0, 0, T)]) for r in batch]
     data = po.Batch.from_samples(samples, 0, device)
-    data.add(batch, **per_token)
+    data.add(samples, **per_token)
     lengths = [r.num_tokens for r in batch]
     learner.train()
     for step in range(steps):

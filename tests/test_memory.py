@@ -171,7 +171,7 @@ def test_ppo_micro_batches_give_the_minibatch_loss_and_gradient(tiny_path):
     samples = [Completion(str(i), p, r, [0.0] * len(r), "stop", [(0, 0, len(r))])
                for i, (p, r) in enumerate(zip(prompts, responses))]
     data = po.Batch.from_samples(samples, 0, "cpu")
-    data.add(batch, **per_token)
+    data.add(samples, **per_token)
     args = po.Args(clip_coef=0.2, vf_clip=0.2, vf_coef=0.1, temperature=0.7, top_p=0.9, autocast_bf16=False)
     minibatch = [0, 2, 3, 5, 4]
     lengths = [batch[i].num_tokens for i in minibatch]

@@ -18,18 +18,19 @@ from transformers import AutoModelForSequenceClassification, Qwen2Config, Qwen2F
 import common
 from fastrl import checks, runlog, util
 import ppo_oppo as po
+import tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, tiny_reward_model):
     rm_score = util.load_hf(AutoModelForSequenceClassification, tiny_reward_model, num_labels=1).score.weight
-    _, critic, _, rm = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
+    _, critic, _, rm = common.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model)
     assert torch.equal(critic.score.weight, rm_score) and critic.score.weight.data_ptr() != rm.score.weight.data_ptr()
-    _, critic, _, _ = po.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model,
+    _, critic, _, _ = common.load_networks(tiny_path, "cpu", torch.float32, reward_model=tiny_reward_model,
                                        critic_model=tiny_path)
     assert not torch.equal(critic.score.weight, rm_score)  # --critic-model: the policy's checkpoint, a fresh head
-    _, critic, _, rm = po.load_networks(tiny_path, "cpu", torch.float32)
+    _, critic, _, rm = common.load_networks(tiny_path, "cpu", torch.float32)
     assert rm is None and not torch.equal(critic.score.weight, rm_score)
 
 
@@ -212,7 +213,8 @@ def test_rm_score_is_where_transformers_reads_it_with_pad_equal_eos(realistic_pa
     torch.testing.assert_close(ours, right_padded, atol=1e-4, rtol=0)
     torch.testing.assert_close(ours, left_padded, atol=1e-4, rtol=0)
     assert (alone[[0, 2]] - at_eos[[0, 2]]).abs().min() > 1e-3  # the EOS position really scores differently
-    assert po.rm_position([5, 6, 0, 0], 0) == 1 and po.rm_position([0, 0], 0) == 0 and po.rm_position([5, 0], None) == 1
+    assert tasks.rm_position([5, 6, 0, 0], 0) == 1 and tasks.rm_position([0, 0], 0) == 0
+    assert tasks.rm_position([5, 0], None) == 1
 
 
 def test_trained_models_are_fp32_on_a_bf16_checkpoint(realistic_path):
@@ -220,11 +222,11 @@ def test_trained_models_are_fp32_on_a_bf16_checkpoint(realistic_path):
     in fp32 unless --dtype bfloat16 asks otherwise."""
     config = json.loads((Path(realistic_path) / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
-    policy, critic, ref, rm = po.load_networks(realistic_path, "cpu", torch.float32)
+    policy, critic, ref, rm = common.load_networks(realistic_path, "cpu", torch.float32)
     assert rm is None
     for model in (policy, critic, ref):
         assert {p.dtype for p in model.parameters()} == {torch.float32}
-    policy, critic, ref, _ = po.load_networks(realistic_path, "cpu", torch.bfloat16)
+    policy, critic, ref, _ = common.load_networks(realistic_path, "cpu", torch.bfloat16)
     for model in (policy, critic, ref):
         assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
@@ -280,8 +282,8 @@ def test_nonfinite_loss_skips_every_step_and_is_logged(tmp_path, monkeypatch, ti
         pg, vf, stats = real_losses(*a, **k)
         return pg * float("nan"), vf, stats
 
-    real_load_networks, real_losses = po.load_networks, po.ppo_losses
-    monkeypatch.setattr(po, "load_networks", load_networks)
+    real_load_networks, real_losses = common.load_networks, po.ppo_losses
+    monkeypatch.setattr(common, "load_networks", load_networks)
     monkeypatch.setattr(po, "ppo_losses", nan_losses)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ppo_oppo.py", "--model", "tiny", "--exp-name", "nan", "--num-rounds", "2",
