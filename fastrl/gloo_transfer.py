@@ -182,19 +182,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         for batch in [weights] if in_place else [[pair] for pair in weights]:
             try:
                 loaded = self.model.load_weights(batch)
-            except Exception:
+            except Exception as error:
+                failure = error  # the chunk's error, or the first tensor's that fails alone
                 for name, tensor in batch if in_place else []:
                     try:
                         self.model.load_weights([(name, tensor)])
                     except Exception as single:
-                        e = single
+                        failure = single
                         batch = [(name, tensor)]
                         break
                 if len(batch) == 1:
                     name, tensor = batch[0]
                     raise TransferError(f"the sampler could not load {name!r} (shape {list(tensor.shape)}, "
-                                        f"{str(tensor.dtype).split('.')[-1]}): {e}") from e
-                raise TransferError(f"the sampler could not load a chunk of {len(batch)} tensors: {e}") from e
+                                        f"{str(tensor.dtype).split('.')[-1]}): {failure}") from failure
+                raise TransferError(
+                    f"the sampler could not load a chunk of {len(batch)} tensors: {failure}") from failure
             self._loaded.update(loaded or ())
 
     def params_not_loaded(self) -> list[str]:
