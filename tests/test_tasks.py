@@ -105,18 +105,18 @@ def _canonical(a, op, b):
 
 @pytest.fixture(scope="module")
 def arithmetic_draws():
-    """15,000 held-out and 20,000 train draws of the real arithmetic task (~4 s): every held-out question, most
-    train ones."""
+    """3,000 held-out and 4,000 train draws of the real arithmetic task (~1 s): most held-out questions, a third of the
+    train ones (the whole space is enumerated below through ArithmeticTask.question)."""
     task = make_task("arithmetic", seed=1, tiny_prompts=False)
-    return ({_asked(task.problem("test", i)) for i in range(15000)},
-            {_asked(task.problem("train", i)) for i in range(20000)})
+    return ({_asked(task.problem("test", i)) for i in range(3000)},
+            {_asked(task.problem("train", i)) for i in range(4000)})
 
 
 def test_no_held_out_arithmetic_sum_has_its_commuted_twin_in_training(arithmetic_draws):
     """b + a is the same problem as a + b: a split that hashed the ordered problem put the twins of 673 of the 766
     held-out sums in the train split."""
     held_out, train = arithmetic_draws
-    assert len(train) > 8000 and sum(op == "+" for _, op, _ in held_out) > 700  # most of both splits
+    assert len(train) > 3000 and sum(op == "+" for _, op, _ in held_out) > 500  # much of both splits
     twins = {(b, op, a) for a, op, b in held_out if op == "+"} & train
     assert len(twins) == 0
     assert not {_canonical(*q) for q in held_out} & {_canonical(*q) for q in train}
@@ -129,9 +129,10 @@ def test_arithmetic_asks_12195_distinct_questions_and_holds_out_871_problems(ari
     """The numbers docs/tasks.md and ArithmeticTask state: the 16,200 draws (a, b, op) are 12,195 distinct questions
     (8,100 sums, 4,095 differences), 8,190 problems up to a sum's order, 871 of them (1,277 questions) held out."""
     held_out, train = arithmetic_draws
-    assert (len(held_out), len({_canonical(*q) for q in held_out})) == (1277, 871)
     space = {tasks.ArithmeticTask.question(a, b, op) for a in range(10, 100) for b in range(10, 100) for op in "+-"}
-    assert held_out == {question for question, in_test in space if in_test}  # the generator asks exactly those
+    test_questions = {question for question, in_test in space if in_test}
+    assert (len(test_questions), len({_canonical(*q) for q in test_questions})) == (1277, 871)
+    assert held_out <= test_questions and len(held_out) > 1000  # the generator asks those (most seen in 3,000 draws)
     assert train <= {question for question, in_test in space if not in_test}
     questions = {question for question, _ in space}
     assert len(questions) == 12195 and sum(op == "+" for _, op, _ in questions) == 8100
