@@ -208,6 +208,11 @@ def _nucleus_excluded(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 LOGIT_CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk of positions; a [B, T, V] copy at V=151,936 is tens of GB
+# Each chunk's backward keeps its fp32 log-probabilities (VocabularyLogprobs). Up to SAVED_LOGPROB_BYTES for the
+# whole micro-batch (SmolLM2's CPU micro-batches: ~0.1 GB) they are kept, in chunks of SAVED_CHUNK_BYTES so that the
+# forward's temporaries stay small; above it (a GPU's 8,192 tokens at V=151,936: GBs) each chunk is recomputed.
+SAVED_LOGPROB_BYTES = 512 * 2**20
+SAVED_CHUNK_BYTES = 32 * 2**20
 
 
 def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0, top_p: float = 1.0,
@@ -221,8 +226,9 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
 
     Memory: the backbone runs once; the vocabulary projection, softmax and entropy run on the
     completion's positions only (a prompt's logits are never used), over chunks of at most
-    `chunk_bytes` of fp32 logits each, and with gradients each chunk is recomputed in the backward
-    pass (activation checkpointing), so no [B, T, V] copy is ever alive beyond one chunk."""
+    `chunk_bytes` of fp32 logits each, each keeping only its fp32 log-probabilities for the backward
+    (VocabularyLogprobs); when those exceed SAVED_LOGPROB_BYTES each chunk is instead recomputed in the
+    backward pass (activation checkpointing), so no [B, T, V] copy is ever alive beyond one chunk."""
     targets = input_ids[:, 1:]
     mask = completion_mask[:, 1:].float()
     decoder, head = _backbone_and_head(model)
@@ -233,7 +239,9 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
     where = mask.bool()
     hidden, flat_targets = hidden[where], targets[where]  # [N, H], [N]: the completion's positions
-    per_chunk = max(1, chunk_bytes // (4 * head.weight.shape[0]))
+    row_bytes = 4 * head.weight.shape[0]  # one position's fp32 logits
+    recompute = torch.is_grad_enabled() and hidden.shape[0] * row_bytes > SAVED_LOGPROB_BYTES
+    per_chunk = max(1, (chunk_bytes if recompute else min(chunk_bytes, SAVED_CHUNK_BYTES)) // row_bytes)
     pieces = []
     for start in range(0, hidden.shape[0], per_chunk):
         part = slice(start, start + per_chunk)
@@ -241,7 +249,7 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         def run(h, t):
             return _chunk_logprobs(head(h), t, temperature, top_p, top_k, with_entropy)
 
-        if torch.is_grad_enabled() and hidden.shape[0] > per_chunk:
+        if recompute:
             from torch.utils.checkpoint import checkpoint
 
             pieces.append(checkpoint(run, hidden[part], flat_targets[part], use_reentrant=False))
@@ -266,12 +274,39 @@ def _backbone_and_head(model):
 
 
 def _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy):
-    logps = torch.log_softmax(sampling_logits(logits.float(), targets, temperature, top_p, top_k), dim=-1)
-    chosen = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    if not with_entropy:
-        return chosen, None
-    probs = logps.exp()
-    return chosen, -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1)  # excluded tokens: 0 * -inf -> 0
+    return VocabularyLogprobs.apply(logits, targets, temperature, top_p, top_k, with_entropy)
+
+
+class VocabularyLogprobs(torch.autograd.Function):
+    """[N, V] logits (fp32 or autocast's bf16), [N] targets -> the targets' fp32 log-probabilities under
+    sampling_logits (and the entropy, or None), with the gradient written out instead of autograd's chain of
+    [N, V] intermediates: the forward keeps one fp32 [N, V] tensor (the log-probabilities), the backward forms
+    d/dz = g_chosen * (onehot - p) - g_entropy * p * (log p + H) from it, z = logits / temperature. Excluded tokens
+    (p = 0) keep a log-probability of EXCLUDED instead of -inf, so 0 * log p stays 0 in both passes."""
+
+    EXCLUDED = -1e30
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature, top_p, top_k, with_entropy):
+        logps = torch.log_softmax(sampling_logits(logits.float(), targets, temperature, top_p, top_k), dim=-1)
+        logps.clamp_(min=VocabularyLogprobs.EXCLUDED)
+        chosen = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = torch.special.entr(logps.exp()).sum(-1) if with_entropy else None
+        ctx.save_for_backward(logps, targets, entropy)
+        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        return chosen, entropy
+
+    @staticmethod
+    def backward(ctx, grad_chosen, grad_entropy):
+        logps, targets, entropy = ctx.saved_tensors
+        grad_chosen = torch.zeros_like(logps[:, 0]) if grad_chosen is None else grad_chosen
+        if entropy is not None and grad_entropy is not None:
+            grad = (logps + entropy[:, None]).mul_(grad_entropy[:, None]).add_(grad_chosen[:, None])
+        else:
+            grad = grad_chosen[:, None].expand_as(logps).clone()
+        grad.mul_(logps.exp()).neg_()
+        grad.scatter_add_(-1, targets.unsqueeze(-1), grad_chosen.unsqueeze(-1))
+        return grad.div_(ctx.temperature).to(ctx.dtype), None, None, None, None, None
 
 
 def micro_batches(lengths: list[int], max_tokens: int, rows_per_item: int = 1,
