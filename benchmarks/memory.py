@@ -225,6 +225,11 @@ def with_autocast(enabled: bool):
 # --------------------------------------------------------------------------------------
 
 
+def preset(script, model: str) -> dict:
+    """The script's defaults for `model`: its SMOLLM2 preset for "smollm2", else its PAPER one."""
+    return script.SMOLLM2 if model == "smollm2" else script.PAPER
+
+
 def update(loss_fn, lengths: list[int], max_tokens: int, total: float | None = None, rows_per_item: int = 1,
            max_rows: int | None = None, model=None, optimizer=None, max_grad_norm: float = 1.0):
     """The update each script writes in its round (e.g. rloo_kreuse.main): common.micro_batch_plan's micro-batches,
@@ -251,23 +256,25 @@ def update(loss_fn, lengths: list[int], max_tokens: int, total: float | None = N
 
 def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, response: int = 512,
               micro_batch_tokens: int | None = None, autocast: bool = False, checkpointing: bool = False,
-              steps: int = 1, tracker=None):
-    """rloo_kreuse.py at the paper's v3 setup: 4 prompts x 2 responses, K steps on the batch."""
+              steps: int = 1, tracker=None, model: str = "qwen2.5-0.5b"):
+    """rloo_kreuse.py at the paper's v3 setup: 4 prompts x 2 responses, K steps on the batch (model "smollm2": at
+    its preset, whose --kl-coef 0 loads no reference)."""
     import functools
 
     import rloo_kreuse as rloo
 
-    overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
-    args = rloo.Args(**rloo.PAPER | overrides
+    overrides = dict(model=model, autocast_bf16=autocast, gradient_checkpointing=checkpointing)
+    args = rloo.Args(**preset(rloo, model) | overrides
                      | (dict(micro_batch_tokens=micro_batch_tokens) if micro_batch_tokens else {}))
-    policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)
+    policy = causal_lm(config, True, checkpointing)
+    ref = causal_lm(config, False) if args.kl_coef else None  # as rloo_kreuse.load_models
     optimizer = adam(policy.parameters())
     n = prompts * group
     _, _, ids, attn, cmask, lengths = sequences(n, prompt, response, config.vocab_size)
     mask = cmask[:, 1:].float()
     batch = rloo.Batch(ids, attn, cmask, lengths, mask, sampler_logp=torch.zeros_like(mask),
                        advantages=rloo.rloo_advantages(torch.zeros(prompts, group)).view(-1))
-    batch.ref_logp = batch.logprobs(ref, args)
+    batch.ref_logp = batch.logprobs(ref, args) if ref is not None else None
     batch.old_logp = batch.sampler_logp
     for k_step in range(steps):  # K steps reuse the batch
         loss_fn = functools.partial(rloo.micro_batch_loss, policy, batch, args=args, logprob_diff=k_step == 0)
@@ -277,14 +284,15 @@ def rloo_step(config, prompts: int = 4, group: int = 2, prompt: int = 256, respo
 
 
 def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, micro_batch_tokens: int | None = None,
-             autocast: bool = False, checkpointing: bool = False, steps: int = 1, group: int = 2, tracker=None):
+             autocast: bool = False, checkpointing: bool = False, steps: int = 1, group: int = 2, tracker=None,
+             model: str = "qwen2.5-0.5b"):
     """online_dpo_async.py at the paper's setting: 64 prompts x 2 samples, one pair per prompt, one DPO step a round
     (the second step: the next round, Adam's moments allocated)."""
     import functools
 
     import online_dpo_async as dpo
 
-    flags = ["--model", "qwen2.5-0.5b", "--autocast-bf16" if autocast else "--no-autocast-bf16",
+    flags = ["--model", model, "--autocast-bf16" if autocast else "--no-autocast-bf16",
              "--gradient-checkpointing" if checkpointing else "--no-gradient-checkpointing"]
     args = dpo.parse_args(flags + (["--micro-batch-tokens", str(micro_batch_tokens)] if micro_batch_tokens else []))
     policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)
@@ -307,7 +315,8 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
 
 
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None,
-                  autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
+                  autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None,
+                  model: str = "qwen2.5-0.5b"):
     """pipeline_rl.py's step (its micro_batch_loss: the truncated-IS loss; its --micro-batch-size rule, clipping,
     Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
     --gradient-checkpointing."""
@@ -315,10 +324,10 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
 
     import pipeline_rl as prl
 
-    overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing,
-                     max_new_tokens=response or prl.PAPER["max_new_tokens"],
+    overrides = dict(model=model, autocast_bf16=autocast, gradient_checkpointing=checkpointing,
+                     max_new_tokens=response or preset(prl, model)["max_new_tokens"],
                      micro_batch_size=micro_batch_size or prl.Args.micro_batch_size)
-    args = prl.mode_defaults(prl.Args(**prl.PAPER | overrides))  # the paper's defaults, in pipeline mode
+    args = prl.mode_defaults(prl.Args(**preset(prl, model) | overrides))  # the paper's defaults, in pipeline mode
     policy = causal_lm(config, True, checkpointing)
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
     optimizer = adam(policy.parameters())
@@ -340,7 +349,8 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
 
 
 def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch_tokens: int | None = None,
-             autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None):
+             autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None,
+             model: str = "qwen2.5-0.5b"):
     """ppo_oppo.py at its non-tiny defaults (B = 112 sequences, 1024-token responses, Delta = 8 over-committed,
     C = 256-token chunks): the downstream models (critic, reference) prefill every sequence of the
     buffer chunk by chunk, keeping one KV cache per sequence and model (OPPO's intra-step overlap); the
@@ -350,8 +360,8 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
 
     import ppo_oppo as po
 
-    overrides = dict(model="qwen2.5-0.5b", autocast_bf16=autocast, gradient_checkpointing=checkpointing)
-    args = po.Args(**po.PAPER | overrides | (dict(max_new_tokens=response) if response else {})
+    overrides = dict(model=model, autocast_bf16=autocast, gradient_checkpointing=checkpointing)
+    args = po.Args(**preset(po, model) | overrides | (dict(max_new_tokens=response) if response else {})
                    | (dict(micro_batch_tokens=micro_batch_tokens) if micro_batch_tokens else {}))
     chunk = po.chunk_sizes(args)[0]
     policy, ref = causal_lm(config, True, checkpointing), causal_lm(config, False)

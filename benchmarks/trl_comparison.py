@@ -58,7 +58,8 @@ What cannot be made equal (TRL 1.16 has no knob for it), and so differs:
   split); on the 50M model it runs with 2 (torch's default, ~1.7x faster than 1) and with 1, and
   ours as shipped and with OMP_NUM_THREADS=2 (a learner that uses both cores).
 - TRL's defaults that would slow it down are turned off: gradient checkpointing (TRL default on;
-  for online DPO it also disables the KV cache during generation) and bf16 autocast (default on).
+  for online DPO it also disables the KV cache during generation) and bf16 autocast (default on); ours runs
+  in fp32 too (--no-autocast-bf16 --sampler-dtype auto), whatever its preset on a CPU with bf16.
   Its optimizer stays TRL's default (fused AdamW, weight decay 0, which is Adam).
 - RNG: both sides use seed 1, but vLLM's and torch's sampling streams differ, so the completions
   (and so the runs) are different draws of the same process.
@@ -599,7 +600,8 @@ def ours_flags(w: Workload, args: Args, rloo_extra: str | None = None) -> list[s
     eval_flags = ["--eval-problems", str(max(w.eval_problems, 4)), "--eval-samples", str(w.eval_samples)]
     shared = ["--model", w.model, "--seed", str(w.seed), "--num-rounds", str(w.steps), "--num-prompts", str(w.prompts),
               "--learning-rate", str(w.learning_rate), "--temperature", str(w.temperature),
-              "--max-new-tokens", str(w.max_new_tokens), *eval_flags]
+              "--max-new-tokens", str(w.max_new_tokens), *eval_flags,
+              "--no-autocast-bf16", "--sampler-dtype", "auto"]  # fp32 as TRL runs (not the preset's bf16 on a bf16 CPU)
     # the tiny model's flags stay as they were (its task and top-p are the scripts' defaults)
     if w.model != checks.TINY:
         shared += ["--task", w.task, "--top-p", str(w.top_p), "--max-prompt-tokens", str(w.max_prompt_tokens)]

@@ -76,6 +76,10 @@ LOGIT_CHUNK_BYTES = 256 * 2**20  # common.LOGIT_CHUNK_BYTES: fp32 logits per chu
 # distribution, e.g. a fresh model at T 1) is sorted whole (common._nucleus_excluded); a peaked one needs about the
 # plain's
 HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p": 10}
+# common.SAVED_LOGPROB_BYTES / SAVED_CHUNK_BYTES: up to that much fp32 log-probabilities the chunks are kept, not
+# recomputed, and HEAD_CHUNKS_KEPT of one chunk's temporaries sit beside them
+SAVED_LOGPROB_BYTES, SAVED_CHUNK_BYTES = 512 * 2**20, 32 * 2**20
+HEAD_CHUNKS_KEPT = {"forward": 6, "backward": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what the plan reads from a script's Args: a copy must keep these fields (docs/methods.md, "What a copy must keep") ...
 NEEDED = {"rloo": ("num_prompts", "group_size"), "dpo": ("num_prompts", "group_size"),
@@ -169,8 +173,12 @@ def head_bytes(s: Shape, rows: int, seq_len: int, phase: str, top_p: float = 1.0
     a chunk at a time: HEAD_CHUNKS of the chunk's fp32 logits alive at once in the `phase` ("forward" or
     "backward"), and the backbone's last hidden state (every position) with its gradient."""
     positions = rows * (completion_len or seq_len)
-    chunk = max(min(LOGIT_CHUNK_BYTES, 4 * positions * s.vocab), 4 * s.vocab)  # at least one position
-    return HEAD_CHUNKS[phase + (" top-p" if top_p < 1 else "")] * chunk + 2 * 4 * rows * seq_len * s.hidden
+    whole = 4 * positions * s.vocab
+    hidden = 2 * 4 * rows * seq_len * s.hidden
+    if whole <= SAVED_LOGPROB_BYTES:  # every chunk's log-probabilities kept, the chunks' temporaries small
+        return whole + HEAD_CHUNKS_KEPT[phase] * min(SAVED_CHUNK_BYTES, whole) + hidden
+    chunk = max(min(LOGIT_CHUNK_BYTES, whole), 4 * s.vocab)  # at least one position
+    return HEAD_CHUNKS[phase + (" top-p" if top_p < 1 else "")] * chunk + hidden
 
 
 def learner_bytes(s: Shape, step: Step, dtype: str = "float32", autocast: bool = False,

@@ -197,9 +197,39 @@ def test_sampling_logits_keep_a_target_outside_the_nucleus():
     assert out[0, 3] == pytest.approx((logits[0, 3] - torch.logsumexp(logits[0, [0, 1, 3]], 0)).item())
 
 
-def test_chunked_logprobs_equal_one_forward_values_and_gradients(realistic_path):
-    """Chunking the vocabulary projection over positions (with recomputation in the backward
-    pass) changes no number: same logprobs, entropy and gradients as one whole forward."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.8, 0.95, 0), (0.7, 0.9, 50), (1.0, 0.3, 0)])
+def test_the_vocabulary_parts_written_out_gradient_is_autograds(dtype, temperature, top_p, top_k):
+    """VocabularyLogprobs (log-probabilities and entropy, with the gradient written out) against autograd through
+    sampling_logits, log_softmax and the entropy's formula: the same values and gradients, excluded tokens included
+    (their gradient 0, not NaN), the gradient in the logits' dtype (autocast's bf16 logits)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(37, 500) * 3).to(dtype).requires_grad_()
+    targets = torch.randint(0, 500, (37,))
+    g_chosen, g_entropy = torch.randn(37), torch.randn(37)
+    logps = torch.log_softmax(common.sampling_logits(logits.float(), targets, temperature, top_p, top_k), -1)
+    chosen = logps.gather(-1, targets[:, None]).squeeze(-1)
+    probs = logps.exp()
+    entropy = -(probs * logps.masked_fill(probs == 0, 0.0)).sum(-1)
+    loss = (chosen * g_chosen).sum() + (entropy * g_entropy).sum()
+    expected = torch.autograd.grad(loss, logits, retain_graph=True)[0]
+    ours_chosen, ours_entropy = common.VocabularyLogprobs.apply(logits, targets, temperature, top_p, top_k, True)
+    ours = torch.autograd.grad((ours_chosen * g_chosen).sum() + (ours_entropy * g_entropy).sum(), logits)[0]
+    assert torch.equal(ours_chosen, chosen) and torch.allclose(ours_entropy, entropy, atol=1e-6)
+    assert ours.dtype == dtype and torch.isfinite(ours).all()
+    assert torch.allclose(ours.float(), expected.float(), atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+    if top_p < 1:  # excluded tokens get no gradient (not just a small one)
+        assert (ours[~torch.isfinite(logps.detach())] == 0).all() and (~torch.isfinite(logps)).any()
+    only_chosen = common.VocabularyLogprobs.apply(logits, targets, temperature, top_p, top_k, False)[0]
+    assert torch.allclose(torch.autograd.grad((only_chosen * g_chosen).sum(), logits)[0].float(),
+                          torch.autograd.grad((chosen * g_chosen).sum(), logits)[0].float(), atol=1e-6, rtol=1e-2)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_chunked_logprobs_equal_one_forward_values_and_gradients(realistic_path, recompute, monkeypatch):
+    """Chunking the vocabulary projection over positions, each chunk's log-probabilities kept for the backward
+    pass or (above SAVED_LOGPROB_BYTES) recomputed in it, changes no number: same logprobs, entropy and gradients
+    as one whole forward."""
     model = common.load_policy(realistic_path, "cpu")
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (3, 40))
@@ -207,8 +237,10 @@ def test_chunked_logprobs_equal_one_forward_values_and_gradients(realistic_path)
     cmask = torch.zeros_like(ids)
     cmask[:, 10:] = 1
     results = []
-    # one chunk; chunks of 7 positions
+    # one chunk; chunks of 7 positions (kept, or recomputed: the saved log-probabilities' limit below them)
     for chunk_bytes in (common.LOGIT_CHUNK_BYTES, 4 * 3 * model.config.vocab_size * 7):
+        if chunk_bytes < common.LOGIT_CHUNK_BYTES and recompute:
+            monkeypatch.setattr(common, "SAVED_LOGPROB_BYTES", 0)
         model.zero_grad()
         logp, ent = common.token_logprobs(model, ids, attn, cmask, 0.8, 0.95, with_entropy=True,
                                           chunk_bytes=chunk_bytes)
