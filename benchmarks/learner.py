@@ -1,7 +1,9 @@
-"""The learner's step on SmolLM2-135M-Instruct (fp32, CPU) against the machine's floor (issue 39).
+"""The learner's step on SmolLM2-135M-Instruct (CPU, fp32 and bf16 autocast) against the machine's floors (issues 39,
+50).
 
     .venv/bin/python benchmarks/learner.py                       # both shapes, one A B B A cycle
     .venv/bin/python benchmarks/learner.py --shapes 16x32 --baseline 6b68e63   # + the learner of a past commit
+    .venv/bin/python benchmarks/learner.py --shapes 64x32 --other-budgets 8192  # + the step at the GPU's budget
 
 One round's batch: `EPISODESxRESPONSE` episodes (default 64x32, the issue's RLOO round: 8 prompts x 8
 samples, responses ~32 tokens; and 16x128, the long-response round), each prompt an arithmetic question in
@@ -11,12 +13,14 @@ top-p 0.95 (cached in ~/.cache/fastrl/learner_bench), lengths varied around RESP
 --micro-batch-tokens, common.token_logprobs under the sampler's processing with the entropy, a
 policy-gradient loss with an entropy bonus, backward.
 
-Arms, alternated A B [C] [C] B A with the same torch threads for all:
-- learner: the step above (this checkout's common.py);
-- floor: the bare model on the same micro-batches: model(...).logits, a plain log-softmax over every position,
-  no top-p, no entropy, the same loss shape, backward;
-- base (with --baseline COMMIT): the learner step with common.py as it was at COMMIT.
-learner_vs_floor = median learner seconds / median floor seconds. Also printed: the fp32 matmul throughput at
+Arms, alternated (each arm once in order, then in reverse: A B C D D C B A) with the same torch threads for all, in
+each of --precisions (fp32; bf16: under bf16 autocast, weights, gradients and Adam in fp32, as --autocast-bf16):
+- learner_P: the step above (this checkout's common.py);
+- floor_P: the bare model on the same micro-batches: model(...).logits, a plain log-softmax over every position,
+  no top-p, no entropy, the same loss shape, backward (floor_bf16: the machine's bf16 floor);
+- base (with --baseline COMMIT): the fp32 learner step with common.py as it was at COMMIT.
+learner_vs_floor_P = median learner_P seconds / median floor_P seconds; learner_bf16_vs_fastest_floor
+against the faster of the two floors. Also printed: the fp32 matmul throughput at
 the model's shapes and the seconds the step's matmul FLOPs take at that throughput (floor_matmul_s); a breakdown
 of one learner step (backbone forward, backward, the vocabulary part -- projection, top-p, log-softmax, entropy,
 forward and backward -- and the padding's share of the backbone); and the peak memory of each arm (resident
@@ -46,7 +50,7 @@ import common  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from memory import update  # noqa: E402  (the scripts' update loop)
-from fastrl import memory_plan  # noqa: E402
+from fastrl import cpu_memory, memory_plan  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "fastrl" / "learner_bench"
 
@@ -61,8 +65,12 @@ class Args:
     """torch threads, the same for every arm"""
     temperature: float = 0.8
     top_p: float = 0.95
-    micro_batch_tokens: int = 8192
-    """the scripts' --micro-batch-tokens default"""
+    micro_batch_tokens: int = 1024
+    """--micro-batch-tokens (the --model smollm2 presets' on a CPU)"""
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    """fp32; bf16: the learner and the floor under bf16 autocast (weights, gradients, Adam in fp32)"""
+    other_budgets: tuple[int, ...] = ()
+    """more --micro-batch-tokens for the learner in the last of --precisions (arm learner_P_at_B), e.g. 8192"""
     ent_coef: float = 0.05
     """RLOO's entropy bonus (the entropy is used: with_entropy=True)"""
     baseline: str | None = None
@@ -140,16 +148,19 @@ class PeakRSS:
 # --------------------------------------------------------------------------------------
 
 
-def learner_step(lib, model, batch, args):
-    """One RLOO-shaped step through `lib` (common, or a past commit's): token_logprobs with the entropy."""
+def learner_step(lib, model, batch, args, bf16: bool = False):
+    """One RLOO-shaped step through `lib` (common, or a past commit's): token_logprobs with the entropy (bf16: under
+    autocast, as --autocast-bf16)."""
     ids, attn, cmask, lengths = batch[:4]
     advantages = torch.linspace(-1, 1, len(lengths))
     mask = cmask[:, 1:].float()
 
     def loss_fn(mb):
         rows = mb.items
-        logp, entropy = lib.token_logprobs(model, ids[rows, :mb.width], attn[rows, :mb.width], cmask[rows, :mb.width],
-                                           temperature=args.temperature, top_p=args.top_p, with_entropy=True)
+        with common.autocast(ids.device, bf16):
+            logp, entropy = lib.token_logprobs(model, ids[rows, :mb.width], attn[rows, :mb.width],
+                                               cmask[rows, :mb.width], temperature=args.temperature, top_p=args.top_p,
+                                               with_entropy=True)
         m = mask[rows, :logp.shape[1]]
         per_row = m.sum(1).clamp(min=1)
         pg = -(advantages[rows] * (logp * m).sum(1) / per_row).mean()
@@ -159,8 +170,9 @@ def learner_step(lib, model, batch, args):
     return update(loss_fn, lengths, args.micro_batch_tokens)
 
 
-def floor_step(model, batch, args):
-    """The bare model on the same micro-batches: all-position logits, plain log-softmax, no top-p, no entropy."""
+def floor_step(model, batch, args, bf16: bool = False):
+    """The bare model on the same micro-batches: all-position logits, plain log-softmax, no top-p, no entropy (bf16:
+    the forward under autocast, the machine's bf16 floor)."""
     ids, attn, cmask, lengths = batch[:4]
     advantages = torch.linspace(-1, 1, len(lengths))
     mask = cmask[:, 1:].float()
@@ -168,7 +180,8 @@ def floor_step(model, batch, args):
     def loss_fn(mb):
         rows = mb.items
         x = ids[rows, :mb.width]
-        logits = model(input_ids=x, attention_mask=attn[rows, :mb.width]).logits[:, :-1]
+        with common.autocast(ids.device, bf16):
+            logits = model(input_ids=x, attention_mask=attn[rows, :mb.width]).logits[:, :-1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, 1:, None]).squeeze(-1)
         m = mask[rows, :logp.shape[1]]
         return -(advantages[rows] * (logp * m).sum(1) / m.sum(1).clamp(min=1)).mean(), len(rows), {}
@@ -282,6 +295,7 @@ def plan_bytes(model, batch, args) -> tuple[int, int]:
 
 def main():
     args = tyro.cli(Args)
+    cpu_memory.release_freed_memory()  # as the scripts' learner (Run): resident memory follows the live tensors
     torch.set_num_threads(args.threads)
     print(f"command: {' '.join([sys.executable.split('/')[-1], *sys.argv])}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(os.sched_getaffinity(0))} cores, "
@@ -292,7 +306,14 @@ def main():
     model = common.load_policy(path, "cpu")
     tokenizer = AutoTokenizer.from_pretrained(path)
     base = load_baseline(args.baseline) if args.baseline else None
-    arms = {"learner": lambda b: learner_step(common, model, b, args), "floor": lambda b: floor_step(model, b, args)}
+    arms = {}
+    for p in args.precisions:
+        arms[f"learner_{p}"] = lambda b, bf16=p == "bf16": learner_step(common, model, b, args, bf16)
+        arms[f"floor_{p}"] = lambda b, bf16=p == "bf16": floor_step(model, b, args, bf16)
+    for budget in args.other_budgets:
+        p = args.precisions[-1]
+        arms[f"learner_{p}_at_{budget}"] = lambda b, bf16=p == "bf16", budget=budget: learner_step(
+            common, model, b, dataclasses.replace(args, micro_batch_tokens=budget), bf16)
     if base is not None:
         arms["base"] = lambda b: learner_step(base, model, b, args)
     order = list(arms) + list(arms)[::-1]
@@ -326,9 +347,20 @@ def main():
         for name in arms:
             print(f"  {name}_s={med[name]:.2f} (runs: {', '.join(f'{t:.2f}' for t in times[name])})")
         if base is not None:
-            print(f"  base_vs_floor={med['base'] / med['floor']:.2f}  "
-                  f"learner_vs_base={med['learner'] / med['base']:.2f}")
-        print(f"  learner_vs_floor={med['learner'] / med['floor']:.2f}  floor_vs_matmul={med['floor'] / matmul_s:.2f}")
+            print(f"  base_vs_floor={med['base'] / med['floor_fp32']:.2f}  "
+                  f"learner_vs_base={med['learner_fp32'] / med['base']:.2f}")
+        for p in args.precisions:
+            print(f"  learner_vs_floor_{p}={med[f'learner_{p}'] / med[f'floor_{p}']:.2f}  "
+                  f"floor_{p}_vs_matmul={med[f'floor_{p}'] / matmul_s:.2f}")
+        for budget in args.other_budgets:
+            p = args.precisions[-1]
+            print(f"  learner_{p}_at_{budget}_vs_{args.micro_batch_tokens}="
+                  f"{med[f'learner_{p}_at_{budget}'] / med[f'learner_{p}']:.2f}")
+        if len(args.precisions) == 2:
+            fastest = min(med["floor_fp32"], med["floor_bf16"])
+            print(f"  bf16_speedup: learner {med['learner_fp32'] / med['learner_bf16']:.2f}x, floor "
+                  f"{med['floor_fp32'] / med['floor_bf16']:.2f}x; learner_bf16_vs_fastest_floor="
+                  f"{med['learner_bf16'] / fastest:.2f}")
         if args.breakdown:
             parts = breakdown(model, batch, args)
             total = sum(v for k, v in parts.items() if k != "padding")

@@ -199,3 +199,31 @@ def sampler_start_kwargs(monkeypatch, tmp_path):
     yield run
     for logger in loggers:  # its TensorBoard writer's thread, before the working directory changes back
         logger.close()
+
+
+def strip_to_method(source: str, replacements: list[tuple[str, str]], metrics: str) -> str:
+    """A script as a student strips it to its method (issue 48): each (old, new) replaced (a strip that no longer
+    applies fails), and the round's metrics dict literal replaced by `metrics` (one line: a reward and the seconds)."""
+    for old, new in replacements:
+        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
+        source = source.replace(old, new)
+    start = source.index("            metrics = {\n")
+    end = source.index("            }\n", start) + len("            }\n")
+    return source[:start] + f"            metrics = {metrics}\n" + source[end:]
+
+
+def run_stripped_copy(name: str, source: str, flags: list[str]):
+    """Write the stripped copy to a scratch directory and run it (importing common, tasks and fastrl from the
+    checkout); it must finish, write its summary, leave no checkpoint and no traceback or leaked process. Returns
+    the finished process (its stdout has the rounds' lines)."""
+    work = scratch_dir(f"pytest_{name}_")
+    copy = work / f"{name}.py"
+    copy.write_text(source)
+    out = subprocess.run([sys.executable, str(copy), "--exp-name", f"pytest_{name}", *flags], cwd=work,
+                         capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    run_dir = next((work / "runs").glob(f"pytest_{name}__*"))
+    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
+    assert "Traceback" not in out.stderr and "leaked" not in out.stderr
+    return out

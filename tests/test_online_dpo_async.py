@@ -5,7 +5,6 @@ steps skipped; the logprob contract on the realistic fixture."""
 import functools
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import common
 from fastrl import runlog
 import tasks
 import online_dpo_async as dpo
-from conftest import scratch_dir
+from conftest import run_stripped_copy, scratch_dir, strip_to_method
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
@@ -687,14 +686,9 @@ def strip_dpo(source: str) -> str:
         ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
          "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
     ]
-    for old, new in replacements:
-        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
-        source = source.replace(old, new)
-    start = source.index("            metrics = {\n")
-    end = source.index("            }\n", start) + len("            }\n")
-    return source[:start] + ('            metrics = {"charts/reward": rewards.mean().item(), '
-                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n'
-                             ) + source[end:]
+    return strip_to_method(source, replacements,
+                           '{"charts/reward": rewards.mean().item(), '
+                           '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}')
 
 
 @pytest.mark.slow
@@ -702,14 +696,6 @@ def strip_dpo(source: str) -> str:
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(mode):
     """Issue 48: the copy's obligations are code. Stripped as above it still runs, pushes (run.check_version stops the
     run otherwise: --sync on the weights just pushed, async a round behind) and stops cleanly, without a checkpoint."""
-    work = scratch_dir("pytest_dpo_stripped_")
-    copy = work / "dpo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
-    copy.write_text(strip_dpo((ROOT / "online_dpo_async.py").read_text()))
-    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3", *SMALL,
-                          "--num-minibatches", "2", *mode], cwd=work, capture_output=True, text=True, timeout=600,
-                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = run_stripped_copy("dpo_stripped", strip_dpo((ROOT / "online_dpo_async.py").read_text()),
+                            ["--num-rounds", "3", *SMALL, "--num-minibatches", "2", *mode])
     assert "round 3/3 step" in out.stdout and "reward" in out.stdout
-    run_dir = next((work / "runs").glob("pytest_stripped__*"))
-    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
-    assert "Traceback" not in out.stderr and "leaked" not in out.stderr

@@ -3,16 +3,14 @@ rounds) within 100 lines, no line over 120 columns (ruff, configured in pyprojec
 method (no checkpoints, no evaluation between rounds, no torchrun calls, one metric) still runs, pushes and stops."""
 
 import ast
-import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from conftest import scratch_dir
+from conftest import run_stripped_copy, strip_to_method
 
 ROOT = Path(__file__).resolve().parents[1]
 # the scripts on the run object (fastrl/run.py), with their budgets in lines (issue 48)
@@ -69,29 +67,16 @@ def strip_rloo(source: str) -> str:
         ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
          "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
     ]
-    for old, new in replacements:
-        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
-        source = source.replace(old, new)
-    start = source.index("            metrics = {\n")
-    end = source.index("            }\n", start) + len("            }\n")
-    return source[:start] + ('            metrics = {"charts/reward": rewards.mean().item(), '
-                             '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}\n'
-                             ) + source[end:]
+    return strip_to_method(source, replacements,
+                           '{"charts/reward": rewards.mean().item(), '
+                           '"time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds}')
 
 
 @pytest.mark.slow
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(tmp_path):
-    work = scratch_dir("pytest_pages_")
-    copy = work / "rloo_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
-    copy.write_text(strip_rloo((ROOT / "rloo_kreuse.py").read_text()))
-    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_stripped", "--num-rounds", "3",
-                          "--num-prompts", "4", "--group-size", "4", "--k", "2", "--eval-problems", "4",
-                          "--eval-samples", "1"], cwd=work, capture_output=True, text=True, timeout=600,
-                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = run_stripped_copy("rloo_stripped", strip_rloo((ROOT / "rloo_kreuse.py").read_text()),
+                            ["--num-rounds", "3", "--num-prompts", "4", "--group-size", "4", "--k", "2",
+                             "--eval-problems", "4", "--eval-samples", "1"])
     # each round after the first was sampled by the weights pushed after the one before (run.check_version in the
     # copy stops the run otherwise): K=2 steps a round, so round 3 ran on policy version 4
     assert "round 3/3 step 6" in out.stdout and "reward" in out.stdout
-    run_dir = next((work / "runs").glob("pytest_stripped__*"))
-    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
-    assert "Traceback" not in out.stderr and "leaked" not in out.stderr

@@ -3,7 +3,6 @@ weight updates on the real sampler, both modes from the command line, zero-lag p
 Conventional RL, the realistic fixture."""
 
 import json
-import os
 import math
 import random
 import subprocess
@@ -21,7 +20,7 @@ from fastrl import checks, launch, runlog, vllm_sampler, weight_sync
 from fastrl.run import Run
 import tasks
 import pipeline_rl as prl
-from conftest import scratch_dir
+from conftest import run_stripped_copy, scratch_dir, strip_to_method
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
@@ -744,29 +743,16 @@ def strip_pipeline(source: str) -> str:
         ("run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
          "torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
     ]
-    for old, new in replacements:
-        assert old in source, f"the strip no longer applies: {old.strip()[:60]}"
-        source = source.replace(old, new)
-    start = source.index("            metrics = {\n")
-    end = source.index("            }\n", start) + len("            }\n")
-    return source[:start] + ('            metrics = {"charts/reward": rewards.mean().item(), '
-                             '"time/generate_seconds": wait_seconds, "time/train_seconds": train_seconds}\n'
-                             ) + source[end:]
+    return strip_to_method(source, replacements,
+                           '{"charts/reward": rewards.mean().item(), '
+                           '"time/generate_seconds": wait_seconds, "time/train_seconds": train_seconds}')
 
 
 @pytest.mark.slow
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops():
     """Issue 48: the copy's obligations are code. --max-lag 0: each batch is admitted only once the sampler holds the
     learner's weights, so the copy finishes only if every step's in-flight push landed."""
-    work = scratch_dir("pytest_pages_prl_")
-    copy = work / "pipeline_stripped.py"  # imports common, tasks and fastrl from the checkout (PYTHONPATH)
-    copy.write_text(strip_pipeline((ROOT / "pipeline_rl.py").read_text()))
-    out = subprocess.run([sys.executable, str(copy), "--exp-name", "pytest_prl_stripped", "--max-lag", "0",
-                          "--num-steps", "3", "--train-batch-size", "8", "--group-size", "4", "--eval-problems", "4",
-                          "--eval-samples", "1"], cwd=work, capture_output=True, text=True, timeout=600,
-                         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    out = run_stripped_copy("pipeline_stripped", strip_pipeline((ROOT / "pipeline_rl.py").read_text()),
+                            ["--max-lag", "0", "--num-steps", "3", "--train-batch-size", "8", "--group-size", "4",
+                             "--eval-problems", "4", "--eval-samples", "1"])
     assert "step 3/3 step 3" in out.stdout and "reward" in out.stdout
-    run_dir = next((work / "runs").glob("pytest_prl_stripped__*"))
-    assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
-    assert "Traceback" not in out.stderr and "leaked" not in out.stderr
