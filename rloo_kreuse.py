@@ -71,7 +71,8 @@ class Args(RunArgs):
     ppo_clip: float | None = None
     """epsilon: use the PPO-style clipped ratio instead (Proximal RLOO, async-RLHF paper App. B)"""
     recompute_old_logprobs: bool = False
-    """recompute log pi_theta0 with the learner even without --tis (one more forward per round; always with --tis)"""
+    """log pi_theta0 from the learner even without --tis (always with --tis): k-step 1's own forward, or a forward of
+    its own when --kl-estimator k1 needs it before (a reference model)"""
     tis: Literal["auto", "on", "off"] = "auto"
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
     numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL 1.16's
@@ -193,12 +194,13 @@ def rloo_loss(logp, old_logp, ref_logp, entropy, mask, advantages, *, ppo_clip: 
 @dataclass
 class Batch(common.Batch):
     """One sampling round on the learner (common.Batch: padded rows, mask, the sampler's logprobs), with K-reuse's
-    log pi_theta0 and log pi_ref, the truncated IS weights (--tis) and the leave-one-out advantages [N]."""
+    log pi_theta0 and log pi_ref, whether --tis weighs it, and the leave-one-out advantages [N]."""
 
     old_logp: torch.Tensor | None = None
     ref_logp: torch.Tensor | None = None
-    tis: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
+    theta0_from_forward: bool = False  # k-step 1's forward writes old_logp as it goes (main())
+    tis_on: bool = False  # --tis: the truncated IS weights from old_logp and the sampler's
 
 
 def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, args: Args, logprob_diff: bool = False):
@@ -211,8 +213,14 @@ def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, args: Args, lo
                                               batch.completion_mask[rows, :width], temperature=args.temperature,
                                               top_p=args.top_p, with_entropy=True)
     cut = lambda x: None if x is None else x[rows] if x.dim() == 1 else x[rows, :logp.shape[1]]  # noqa: E731
-    loss, stats = rloo_loss(logp, cut(batch.old_logp), cut(batch.ref_logp), entropy, cut(batch.mask),
-                            batch.advantages[rows], tis=cut(batch.tis), ppo_clip=args.ppo_clip, iw_level=args.iw_level,
+    if batch.theta0_from_forward and mb.weight:  # k-step 1 at the sampling weights: this forward is log pi_theta0
+        batch.old_logp[rows, :logp.shape[1]] = logp.detach()
+    old_logp = logp.detach() if batch.theta0_from_forward else cut(batch.old_logp)
+    tis = None  # the mismatch correction's weight min(pi_learner / pi_sampler, C), apart from K-reuse's weights
+    if batch.tis_on:
+        tis = truncated_is_weights(old_logp, cut(batch.sampler_logp), cut(batch.mask), args.tis_level, args.tis_cap)[0]
+    loss, stats = rloo_loss(logp, old_logp, cut(batch.ref_logp), entropy, cut(batch.mask),
+                            batch.advantages[rows], tis=tis, ppo_clip=args.ppo_clip, iw_level=args.iw_level,
                             iw_clip=args.iw_clip, kl_estimator=args.kl_estimator, kl_coef=args.kl_coef,
                             ent_coef=args.ent_coef)
     share = len(rows) / len(batch.lengths)  # of the batch mean
@@ -267,13 +275,14 @@ def main():
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             batch.ref_logp = None if ref_policy is None else batch.logprobs(ref_policy, args, run.dist)
-            # log pi_theta0: the learner's own recomputation (--tis, --recompute-old-logprobs), or the sampler's
-            batch.old_logp = batch.logprobs(policy, args, run.dist) if recompute_old_logprobs else batch.sampler_logp
-            tis_stats = {}
-            if tis_on:  # the mismatch correction: min(pi_learner / pi_sampler, C), apart from K-reuse's weights
-                batch.tis, tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask,
-                                                            args.tis_level, args.tis_cap)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # reward r - kl_coef * sum_t log pi/pi_ref
+            # log pi_theta0: the sampler's, or the learner's own (--tis, --recompute-old-logprobs): k-step 1's forward
+            # (at the sampling weights) writes it, unless k1's penalty needs it before, which takes a pass of its own
+            batch.old_logp, batch.tis_on = batch.sampler_logp, tis_on
+            if recompute_old_logprobs:
+                batch.theta0_from_forward = not k1_shaped
+                batch.old_logp = (torch.zeros_like(batch.sampler_logp) if batch.theta0_from_forward
+                                  else batch.logprobs(policy, args, run.dist))
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
@@ -298,6 +307,8 @@ def main():
                     loss = loss + mb_loss.detach() * share
                     common.add_outputs(out, mb, mb_out, len(batch.lengths))
                 loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches
+                if batch.theta0_from_forward:  # pi_theta0 whole: every rank's rows
+                    batch.old_logp, batch.theta0_from_forward = run.all_sum(batch.old_logp), False
                 grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if stepped:
@@ -312,6 +323,8 @@ def main():
                 grad_norms.append(grad_norm.item())
                 iw_means.append(out["w"].mean().item())
                 ess_values.append(ess(out["w"]))
+            tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level,
+                                             args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
 
             # ---- push the new weights; the next round samples with them ----
