@@ -50,7 +50,7 @@ import common  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from memory import update  # noqa: E402  (the scripts' update loop)
-from fastrl import cpu_memory, memory_plan  # noqa: E402
+from fastrl import cpu_memory, memory_plan, util  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "fastrl" / "learner_bench"
 
@@ -298,8 +298,7 @@ def main():
     cpu_memory.release_freed_memory()  # as the scripts' learner (Run): resident memory follows the live tensors
     torch.set_num_threads(args.threads)
     print(f"command: {' '.join([sys.executable.split('/')[-1], *sys.argv])}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(os.sched_getaffinity(0))} cores, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"machine: {util.machine_line()}; {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")
     from transformers import AutoTokenizer
 
     path = common.resolve_model(args.model)

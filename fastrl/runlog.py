@@ -21,7 +21,7 @@ import torch
 
 from fastrl import distributed
 from fastrl.checks import changed_flags, run_dir_of
-from fastrl.util import _Tee, replace_atomically
+from fastrl.util import _Tee, machine_line, replace_atomically
 
 
 def run_name(exp_name: str, seed: int, resume: str | None = None) -> str:
@@ -95,7 +95,7 @@ class RunLogger:
 
     def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict) -> str:
         """The end-of-run report, the same shape in every script: this run's line of its paper's
-        table (`row`: column -> value), held-out pass@k at the start and the end, and peak memory.
+        table (`row`: column -> value), held-out pass@k at the start and the end, peak memory and the machine.
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
         cell = lambda v: (v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100  # noqa: E731
                           else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}")
@@ -112,6 +112,7 @@ class RunLogger:
                  "| start | " + " | ".join(f"{eval_start[k]:.3f}" for k in keys) + " |",
                  "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
                  "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()),
+                 f"machine: {machine_line()}",  # beside every time the run reports
                  "", *what_happened(eval_start, eval_end, self.last.get("charts/kl"))]
         text = "\n".join(lines) + "\n"
         print("\n" + text, end="")

@@ -193,6 +193,26 @@ def cpu_bf16() -> bool:
     return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
+def machine_line() -> str:
+    """The machine a timing was taken on, in one line: CPU model, cores this process may use, native bf16, memory,
+    torch (e.g. "AMD EPYC, 2 cores, bf16 native, 24 GB, torch 2.13.0+cpu")."""
+    import os
+
+    import torch
+
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        cpu = platform.processor() or platform.machine()
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (f"{cpu}, {cores} cores, bf16 {'native' if cpu_bf16() else 'not native'}, {memory:.0f} GB, "
+            f"torch {torch.__version__}")
+
+
 def real_model_precision() -> dict:
     """--model smollm2's precision flags on this machine: the GPU's split (a bf16 sampler, the learner under bf16
     autocast, weights, gradients and Adam in fp32, the mismatch correction on) on a GPU or a CPU with native bf16

@@ -287,6 +287,7 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
     assert ("| model | pass@1 | pass@4 |" in text and "| start | 0.250 | 0.500 |" in text
             and "| end | 0.375 | 0.625 |" in text)
     assert "peak memory: learner 512 MiB, sampler 900 MiB" in text
+    assert f"\nmachine: {util.machine_line()}\n" in text and " cores, bf16 " in text  # beside the run's times
     assert (logger.dir / "summary.md").read_text() == text and text in capsys.readouterr().out
     last = runlog.read_metrics(logger.dir)[-1]
     assert last["eval/pass@1_gain"] == pytest.approx(0.125) and last["memory/sampler_peak_mib"] == 900.0
