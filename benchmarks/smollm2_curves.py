@@ -9,9 +9,9 @@ end with two standard errors, minutes of training, peak memory (learner + sample
 Each run is the script's own command, `python SCRIPT --model smollm2 --seed N --exp-name curve_<script>_<tag>_sN`,
 one after another on the whole machine (never two at once: each would take the other's cores). Minutes of training:
 the wall time from the end of the first held-out evaluation to the last training row (the model's build and the two
-evaluations excluded). pass@1: `eval/pass@1` over `eval/problems` held-out problems x `eval/samples`; its two
-standard errors are binomial over the problems (runlog's "within the evaluation's noise" line), and the mean over
-seeds gets two standard errors of the seeds' spread."""
+evaluations excluded). pass@1: `eval/pass@1` over `eval/problems` held-out problems x `eval/samples`; a gain's two
+standard errors are binomial over the problems at the start's and the end's pass@1 (combined as independent), and
+the mean gain over seeds gets two standard errors of the seeds' spread."""
 
 from __future__ import annotations
 
@@ -47,8 +47,10 @@ class Args:
     """run nothing: the table (and plot) of the runs under runs/ that match"""
     tags: tuple[str, ...] = ()
     """with --report-only: the tags to report (default: --tag)"""
+    smooth: int = 3
+    """the plot's training accuracy: the mean of the last N rounds"""
     plot: str | None = "docs/smollm2_curves.png"
-    """the four methods' training reward against minutes of training, one line per run (None: no plot)"""
+    """the four methods' training accuracy against minutes of training, one line per run (None: no plot)"""
 
 
 def run_name(script: str, tag: str, seed: int) -> str:
@@ -85,7 +87,7 @@ def find_runs(script: str, tag: str, seeds) -> list[Path]:
 
 
 def table(args: Args, tags) -> str:
-    lines = ["| method | precision | seeds | minutes of training | held-out pass@1 start -> end (+-2 SE) | "
+    lines = ["| method | precision | seeds | minutes of training | held-out pass@1 start -> end (+-2 SE of the gain) | "
              "peak memory: learner + sampler |", "|---|---|---|---|---|---|"]
     for tag in tags:
         for script in args.scripts:
@@ -99,7 +101,8 @@ def table(args: Args, tags) -> str:
             gain = [r["end"] - r["start"] for r in runs]
             spread = 2 * statistics.stdev(gain) / math.sqrt(len(gain)) if len(gain) > 1 else float("nan")
             start, end = statistics.mean(r["start"] for r in runs), statistics.mean(r["end"] for r in runs)
-            each = ", ".join(f"{r['start']:.3f} -> {r['end']:.3f} (+-{r['end_2se']:.3f})" for r in runs)
+            each = ", ".join(f"{r['start']:.3f} -> {r['end']:.3f} (+-{math.hypot(r['start_2se'], r['end_2se']):.3f})"
+                             for r in runs)
             minutes = ", ".join(f"{r['minutes']:.1f}" for r in runs)
             peak = max(r["learner_mib"] + r["sampler_mib"] for r in runs)
             learner = max(r["learner_mib"] for r in runs)
@@ -124,12 +127,14 @@ def plot(args: Args, tags, out: Path) -> None:
                 t0 = next(r["wall"] for r in rows if "eval/pass@1" in r)
                 train = [r for r in rows if "charts/reward" in r]
                 label = f"{Path(script).stem} ({tag})" if i == 0 else None
-                ax_reward.plot([(r["wall"] - t0) / 60 for r in train], [r["charts/reward"] for r in train],
-                               color=colors.get(script), alpha=0.8, label=label)
+                accuracy = [r["charts/accuracy"] for r in train]
+                smooth = [statistics.mean(accuracy[max(0, j - args.smooth + 1):j + 1]) for j in range(len(accuracy))]
+                ax_reward.plot([(r["wall"] - t0) / 60 for r in train], smooth, color=colors.get(script), alpha=0.8,
+                               label=label)
                 s = summarize(d)
                 ax_eval.errorbar([0, s["minutes"]], [s["start"], s["end"]], yerr=[s["start_2se"], s["end_2se"]],
                                  color=colors.get(script), marker="o", capsize=3, alpha=0.8, label=label)
-    ax_reward.set(xlabel="minutes of training", ylabel="training reward (charts/reward)",
+    ax_reward.set(xlabel="minutes of training", ylabel=f"training accuracy (charts/accuracy, mean of {args.smooth})",
                   title="SmolLM2-135M-Instruct, two-digit arithmetic")
     ax_eval.set(xlabel="minutes of training", ylabel="held-out pass@1 (+-2 SE)", title="start -> end of each run")
     ax_reward.legend(fontsize=8)

@@ -3,12 +3,14 @@ arithmetic task it learns from, its defaults (chat template on), the logprob con
 distribution at the papers' top-p 0.95 (fp32, and a bf16 sampler against the fp32 learner), and each of the four
 scripts end to end on it from its real command line (short runs)."""
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import common
 from fastrl import checks, runlog, util
@@ -50,6 +52,12 @@ def test_smollm2_gets_its_own_defaults_and_the_chat_template():
     args = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2"], paper=rloo_kreuse.PAPER,
                              smollm2=rloo_kreuse.SMOLLM2)
     assert (args.task, args.chat_template, args.temperature, args.top_p) == ("arithmetic", True, 0.8, 0.95)
+    # the GPU's precision split where the CPU computes bf16 natively (issue 50), fp32 where it does not
+    split = util.cpu_bf16() or torch.cuda.is_available()
+    assert (args.autocast_bf16, args.sampler_dtype) == ((True, "bfloat16") if split else (False, "auto"))
+    for module in ("online_dpo_async", "pipeline_rl", "ppo_oppo"):
+        preset = importlib.import_module(module).SMOLLM2
+        assert (preset["autocast_bf16"], preset["sampler_dtype"]) == (args.autocast_bf16, args.sampler_dtype)
     off = checks.parse_args(rloo_kreuse.Args, ["--model", "smollm2", "--no-chat-template"], paper=rloo_kreuse.PAPER,
                             smollm2=rloo_kreuse.SMOLLM2)
     assert not off.chat_template
@@ -106,7 +114,7 @@ def test_rloo_k1_fp32_keeps_the_logprob_contract_on_a_real_model(smollm2_path):
     """fp32 sampler and learner, T 0.8 / top-p 0.95 over SmolLM2's learned distribution: the learner's logprobs are
     the sampler's (the nucleus is recomputed over 49,152 logits) and K=1's importance weight is 1."""
     out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k1", "--k", "1", "--num-prompts", "4",
-                           "--group-size", "4",
+                           "--group-size", "4", "--no-autocast-bf16", "--sampler-dtype", "auto",  # fp32, any CPU
                            "--num-rounds", "2", *SHORT)
     assert (args["task"], args["chat_template"], args["temperature"], args["top_p"], args["tis"]) == \
         ("arithmetic", True, 0.8, 0.95, "auto")
@@ -126,7 +134,7 @@ def test_rloo_k2_bf16_sampler_corrects_the_mismatch_on_a_real_model(smollm2_path
     pi_theta0 is the learner's own recomputation, so K-reuse's first weight is exactly on-policy, and the sampler's
     logprobs differ from the learner's by bf16's error, not more."""
     out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_k2", "--k", "2", "--num-prompts", "4",
-                           "--group-size", "2",
+                           "--group-size", "2", "--no-autocast-bf16",  # the fp32 learner, whatever this CPU's preset
                            "--num-rounds", "1", "--sampler-dtype", "bfloat16", *SHORT)
     (r,) = [r for r in rows if "charts/reward" in r]
     assert r["step"] == 2
@@ -144,9 +152,8 @@ def test_the_gpu_precision_split_end_to_end_on_a_bf16_cpu(smollm2_path):
     recomputation (under the same autocast), so K-reuse's first weight is on-policy; the sampler's logprobs differ
     from the learner's by bf16's error, and the truncated weights stay near 1 (issue 50)."""
     out, args, rows = _run("rloo_kreuse.py", "--exp-name", "pytest_smollm2_bf16", "--k", "2", "--num-prompts", "4",
-                           "--group-size", "2", "--num-rounds", "1", "--sampler-dtype", "bfloat16", "--autocast-bf16",
-                           *SHORT)
-    assert (args["autocast_bf16"], args["sampler_dtype"]) == (True, "bfloat16")
+                           "--group-size", "2", "--num-rounds", "1", *SHORT)  # the preset's precision on this CPU
+    assert (args["autocast_bf16"], args["sampler_dtype"]) == (True, "bfloat16")  # util.real_model_precision
     (r,) = [r for r in rows if "charts/reward" in r]
     assert r["step"] == 2 and r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3)
     assert 1e-4 < r["charts/logprob_diff"] < 5e-2
