@@ -29,7 +29,7 @@ from transformers import DynamicCache
 import common
 import tasks
 from common import scheduled_learning_rate, truncated_is_weights  # (shared with the other scripts)
-from fastrl import checks, distributed, launch, runlog, util, vllm_sampler
+from fastrl import checks, distributed, launch, runlog, vllm_sampler
 from fastrl.run import Run, RunArgs
 
 ON_GPU = torch.cuda.is_available()
@@ -142,8 +142,8 @@ PAPER = dict(num_rounds=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e
 # --model smollm2 (SmolLM2-135M-Instruct on a CPU): arithmetic, rounds of 32; critic and reference from its checkpoint
 SMOLLM2 = PAPER | dict(task="arithmetic", num_rounds=20, batch_size=32, num_ppo_epochs=2, learning_rate=1e-5,
                        chunk_tune_every=20, delta_window=5, max_new_tokens=64, max_prompt_tokens=128,
-                       eval_problems=100, eval_samples=4, gradient_checkpointing=False,
-                       micro_batch_tokens=512) | util.real_model_precision()  # actor, critic, reference: cpu_memory.py
+                       eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False,
+                       micro_batch_tokens=512)  # the learner (actor, critic, reference) in ~7 GB: cpu_memory.py
 
 
 def chunk_sizes(args: Args) -> tuple[int, tuple[int, ...]]:

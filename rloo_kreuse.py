@@ -23,7 +23,7 @@ import torch
 import common
 import tasks
 from common import MAX_LOG_WEIGHT, ess, truncated_is_weights  # (shared with pipeline_rl, ppo_oppo)
-from fastrl import checks, util
+from fastrl import checks
 from fastrl.run import Run, RunArgs
 
 ON_GPU = torch.cuda.is_available()
@@ -112,7 +112,7 @@ PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, 
 # rounds of 64 episodes at a learning rate that shows the gain within minutes; no KL or entropy term (no reference)
 SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=12, learning_rate=2e-5, kl_coef=0.0,
                        ent_coef=0.0, max_new_tokens=64, max_prompt_tokens=128, eval_problems=50, eval_samples=4,
-                       gradient_checkpointing=False, micro_batch_tokens=1024) | util.real_model_precision()
+                       autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=1024)  # ~5 GB: cpu_memory
 
 
 # ALGO LOGIC: the method's math, each piece checked by hand in tests/test_rloo_kreuse.py

@@ -212,14 +212,3 @@ def machine_line() -> str:
     return (f"{cpu}, {cores} cores, bf16 {'native' if cpu_bf16() else 'not native'}, {memory:.0f} GB, "
             f"torch {torch.__version__}")
 
-
-def real_model_precision() -> dict:
-    """--model smollm2's precision flags on this machine: the GPU's split (a bf16 sampler, the learner under bf16
-    autocast, weights, gradients and Adam in fp32, the mismatch correction on) on a GPU or a CPU with native bf16
-    (cpu_bf16), where it runs 1.3x faster and learns as fp32 does (docs/results.md); fp32 on other CPUs, where bf16 is
-    emulated and slower."""
-    import torch
-
-    if torch.cuda.is_available() or cpu_bf16():
-        return dict(autocast_bf16=True, sampler_dtype="bfloat16")
-    return dict(autocast_bf16=False, sampler_dtype="auto")
