@@ -234,7 +234,7 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
     decoder, head = _backbone_and_head(model)
     if decoder is None:  # a model whose head does more than a projection: the plain way
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        chosen, entropy = _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy)
+        chosen, entropy = VocabularyLogprobs.apply(logits, targets, temperature, top_p, top_k, with_entropy)
         return (chosen * mask, entropy * mask) if with_entropy else chosen * mask
     hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
     where = mask.bool()
@@ -247,7 +247,7 @@ def token_logprobs(model, input_ids, attention_mask, completion_mask, temperatur
         part = slice(start, start + per_chunk)
 
         def run(h, t):
-            return _chunk_logprobs(head(h), t, temperature, top_p, top_k, with_entropy)
+            return VocabularyLogprobs.apply(head(h), t, temperature, top_p, top_k, with_entropy)
 
         if recompute:
             from torch.utils.checkpoint import checkpoint
@@ -271,10 +271,6 @@ def _backbone_and_head(model):
     if not isinstance(head, torch.nn.Linear) or head.bias is not None:
         return None, None
     return model.get_decoder(), head
-
-
-def _chunk_logprobs(logits, targets, temperature, top_p, top_k, with_entropy):
-    return VocabularyLogprobs.apply(logits, targets, temperature, top_p, top_k, with_entropy)
 
 
 class VocabularyLogprobs(torch.autograd.Function):

@@ -139,11 +139,12 @@ class Args(RunArgs):
 PAPER = dict(num_rounds=1000, batch_size=112, num_ppo_epochs=4, learning_rate=3e-6, lr_schedule="linear",
              kl_coef=0.05, temperature=0.7, max_new_tokens=1024, max_prompt_tokens=512, chunk_tune_every=50,
              delta_window=10, autocast_bf16=ON_GPU, gradient_checkpointing=ON_GPU)
-# --model smollm2 (SmolLM2-135M-Instruct on a CPU): arithmetic, rounds of 32; critic and reference from its checkpoint
-SMOLLM2 = PAPER | dict(task="arithmetic", num_rounds=20, batch_size=32, num_ppo_epochs=2, learning_rate=1e-5,
-                       chunk_tune_every=20, delta_window=5, max_new_tokens=64, max_prompt_tokens=128,
-                       eval_problems=100, eval_samples=4, autocast_bf16=False, gradient_checkpointing=False,
-                       micro_batch_tokens=512)  # the learner (actor, critic, reference) in ~7 GB: cpu_memory.py
+# --model smollm2 (SmolLM2-135M-Instruct on a CPU): arithmetic, rounds of 32 in two minibatches (<= 15 minutes);
+# critic and reference from its checkpoint; the learner (actor, critic, reference) in ~7 GB: cpu_memory.py
+SMOLLM2 = PAPER | dict(task="arithmetic", num_rounds=12, batch_size=32, num_ppo_epochs=1, num_minibatches=2,
+                       learning_rate=3e-5, chunk_tune_every=20, delta_window=5, max_new_tokens=64,
+                       max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False,
+                       gradient_checkpointing=False, micro_batch_tokens=512)
 
 
 def chunk_sizes(args: Args) -> tuple[int, tuple[int, ...]]:

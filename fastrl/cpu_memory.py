@@ -28,9 +28,9 @@ over two steps; release_freed_memory() fixes the threshold at MMAP_THRESHOLD, so
 returned to the system when freed.
 
 Why the budget is small on a CPU: a CPU's matrix products reach their throughput at a few hundred rows, so a larger
-micro-batch buys no speed there, only memory and padding (the measured step at 1024 tokens was faster than at
-8192, at 512 slower); CPU_BUDGETS starts at that knee. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when
-not given).
+micro-batch buys no speed there, only memory and padding (SmolLM2's fp32 step on an idle machine: 640 tokens 1.01x,
+1024 0.95x the time at 8192; docs/results.md); CPU_BUDGETS starts at that knee, and the --model smollm2 presets take
+640 to hold the learner in ~4 GB. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ from fastrl import memory_plan
 GB = 1e9
 DEFAULT_GPU_TOKENS = 8192  # --micro-batch-tokens on a GPU when not given (the scripts' default before the CPU plan)
 # the budgets a CPU run may be planned at, the largest first: CPU_BUDGETS[0] is where a CPU's step time stops falling
-# with the budget (SmolLM2 on 2 shared cores, fastest of 2-4 steps each: 1024 tokens 35-39 s, 8192 62 s, 512 96 s;
-# docs/results.md); below it the step runs more, smaller micro-batches, for a machine that has less memory
-CPU_BUDGETS = (1024, 768, 512, 384, 256, 192, 128, 96, 64)
+# with the budget (SmolLM2's fp32 step, 2 idle cores: 1024 tokens 42.9 s, 640 45.8 s, 8192 45.3 s; docs/results.md);
+# below it the step runs more, smaller micro-batches, for a machine that has less memory
+CPU_BUDGETS = (1024, 768, 640, 512, 384, 256, 192, 128, 96, 64)
 # the learner process's resident memory beside its tensors: Python, torch, transformers, the tokenizer (SmolLM2 on
 # this machine: 985 MiB resident once loaded, of which its fp32 weights are 513 MiB)
 RUNTIME_BYTES = 0.5 * GB

@@ -33,12 +33,12 @@ def test_tiny_model_has_tied_embeddings_and_partial_success(tiny_path, tokenizer
 
 
 def test_same_seed_same_weights_and_loads_in_transformers(tmp_path):
-    config = tiny_model.TinyConfig(sft_steps=8)
+    config = tiny_model.TinyConfig(sft_steps=2)
     a = tiny_model.build_tiny_model(tmp_path / "a", config, common.tiny_sft_batch(config.task, config.seed),
                                     log=lambda *_: None)
     b = tiny_model.build_tiny_model(tmp_path / "b", config, common.tiny_sft_batch(config.task, config.seed),
                                     log=lambda *_: None)
-    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=8, seed=1),
+    c = tiny_model.build_tiny_model(tmp_path / "c", tiny_model.TinyConfig(sft_steps=2, seed=1),
                                     common.tiny_sft_batch("countdown", 1), log=lambda *_: None)
     ma, mb, mc = (common.load_policy(str(p), "cpu") for p in (a, b, c))
     for (name, pa), pb, pc in zip(ma.named_parameters(), mb.parameters(), mc.parameters()):
