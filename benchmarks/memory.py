@@ -344,8 +344,9 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
         loss_fn = functools.partial(prl.micro_batch_loss, policy, ref, batch, args=args)
         update(loss_fn, batch.lengths, args.micro_batch_tokens, total=batch.total, max_rows=args.micro_batch_size,
                model=policy, optimizer=optimizer, max_grad_norm=args.max_grad_norm)
-    return dict(micro_batches=math.ceil(B / args.micro_batch_size), rows=B, tokens=B * (prompt + args.max_new_tokens),
-                kl_coef=args.kl_coef)
+    return dict(micro_batches=len(common.micro_batches(batch.lengths, args.micro_batch_tokens,
+                                                       max_rows=args.micro_batch_size)),
+                rows=B, tokens=B * (prompt + args.max_new_tokens), kl_coef=args.kl_coef)
 
 
 def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch_tokens: int | None = None,
