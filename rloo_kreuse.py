@@ -112,7 +112,7 @@ PAPER = dict(task="countdown-hub", group_size=2, num_prompts=4, num_rounds=250, 
 # rounds of 64 episodes at a learning rate that shows the gain within minutes; no KL or entropy term (no reference);
 # 640-token micro-batches hold the learner in ~4 GB at the speed of 8,192 (docs/results.md)
 SMOLLM2 = PAPER | dict(task="arithmetic", group_size=8, num_prompts=8, num_rounds=12, learning_rate=2e-5, kl_coef=0.0,
-                       ent_coef=0.0, max_new_tokens=64, max_prompt_tokens=128, eval_problems=50, eval_samples=4,
+                       ent_coef=0.0, max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4,
                        autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=640)  # cpu_memory.py
 
 

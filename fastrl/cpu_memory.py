@@ -79,8 +79,25 @@ def learner_resident_bytes(method: str, args, shape: memory_plan.Shape, budget: 
     a = memory_plan.with_defaults(method, args)
     a.micro_batch_tokens = budget
     step, _ = memory_plan.script_step(method, a, shape, reward_model_bytes)
-    return RUNTIME_BYTES + memory_plan.learner_bytes(shape, step, getattr(a, "dtype", "float32"), bool(a.autocast_bf16),
-                                                     bool(a.gradient_checkpointing))
+    return RUNTIME_BYTES + push_resident_bytes(method, a, shape) + memory_plan.learner_bytes(
+        shape, step, getattr(a, "dtype", "float32"), bool(a.autocast_bf16), bool(a.gradient_checkpointing))
+
+
+def push_resident_bytes(method: str, args, shape: memory_plan.Shape) -> float:
+    """What the weight push keeps in the learner beside its model, in copies of the weights in the sampler's dtype.
+    A sampler on this machine (shm_transfer): none while the learner trains in the shared buffer itself (a sampler
+    of the learner's dtype, pushes from the caller), else one: the buffer a cast fills, or PipelineRL's
+    --background-push snapshot (SmolLM2 in fp32: 513 MiB, what its run's peak holds above its step's). A server
+    (--sampler-url, gloo_transfer): its packed broadcast buffers, one copy, and the snapshot on top."""
+    learner = getattr(args, "dtype", "float32")
+    sampler = getattr(args, "sampler_dtype", "auto")
+    sampler = "float32" if sampler == "auto" else sampler  # "auto" on a CPU (vllm_sampler.resolve_dtype)
+    background = method == "pipeline" and args.mode == "pipeline" and bool(args.background_push)
+    if getattr(args, "sampler_url", None):
+        copies = 1 + background
+    else:
+        copies = 1 if background or sampler != learner else 0
+    return copies * shape.params * memory_plan.DTYPE_BYTES[sampler]
 
 
 def sampler_resident_bytes(args, shape: memory_plan.Shape) -> float:

@@ -72,6 +72,31 @@ def test_a_machine_too_small_for_one_sequence_is_refused_naming_the_model():
     assert cpu_memory.budget_for("rloo", rloo_args(sampler_url=("http://x:8000",)), SMOLLM2, 4 * GB) >= 64
 
 
+def test_the_push_adds_a_copy_of_the_weights_only_where_the_learner_cannot_train_in_the_shared_buffer():
+    """shm_transfer: an fp32 sampler maps the learner's own parameters, so a push from the caller holds nothing more;
+    a bf16 sampler's cast buffer and PipelineRL's background snapshot each hold one copy in the sampler's dtype (fp32
+    SmolLM2: 538 MB, what its --background-push run measured above its step); a server's gloo buffers one more."""
+    def pipeline(**changes):
+        return memory_plan.with_defaults("pipeline", SimpleNamespace(**(dict(
+            max_prompt_tokens=128, max_new_tokens=64, train_batch_size=32, group_size=8, micro_batch_tokens=640,
+            mode="pipeline", background_push=False, sampler_dtype="auto") | changes)))
+
+    weights = SMOLLM2.params * 4
+    assert cpu_memory.push_resident_bytes("pipeline", pipeline(), SMOLLM2) == 0
+    assert cpu_memory.push_resident_bytes("rloo", rloo_args(), SMOLLM2) == 0
+    assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True), SMOLLM2) == weights
+    assert cpu_memory.push_resident_bytes("pipeline", pipeline(mode="conventional", background_push=True),
+                                          SMOLLM2) == 0  # Conventional RL pushes between its RL steps
+    assert cpu_memory.push_resident_bytes("rloo", rloo_args(sampler_dtype="bfloat16"), SMOLLM2) == weights / 2
+    assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True, sampler_dtype="bfloat16"),
+                                          SMOLLM2) == weights / 2  # the snapshot is kept in the sampler's dtype
+    assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True, sampler_url=("http://x:8000",)),
+                                          SMOLLM2) == 2 * weights
+    planned = [cpu_memory.learner_resident_bytes("pipeline", pipeline(background_push=b), SMOLLM2, 640)
+               for b in (False, True)]
+    assert planned[1] - planned[0] == weights
+
+
 @pytest.mark.parametrize("method", ["rloo", "dpo", "pipeline", "ppo"])
 def test_each_smollm2_preset_is_planned_under_the_goal(method):
     """Each preset's --micro-batch-tokens fits this 24 GB machine beside its sampler, its learner within PLANNED."""
