@@ -316,10 +316,11 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
 
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None,
                   autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None,
-                  model: str = "qwen2.5-0.5b"):
+                  model: str = "qwen2.5-0.5b", batch_size: int | None = None):
     """pipeline_rl.py's step (its micro_batch_loss: the truncated-IS loss; its --micro-batch-size rule, clipping,
     Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
-    --gradient-checkpointing."""
+    --gradient-checkpointing. `batch_size`: another B (a multiple of the group; fewer micro-batches peak lower:
+    SmolLM2's fp32 step 3,257 MiB at 8 sequences, 3,543 at its preset's 32)."""
     import functools
 
     import pipeline_rl as prl
@@ -331,7 +332,7 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     policy = causal_lm(config, True, checkpointing)
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
     optimizer = adam(policy.parameters())
-    B = args.train_batch_size
+    B = batch_size or args.train_batch_size
     samples = [vllm_sampler.Completion(request_id=str(i), prompt_token_ids=[5] * prompt,
                                        token_ids=[7] * args.max_new_tokens, logprobs=[-1.0] * args.max_new_tokens,
                                        finish_reason="length", versions=[(0, 0, args.max_new_tokens)])
@@ -351,12 +352,13 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
 
 def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch_tokens: int | None = None,
              autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None,
-             model: str = "qwen2.5-0.5b"):
+             model: str = "qwen2.5-0.5b", batch_size: int | None = None):
     """ppo_oppo.py at its non-tiny defaults (B = 112 sequences, 1024-token responses, Delta = 8 over-committed,
     C = 256-token chunks): the downstream models (critic, reference) prefill every sequence of the
     buffer chunk by chunk, keeping one KV cache per sequence and model (OPPO's intra-step overlap); the
     batch's caches are freed once read; the carried-over Delta sequences keep theirs through the update;
-    then `steps` optimizer steps of PPO (one minibatch, all epochs alike) on actor + critic."""
+    then `steps` optimizer steps of PPO (one minibatch, all epochs alike) on actor + critic. `batch_size`: another
+    B (the Delta carried kept), e.g. one of the preset's minibatches (--batch-size / --num-minibatches)."""
     import functools
 
     import ppo_oppo as po
@@ -370,7 +372,7 @@ def ppo_step(config, prompt: int = 256, response: int | None = None, micro_batch
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=critic))
     optimizer = adam(learner.parameters())
     downstream = dict(critic=critic, ref=ref)
-    B, T = args.batch_size, args.max_new_tokens
+    B, T = batch_size or args.batch_size, args.max_new_tokens
     buffer = [po.Rollout(str(i), i, None, [5] * prompt, 0, prefix={name: po.Prefix() for name in downstream})
               for i in range(B + args.delta)]
     for done in range(0, T + 1, chunk):  # the prompts, then each streamed chunk of every response

@@ -17,10 +17,11 @@ Contract:
 - Never imports common, tasks or a script (fastrl's rule); the model's shape comes from its config.json through
   memory_plan.shape_of (a meta-device model: no weights).
 
-Where the memory goes (SmolLM2-135M, fp32, measured in docs/results.md, "Where the learner's memory goes on a CPU"):
+Where the memory goes (SmolLM2-135M, fp32, measured in docs/results.md, "SmolLM2 on a laptop", Memory):
 the models (weights, gradients and Adam: 16 bytes a parameter, 2.0 GiB) and the runtime (Python, torch,
-transformers: ~0.47 GiB) are fixed; one micro-batch's activations grow with the budget (~1.4 MiB a token for its 30
-layers, and the vocabulary part's logits on the completion's positions). memory_plan.learner_bytes, written for a GPU,
+transformers: ~0.47 GiB; in a run also vLLM's weight-transfer modules and the tokenizer, ~0.3 GiB) are fixed; one
+micro-batch's activations grow with the budget (~1.4 MiB a token for its 30 layers, and the vocabulary part's logits
+on the completion's positions). memory_plan.learner_bytes, written for a GPU,
 predicts the CPU's live tensor bytes within a few percent, so the plan reuses it: resident = RUNTIME_BYTES + those
 bytes. What it does not count is glibc's retention: above a dynamic threshold (up to 32 MiB) malloc serves large
 blocks from its arenas and keeps them when freed, so the learner's resident memory grew ~1 GiB above its live tensors
@@ -47,9 +48,10 @@ DEFAULT_GPU_TOKENS = 8192  # --micro-batch-tokens on a GPU when not given (the s
 # with the budget (SmolLM2's fp32 step, 2 idle cores: 1024 tokens 42.9 s, 640 45.8 s, 8192 45.3 s; docs/results.md);
 # below it the step runs more, smaller micro-batches, for a machine that has less memory
 CPU_BUDGETS = (1024, 768, 640, 512, 384, 256, 192, 128, 96, 64)
-# the learner process's resident memory beside its tensors: Python, torch, transformers, the tokenizer (SmolLM2 on
-# this machine: 985 MiB resident once loaded, of which its fp32 weights are 513 MiB)
-RUNTIME_BYTES = 0.5 * GB
+# the learner process's resident memory beside its tensors: Python, torch, transformers (SmolLM2 on this machine: 985
+# MiB resident once loaded, of which its fp32 weights are 513 MiB), and in a run vLLM's trainer-side weight-transfer
+# modules (+250 MiB: 2,600 modules) and the tokenizer (+55 MiB), what a run's peak holds above its step's
+RUNTIME_BYTES = 0.8 * GB
 # the sampler process on a CPU (vLLM) beyond its weights and KV cache: SmolLM2's peaked at 3,166 MiB resident with
 # fp32 weights (513 MiB) and vllm_sampler's 256 MiB KV cache (issue 50)
 SAMPLER_RUNTIME_BYTES = 2.5 * GB
