@@ -72,7 +72,7 @@ class Args(RunArgs):
     recompute_kv: bool = False
     """after a push, re-prefill running sequences with the new weights (off: keep the stale KV cache, as the paper)"""
     background_push: bool = True
-    """pipeline mode: send each push from a thread (a snapshot of the weights) and train on meanwhile"""
+    """pipeline mode: push from a thread, from a snapshot (one more copy of the weights), and train meanwhile"""
     max_lag: int | None = None
     """pipeline mode: drop (and count) data more than this many steps old (None: no bound; 0: strictly on-policy)"""
     kl_coef: float = 0.0
@@ -126,9 +126,7 @@ GPU = torch.cuda.is_available()
 PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512,
              autocast_bf16=GPU, gradient_checkpointing=GPU, group_size=8, weight_decay=0.01, lr_schedule="cosine",
              warmup_steps=50, lr_schedule_steps=100_000, max_grad_norm=0.3)
-# --model smollm2 on a CPU: arithmetic at a constant rate (a 20-step run would spend itself in the warmup); pushes
-# from the loop: a background push's snapshot is one more copy of the weights (cpu_memory.push_resident_bytes), and a
-# push from the loop costs ~0.3 s of a ~40 s step
+# --model smollm2 on a CPU: arithmetic at a constant rate (no warmup in 20 steps), pushes from the loop (defaults.md)
 SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=2e-5,
                        max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False,
                        gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant", warmup_steps=0,
