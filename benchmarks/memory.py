@@ -316,11 +316,10 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
 
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None,
                   autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None,
-                  model: str = "qwen2.5-0.5b", batch_size: int | None = None):
+                  model: str = "qwen2.5-0.5b"):
     """pipeline_rl.py's step (its micro_batch_loss: the truncated-IS loss; its --micro-batch-size rule, clipping,
     Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
-    --gradient-checkpointing. `batch_size`: another B (a multiple of the group; fewer micro-batches peak lower:
-    SmolLM2's fp32 step 3,257 MiB at 8 sequences, 3,543 at its preset's 32)."""
+    --gradient-checkpointing."""
     import functools
 
     import pipeline_rl as prl
@@ -332,7 +331,7 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     policy = causal_lm(config, True, checkpointing)
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
     optimizer = adam(policy.parameters())
-    B = batch_size or args.train_batch_size
+    B = args.train_batch_size
     samples = [vllm_sampler.Completion(request_id=str(i), prompt_token_ids=[5] * prompt,
                                        token_ids=[7] * args.max_new_tokens, logprobs=[-1.0] * args.max_new_tokens,
                                        finish_reason="length", versions=[(0, 0, args.max_new_tokens)])

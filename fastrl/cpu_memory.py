@@ -94,7 +94,7 @@ def push_resident_bytes(method: str, args, shape: memory_plan.Shape) -> float:
     learner = getattr(args, "dtype", "float32")
     sampler = getattr(args, "sampler_dtype", "auto")
     sampler = "float32" if sampler == "auto" else sampler  # "auto" on a CPU (vllm_sampler.resolve_dtype)
-    background = method == "pipeline" and args.mode == "pipeline" and bool(args.background_push)
+    background = memory_plan.pushes_in_background(method, args)
     if getattr(args, "sampler_url", None):
         copies = 1 + background
     else:

@@ -257,6 +257,11 @@ def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tup
 # --------------------------------------------------------------------------------------
 
 
+def pushes_in_background(script: str, args) -> bool:
+    """Whether the script's pushes keep a snapshot of the weights: PipelineRL's --background-push, in pipeline mode."""
+    return script == "pipeline" and args.mode == "pipeline" and bool(args.background_push)
+
+
 def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: bool,
                    learner_dtype: str = "float32") -> int:
     """What a push allocates on the learner's GPU: vLLM's packed staging buffer (weight_sync.packed_buffer_bytes;
@@ -427,7 +432,7 @@ def _place(script: str, args, s: Shape, total: float, placement: str, reward_mod
     sampler_dtype = (args.sampler_dtype if args.sampler_dtype != "auto"
                      else ("float32" if placement == "cpu" else "bfloat16"))
     dtype = getattr(args, "dtype", "float32")
-    background = script == "pipeline" and args.mode == "pipeline" and args.background_push
+    background = pushes_in_background(script, args)
     step, sequences = script_step(script, args, s, reward_model_bytes)
     learner = learner_bytes(s, step, dtype, bool(args.autocast_bf16), bool(args.gradient_checkpointing))
     need = sampler_need_bytes(s, sequences, step.seq_len, sampler_dtype)
