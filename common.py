@@ -92,9 +92,9 @@ def load_policy(path: str, device: str | torch.device, dtype: torch.dtype = torc
 def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str | None = None,
                   critic_model: str | None = None, tokenizer=None):
     """PPO's networks: actor, critic (from `critic_model`, else the reward model, else the policy's checkpoint with a
-    fresh score head) and frozen reference in `dtype` whatever the checkpoint's; the frozen reward model in its own
-    dtype. `tokenizer` (the policy's): first a one-line error naming --reward-model / --critic-model if its model's
-    tokenizer differs (it reads the actor's token ids as they stream)."""
+    fresh score head drawn with std 1/(hidden size + 1)) and frozen reference in `dtype` whatever the checkpoint's; the
+    frozen reward model in its own dtype. `tokenizer` (the policy's): first a one-line error naming --reward-model /
+    --critic-model if its model's tokenizer differs (it reads the actor's token ids as they stream)."""
     from transformers import AutoModelForSequenceClassification
 
     for flag, path in (("--reward-model", reward_model), ("--critic-model", critic_model)):
@@ -105,6 +105,8 @@ def load_networks(model_path: str, device, dtype: torch.dtype, reward_model: str
     flag = "--critic-model" if critic_model else "--reward-model" if reward_model else "--model"
     critic = load_hf(AutoModelForSequenceClassification, critic_path, quiet=critic_path == model_path,
                      num_labels=1, flag=flag, dtype=dtype).to(device)
+    if critic_path == model_path:  # a new head as OpenRLHF's init_value_head: HF's std 0.02 starts V at +-1 on SmolLM2
+        torch.nn.init.normal_(critic.score.weight, std=1 / (critic.config.hidden_size + 1))
     ref_policy = load_policy(model_path, device, dtype=dtype).eval().requires_grad_(False)
     rm = load_hf(AutoModelForSequenceClassification, reward_model, flag="--reward-model", num_labels=1,
                  dtype="auto").to(device).eval().requires_grad_(False) if reward_model else None

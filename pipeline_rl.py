@@ -107,8 +107,7 @@ class Args(RunArgs):
              "of a sampled distribution (greedy has none)"),
             (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
             (self.tis_cap > 0, "--tis-cap", f"must be > 0, got {self.tis_cap}"),
-            (self.ess_threshold is None or 0 <= self.ess_threshold <= 1, "--ess-threshold",
-             f"must be in [0, 1], got {self.ess_threshold}"),
+            (self.ess_threshold is None or 0 <= self.ess_threshold <= 1, "--ess-threshold", "must be in [0, 1]"),
             (self.max_lag is None or self.max_lag >= 0, "--max-lag", f"must be >= 0, got {self.max_lag}"),
             (self.lr_schedule_steps is None or self.lr_schedule_steps > self.warmup_steps, "--lr-schedule-steps",
              f"must be > --warmup-steps ({self.warmup_steps}), got {self.lr_schedule_steps}"),
@@ -126,11 +125,12 @@ GPU = torch.cuda.is_available()
 PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512,
              autocast_bf16=GPU, gradient_checkpointing=GPU, group_size=8, weight_decay=0.01, lr_schedule="cosine",
              warmup_steps=50, lr_schedule_steps=100_000, max_grad_norm=0.3)
-# --model smollm2 on a CPU: arithmetic at a constant rate (no warmup in 20 steps), pushes from the loop (defaults.md)
+# --model smollm2 on a CPU: arithmetic at T 0.8 (1.0 truncates a third), constant rate, loop pushes (defaults.md)
 SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=2e-5,
-                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False,
-                       gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant", warmup_steps=0,
-                       lr_schedule_steps=None, max_grad_norm=1.0, micro_batch_tokens=640, background_push=False)
+                       temperature=0.8, max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4,
+                       autocast_bf16=False, gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant",
+                       warmup_steps=0, lr_schedule_steps=None, max_grad_norm=1.0, micro_batch_tokens=640,
+                       background_push=False)
 
 
 def mode_defaults(args: Args) -> Args:

@@ -33,6 +33,9 @@ def test_the_critic_starts_from_the_reward_model_when_one_is_given(tiny_path, ti
     assert not torch.equal(critic.score.weight, rm_score)  # --critic-model: the policy's checkpoint, a fresh head
     _, critic, _, rm = common.load_networks(tiny_path, "cpu", torch.float32)
     assert rm is None and not torch.equal(critic.score.weight, rm_score)
+    # the policy's checkpoint: a new head drawn as OpenRLHF's (std 1/(d+1)), not HF's 0.02 (V at +-1 on SmolLM2)
+    std = 1 / (critic.config.hidden_size + 1)
+    assert abs(critic.score.weight.std().item() - std) < 0.25 * std and abs(critic.score.weight.mean()) < 0.25 * std
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
