@@ -142,7 +142,7 @@ GSM8K_PAPER = dict(num_prompts=252, num_rounds=512)
 # --model smollm2 (on a CPU): arithmetic, 16 prompts x 4 a round, a constant rate (linear would halve its mean step)
 SMOLLM2 = PAPER | dict(task="arithmetic", group_size=4, num_prompts=16, num_rounds=20, learning_rate=1e-5,
                        lr_schedule="constant", max_new_tokens=64, max_prompt_tokens=128, eval_problems=100,
-                       autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=640)  # cpu_memory.py
+                       autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=384)  # cpu_memory.py
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

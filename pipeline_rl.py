@@ -129,7 +129,7 @@ PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tok
 SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=2e-5,
                        temperature=0.8, max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4,
                        autocast_bf16=False, gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant",
-                       warmup_steps=0, lr_schedule_steps=None, max_grad_norm=1.0, micro_batch_tokens=640,
+                       warmup_steps=0, lr_schedule_steps=None, max_grad_norm=1.0, micro_batch_tokens=512,
                        background_push=False)
 
 
