@@ -31,7 +31,8 @@ returned to the system when freed.
 Why the budget is small on a CPU: a CPU's matrix products reach their throughput at a few hundred rows, so a larger
 micro-batch buys no speed there, only memory and padding (SmolLM2's fp32 step on an idle machine: 640 tokens 1.01x,
 1024 0.95x the time at 8192; docs/results.md); CPU_BUDGETS starts at that knee, and the --model smollm2 presets take
-640 to hold the learner in ~4 GB. On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
+640 (DPO 384 beside its frozen reference, PipelineRL and PPO 512) to hold the learner under 4 GB (PPO's three models
+under 8). On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
 """
 
 from __future__ import annotations
