@@ -137,7 +137,7 @@ print(json.dumps(dict(info, released=released, autocast=autocast,
                       peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
 """
 # the issue's goal for the learner (4 GB; 8 for PPO's three models), met by the presets' micro-batches in fp32 and under
-# --autocast-bf16 (measured: RLOO at 640 tokens 3,544 and 3,558 MiB, DPO at 384 3,441 (its frozen reference: 3,917 at
+# --autocast-bf16 (measured: RLOO at 512 tokens 3,401 and 3,459 MiB, DPO at 384 3,441 (its frozen reference: 3,917 at
 # 640), PipelineRL at 512 3,400, PPO at 512 6,535 and 6,612)
 MEASURED = {precision: {"rloo": 4.0 * GB, "dpo": 4.0 * GB, "pipeline": 4.0 * GB, "ppo": 8.0 * GB}
             for precision in ("fp32", "bf16")}
