@@ -12,8 +12,10 @@ Contract:
              12.0 GB available; --micro-batch-tokens 1024 fits
       error: --model smollm2: needs ~6.1 GB (the learner ~2.9 GB at one sequence a micro-batch, the sampler ~3.2 GB),
              this machine has 4.0 GB available
-- release_freed_memory(): glibc keeps what the learner frees (see below); call it once in the learner process, before
-  the weights load, to have resident memory follow the live tensors.
+- release_freed_memory(): glibc keeps what the learner frees, oneDNN a compiled kernel for every new shape (see below);
+  call it once in the learner process, before the weights load and any child process starts, to have resident memory
+  follow the live tensors. learner_environment_removed(): around starting a child that is not the learner (the
+  sampler), so that it keeps oneDNN's own cache sizes.
 - Never imports common, tasks or a script (fastrl's rule); the model's shape comes from its config.json through
   memory_plan.shape_of (a meta-device model: no weights).
 
@@ -26,7 +28,10 @@ predicts the CPU's live tensor bytes within a few percent, so the plan reuses it
 bytes. What it does not count is glibc's retention: above a dynamic threshold (up to 32 MiB) malloc serves large
 blocks from its arenas and keeps them when freed, so the learner's resident memory grew ~1 GiB above its live tensors
 over two steps; release_freed_memory() fixes the threshold at MMAP_THRESHOLD, so that every tensor above it is
-returned to the system when freed.
+returned to the system when freed. Under bf16 autocast a second cause: oneDNN, which computes torch's bf16 matrix
+products on a CPU, keeps a compiled kernel for every shape it meets (its primitive cache and ideep's LRU cache, 1,024
+entries each), and a learner's micro-batches change shape every step: SmolLM2's resident memory grew ~10 MiB a new
+shape, ~0.5 GB over a run, the bf16 runs' excess over their plan (docs/results.md); ONEDNN_CACHE_ENV bounds both.
 
 Why the budget is small on a CPU: a CPU's matrix products reach their throughput at a few hundred rows, so a larger
 micro-batch buys no speed there, only memory and padding (SmolLM2's fp32 step on an idle machine: 640 tokens 1.01x,
@@ -37,6 +42,7 @@ under 8). On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -59,6 +65,11 @@ SAMPLER_RUNTIME_BYTES = 2.5 * GB
 SAMPLER_KV_CACHE_BYTES = 256 * 2**20  # vllm_sampler.SamplerConfig.kv_cache_bytes, its CPU default
 MMAP_THRESHOLD = 128 * 1024  # glibc's own initial value, kept fixed (mallopt) instead of rising to 32 MiB
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+# oneDNN's cache sizes in the learner, read at its first bf16 product: a round's shapes (~20 kernels a micro-batch's
+# shape) stay cached, the kernels of shapes gone are dropped (SmolLM2, 48 shapes under autocast: flat at +100 MiB,
+# against +490 MiB and rising with the defaults, at the same speed; benchmarks/onednn_caches.py)
+ONEDNN_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "64"}
+_learner_env: dict[str, str] = {}  # what release_freed_memory added to os.environ (a user's own values are kept)
 
 
 def available_bytes() -> float:
@@ -164,11 +175,26 @@ def plan(args, model_path: str, method: str, available: float | None = None) -> 
 def release_freed_memory() -> bool:
     """Have glibc return freed tensors to the system (module docstring): fix malloc's mmap threshold at
     MMAP_THRESHOLD, so that every block above it is mapped on its own and unmapped when freed, instead of the
-    threshold rising to 32 MiB and such blocks staying in malloc's arenas. Numbers are unchanged (where memory comes
-    from, not what is computed). Returns whether it applied (False off glibc)."""
+    threshold rising to 32 MiB and such blocks staying in malloc's arenas; and bound oneDNN's kernel caches
+    (ONEDNN_CACHE_ENV, where the environment does not set them already). Numbers are unchanged (where memory comes
+    from, not what is computed). Returns whether glibc's part applied (False off glibc)."""
+    for name, value in ONEDNN_CACHE_ENV.items():
+        if name not in os.environ:
+            os.environ[name] = _learner_env[name] = value
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
         return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to set
         return False
+
+
+@contextlib.contextmanager
+def learner_environment_removed():
+    """Inside: os.environ without what release_freed_memory added, for starting a child process that is not the
+    learner: the vLLM sampler keeps oneDNN's defaults, under which its speed was measured."""
+    removed = {name: os.environ.pop(name) for name in _learner_env if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(removed)

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from fastrl import cpu_memory
 from fastrl.weight_sync import SamplerError, WeightPusher, weight_backend  # noqa: F401  (SamplerError: re-exported)
 
 
@@ -663,7 +664,8 @@ class Sampler(WeightPusher):
         spec, main.__spec__ = getattr(main, "__spec__", None), None
         # spawn re-runs the parent's main module in the child unless it cannot find it: nothing there is needed (~4 s)
         try:
-            self.process.start()
+            with cpu_memory.learner_environment_removed():
+                self.process.start()
         finally:
             main.__dict__.update(hidden)
             main.__spec__ = spec

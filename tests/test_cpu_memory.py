@@ -7,6 +7,7 @@
   peaks within 10% of the plan's estimate and under the goal (ru_maxrss)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,12 +109,31 @@ def test_each_smollm2_preset_is_planned_under_the_goal(method):
     assert cpu_memory.learner_resident_bytes(method, planned, SMOLLM2, budget) <= PLANNED[method]
 
 
-def test_release_freed_memory_applies_on_glibc():
+def test_release_freed_memory_applies_on_glibc(monkeypatch):
     import platform
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("not glibc")
+    for name, value in cpu_memory.ONEDNN_CACHE_ENV.items():
+        monkeypatch.setenv(name, value)  # (this process's environment stays as it was)
     assert cpu_memory.release_freed_memory()
+
+
+def test_the_learner_bounds_onednns_caches_and_the_sampler_keeps_their_defaults(monkeypatch):
+    """release_freed_memory sets oneDNN's cache sizes for the learner (read at its first bf16 product), keeps a
+    user's own value, and learner_environment_removed takes out only what it set, as Sampler.start does around the
+    sampler's spawn."""
+    monkeypatch.setattr(cpu_memory, "_learner_env", {})
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "")  # (so that the end of the test removes it again)
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")  # the user's
+    cpu_memory.release_freed_memory()
+    capped = cpu_memory.ONEDNN_CACHE_ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == capped
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+    with cpu_memory.learner_environment_removed():
+        assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ and os.environ["LRU_CACHE_CAPACITY"] == "7"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == capped
 
 
 PRESET_STEP = r"""
