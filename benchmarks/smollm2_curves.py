@@ -3,8 +3,11 @@ end with two standard errors, minutes of training, peak memory (learner + sample
 
     .venv/bin/python benchmarks/smollm2_curves.py                     # 4 scripts x seeds 1 2 3, then the table
     .venv/bin/python benchmarks/smollm2_curves.py --report-only       # the table and plot of the runs already there
-    .venv/bin/python benchmarks/smollm2_curves.py --scripts rloo_kreuse.py --tag fp32 \\
-        --extra "--no-autocast-bf16 --sampler-dtype auto"             # the same in fp32 (on a CPU with bf16)
+    .venv/bin/python benchmarks/smollm2_curves.py --tag bf16 \\
+        "--extra=--autocast-bf16 --sampler-dtype bfloat16"            # the GPU's precision split (a CPU with bf16)
+    .venv/bin/python benchmarks/smollm2_curves.py --report-only --tags fp32 bf16 --plot None   # the two side by side
+
+(--extra takes its value after "=": tyro reads a separate value that starts with "--" as a flag.)
 
 Each run is the script's own command, `python SCRIPT --model smollm2 --seed N --exp-name curve_<script>_<tag>_sN`,
 one after another on the whole machine (never two at once: each would take the other's cores). Minutes of training:
