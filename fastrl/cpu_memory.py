@@ -65,9 +65,9 @@ SAMPLER_RUNTIME_BYTES = 2.5 * GB
 SAMPLER_KV_CACHE_BYTES = 256 * 2**20  # vllm_sampler.SamplerConfig.kv_cache_bytes, its CPU default
 MMAP_THRESHOLD = 128 * 1024  # glibc's own initial value, kept fixed (mallopt) instead of rising to 32 MiB
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-# oneDNN's cache sizes in the learner, read at its first bf16 product: a round's shapes (~20 kernels a micro-batch's
-# shape) stay cached, the kernels of shapes gone are dropped (SmolLM2, 48 shapes under autocast: flat at +100 MiB,
-# against +490 MiB and rising with the defaults, at the same speed; benchmarks/onednn_caches.py)
+# oneDNN's cache sizes in the learner, read at its first bf16 product: a round's shapes (by count, ~20 kernels a shape:
+# its distinct products, forward and backward) stay cached, the kernels of shapes gone are dropped (SmolLM2, 48 shapes
+# under autocast: +106 MiB and flat, against +490 and rising with the defaults, at the same speed; onednn_caches.py)
 ONEDNN_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128", "LRU_CACHE_CAPACITY": "64"}
 _learner_env: dict[str, str] = {}  # what release_freed_memory added to os.environ (a user's own values are kept)
 
