@@ -242,6 +242,22 @@ def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> Non
               "settings); importance weights and ratios are off")
 
 
+PUSH_KEPT_LIMIT = 0.5
+
+
+def warn_push_update(metrics: dict, warned: list) -> None:
+    """One warning line (once per run) when the sampler's copy of the weights kept less than PUSH_KEPT_LIMIT of the
+    learner's update since the start (charts/push_update_kept, weight_sync.UpdateProbe): the sampler then samples,
+    and pass@k scores, a policy that has learned less than half of what the learner did (a bf16 sampler fed by
+    round to nearest: SmolLM2 after 12 RLOO rounds kept 0.25, docs/results.md). Stochastic rounding keeps 1.0 on
+    average; the first pushes' figures are noisy (a tiny update), so it waits for the third."""
+    kept = metrics.get("charts/push_update_kept", math.nan)
+    if math.isfinite(kept) and kept < PUSH_KEPT_LIMIT and not warned:
+        warned.append(kept)
+        print(f"warning: the sampler's weights kept {kept:.2f} of the learner's update (charts/push_update_kept, below "
+              f"{PUSH_KEPT_LIMIT}): it samples and scores a policy that learned less; --push-rounding stochastic keeps it")
+
+
 def warn_no_learning(signal, what: str, streaks: dict, patience: int) -> bool:
     """One warning line, once per run and `what`, when a round's learning signal (its advantages, its kept pairs,
     whether its step trained) has been all zero, non-finite or empty for `patience` rounds in a row (the scripts: 10, or

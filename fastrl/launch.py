@@ -81,16 +81,19 @@ def start_sampler_early(placement: str) -> bool:
     return vllm_sampler.resolve_placement(placement) != "colocate"
 
 
-def connect_weights(sampler, weights: torch.nn.Module, version: int = 0, background_push: bool = False):
+def connect_weights(sampler, weights: torch.nn.Module, version: int = 0, background_push: bool = False,
+                    rounding: str = "nearest", seed: int = 0, probe=None, round_to: torch.dtype | None = None):
     """Wait until the sampler is ready, open weight sync with the learner's policy `weights`
-    (init_weight_sync, `background_push` for pushes from a thread) and push them labelled `version`
-    when resuming (`version` > 0) or to servers (always: what they loaded is not ours to know), so the
-    sampler starts from the learner's weights. Closes the sampler if any of that fails."""
+    (init_weight_sync, `background_push` for pushes from a thread; `rounding`, `seed`, `probe` and `round_to`: how a
+    push rounds to the sampler's dtype and what measures it) and push them labelled `version` when resuming (`version` > 0) or
+    to servers (always: what they loaded is not ours to know), so the sampler starts from the learner's weights.
+    Closes the sampler if any of that fails."""
     try:
         # imports vLLM's trainer side while the sampler still builds (~2 s less on the critical path)
         weight_sync.register_engines()
         sampler.wait_ready()
-        sampler.init_weight_sync(weights, background=background_push)
+        sampler.init_weight_sync(weights, background=background_push, rounding=rounding, seed=seed, probe=probe,
+                                 **({"round_to": round_to} if round_to is not None else {}))
         if version or getattr(sampler, "urls", None):  # (a RemoteSampler)
             sampler.push_weights(version)
     except BaseException:

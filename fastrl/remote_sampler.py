@@ -711,17 +711,23 @@ class RemoteSampler(WeightPusher):
         """The servers were found at construction: nothing to wait for (Sampler's interface)."""
         return self
 
-    def init_weight_sync(self, model: torch.nn.Module, background: bool = False) -> None:
+    def init_weight_sync(self, model: torch.nn.Module, background: bool = False, rounding: str = "nearest",
+                         seed: int = 0, probe=None, round_to: torch.dtype | None = None) -> None:
         """Open the weight group between the learner (rank 0, its gloo device on `master_address`)
         and every server's workers: gloo on CPU (servers started with '{"backend": "gloo"}'),
         vLLM's NCCL when the learner has a GPU ('{"backend": "nccl"}',
         vllm/distributed/weight_transfer/nccl_engine.py, the same client protocol). `background`:
-        pushes send from a snapshot copy while training goes on, as Sampler's do."""
+        pushes send from a snapshot copy while training goes on, as Sampler's do. The weights go in the learner's
+        dtype and each server casts them to its own by rounding to nearest (its loader's copy_), so `rounding` other
+        than "nearest" is refused; `probe` then measures what was sent."""
+        if rounding not in ("auto", "nearest") or round_to is not None:
+            raise ValueError(f"--push-rounding {rounding} / --push-round-to: a server (--sampler-url) rounds what "
+                             "it loads itself; use --push-rounding nearest")
         answers = self._call_all("/get_world_size", method="GET")
         self._world_sizes = [int(a["world_size"]) for a in answers]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self._start_weight_engine(backend, model, background, self.master_address,
-                                  world_size=1 + sum(self._world_sizes))
+                                  world_size=1 + sum(self._world_sizes), probe=probe)
 
     def _push_deadline(self) -> float:
         return 3600.0 if self._when_idle else self.push_timeout

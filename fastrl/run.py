@@ -34,7 +34,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
-from fastrl import checks, cpu_memory, distributed, launch, runlog, util, vllm_sampler
+from fastrl import checks, cpu_memory, distributed, launch, runlog, util, vllm_sampler, weight_sync
 
 TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, push_seconds=0.0, wall_seconds=0.0,
               nonfinite_skipped=0)
@@ -127,6 +127,14 @@ class RunArgs:
     compute) [paper: on when a GPU is visible; tiny off]"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """the learner's weights whatever the checkpoint's: in bf16 an Adam step of lr 1e-6 rounds away on most weights"""
+    push_rounding: Literal["auto", "nearest", "stochastic", "error-feedback"] = "auto"
+    """how a push rounds the learner's fp32 weights to a bf16 sampler: auto = stochastic there (unbiased: the sampler's
+    copy equals the learner's weights on average, where round to nearest drops every change under half a bf16 spacing,
+    most of a small-step update: docs/results.md), nearest where nothing is rounded; error-feedback carries each cast's
+    residual into the next push (one more half-size copy of the weights). charts/push_update_* show what was kept"""
+    push_round_to: Literal["sampler", "bfloat16"] = "sampler"
+    """the precision a push rounds the weights to: the sampler's dtype, or bfloat16 into an fp32 sampler (bf16's
+    rounding of the weights without bf16's arithmetic: the precision experiment's arm, docs/results.md)"""
 
     def __post_init__(self):
         for ok, flag, message in [
@@ -199,6 +207,8 @@ class Run:
         self.eval_end: dict = {}
         self.memory: dict = {}
         self._warned: list = []  # the logprob_diff warning, once
+        self._warned_push: list = []  # the push precision warning, once
+        self.update_probe = None
         self._no_signal: dict = {}  # warn_no_learning's streaks
         self._progress = None
         self._clock = 0.0
@@ -233,6 +243,8 @@ class Run:
             model.gradient_checkpointing_enable()
             model.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: same numbers)
         self.push_model = distributed.push_copy(model, self.dist)
+        if self.dist.is_main:  # the starting weights (before --resume loads), what every push is measured against
+            self.update_probe = weight_sync.UpdateProbe(self.push_model)
         return distributed.shard(model, self.dist)
 
     def frozen_model(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
@@ -274,7 +286,9 @@ class Run:
     def connect(self, version: int, background_push: bool = False) -> None:
         """Open weight sync with the sampler and, on a resume (or a server), push the learner's weights."""
         if self.dist.is_main:
-            launch.connect_weights(self.sampler, self.push_model, version=version, background_push=background_push)
+            launch.connect_weights(self.sampler, self.push_model, version=version, background_push=background_push,
+                                   rounding=self.args.push_rounding, seed=self.args.seed, probe=self.update_probe,
+                                   round_to=None if self.args.push_round_to == "sampler" else torch.bfloat16)
 
     def evaluate(self) -> dict:
         """Held-out pass@k with `evaluate` (rank 0), logged at the current step; {} on other ranks or without one."""
@@ -357,6 +371,13 @@ class Run:
         self.totals["push_seconds"] += seconds
         return seconds
 
+    def push_metrics(self) -> dict:
+        """What the sampler's copy kept of the learner's update at the last push (weight_sync.UpdateProbe's
+        charts/push_*; rank 0, {} elsewhere or before a push), with one warning when it kept too little."""
+        metrics = self.sampler.push_metrics() if self.sampler is not None and self.update_probe is not None else {}
+        checks.warn_push_update(metrics, self._warned_push)
+        return metrics
+
     def check_version(self, samples, step: int, max_lag: int = 0) -> None:
         """Stop in one line unless the samples' policy versions lie within `max_lag` of the learner's `step`."""
         checks.check_sampler_version(samples, step, max_lag=max_lag)
@@ -394,7 +415,7 @@ class Run:
         self.totals["episodes"] += episodes
         self.totals["generate_seconds"] += metrics.get("time/generate_seconds", 0.0)
         self.totals["train_seconds"] += metrics.get("time/train_seconds", 0.0)
-        metrics = metrics | self.throughput(step)
+        metrics = metrics | self.throughput(step) | self.push_metrics()
         self.logger.log(step, metrics, echo=False)
         shown = {k.split("/")[-1]: float(metrics[k]) for k in CONSOLE[:3] if k in metrics}  # reward, accuracy, kl
         self._progress.update(1, step=step, **shown)

@@ -930,12 +930,16 @@ class Sampler(WeightPusher):
     _recompute_kv = False
     _when_idle = False
 
-    def init_weight_sync(self, model: torch.nn.Module, background: bool = False) -> None:
+    def init_weight_sync(self, model: torch.nn.Module, background: bool = False, rounding: str = "nearest",
+                         seed: int = 0, probe=None, round_to: torch.dtype | None = None) -> None:
         """Open weight sync between the learner and the vLLM worker with the engine for this
         placement (weight_sync.weight_backend). `background`: pushes may run in a thread
         (push_weights(background=True)); they send a snapshot of the weights kept in a second copy
-        of the model, so that training can go on while the sampler loads them."""
-        self._start_weight_engine(weight_backend(self.placement), model, background, dtype=self.weight_dtype())
+        of the model, so that training can go on while the sampler loads them. `rounding`, `seed`, `probe`:
+        how pushes round to the sampler's dtype (or `round_to`, then back) and what measures them
+        (weight_sync.PushCast, UpdateProbe)."""
+        self._start_weight_engine(weight_backend(self.placement), model, background, dtype=self.weight_dtype(),
+                                  rounding=rounding, seed=seed, probe=probe, round_to=round_to)
 
     def weight_dtype(self) -> torch.dtype | None:
         """The dtype of the sampler's weights (resolve_dtype), which pushes are cast to on the learner

@@ -62,17 +62,159 @@ def packed_buffer_bytes(tensor_bytes: list[int]) -> int:
     return max(max(tensor_bytes), min(sum(tensor_bytes), MIN_PACKED_BYTES))
 
 
-def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None):
+PUSH_ROUNDINGS = ("nearest", "stochastic", "error-feedback")
+PROBE_STRIDE = 61  # UpdateProbe reads every 61st weight (prime: no alignment with rows of 64k columns)
+
+
+def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile: int = 1 << 16) -> torch.Tensor:
+    """`tensor` (fp32) rounded to bf16 up or down with the probabilities that make the result's mean the input: the
+    16 bits a bf16 drops, plus a uniform draw from [0, 2^16), carry into the kept bits exactly that often. One draw
+    of `tile` numbers serves each tile of the tensor (3x a round-to-nearest cast here instead of 9x): every weight
+    still rounds up with probability equal to its dropped fraction, push after push, as each push draws anew.
+    Finite inputs only (a step with a non-finite gradient is skipped before it reaches the weights)."""
+    flat = tensor.detach().reshape(-1).float()
+    n = flat.numel()
+    noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=flat.device)
+    bits = flat.view(torch.int32)
+    body = n - n % noise.numel()
+    parts = [(bits[:body].view(-1, noise.numel()) + noise).view(-1)] + ([bits[body:] + noise[:n - body]]
+                                                                         if body < n else [])
+    # sign and magnitude: adding to the magnitude's low bits and truncating rounds |x| up or down alike
+    kept = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return kept.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).view(tensor.shape)
+
+
+class UpdateProbe:
+    """What the sampler's copy of the weights kept of the learner's update since the start, read on a fixed sample of
+    the weights (every PROBE_STRIDE-th of each tensor: 1/61 of them, ~2M of SmolLM2's 135M, so the figures below are
+    exact to ~1e-3). Built from the starting weights; `observe(name, learner, sampler)` at each push, then `metrics()`:
+    - charts/push_changed_fraction: the fraction of weights whose sampler value differs from its start;
+    - charts/push_update_ratio: |sampler's update| / |learner's update| (update: now minus start);
+    - charts/push_update_cosine: the cosine between the two updates;
+    - charts/push_update_kept: the sampler's update projected on the learner's, over its length (1: the whole
+      update on average; a round-to-nearest bf16 cast of small updates keeps a fraction of it).
+    The sampler's starting copy is the start cast to `dtype` by rounding to nearest, as vLLM loads a checkpoint."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.start = {name: self.sample(p).float().clone() for name, p in model.named_parameters()
+                      if p.dtype.is_floating_point}
+        self.sampler_start: dict = {}
+        self.sums, self.count = torch.zeros(4, dtype=torch.float64), 0
+
+    @staticmethod
+    def sample(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().reshape(-1)[::PROBE_STRIDE]
+
+    def set_dtype(self, dtype: torch.dtype | None) -> None:
+        self.sampler_start = {name: w.to(dtype).float() if dtype is not None else w for name, w in self.start.items()}
+
+    def reset(self) -> None:
+        self.sums.zero_()
+        self.count = 0
+
+    def observe(self, name: str, learner: torch.Tensor, sampler: torch.Tensor) -> None:
+        if name not in self.start:
+            return
+        start = self.start[name].to(learner.device)
+        sampler_start = self.sampler_start.get(name, self.start[name]).to(learner.device)
+        learned = self.sample(learner).float() - start
+        sampled = self.sample(sampler).float() - sampler_start
+        sampled, learned = sampled.double(), learned.double()
+        self.sums += torch.stack([(sampled != 0).sum().double(), sampled.dot(learned), sampled.square().sum(),
+                                  learned.square().sum()]).cpu()
+        self.count += sampled.numel()
+
+    def metrics(self) -> dict[str, float]:
+        (changed, dot, sampled, learned), count = self.sums.tolist(), self.count
+        nan = float("nan")
+        return {"charts/push_changed_fraction": changed / count if count else nan,
+                "charts/push_update_ratio": (sampled / learned) ** 0.5 if learned else nan,
+                "charts/push_update_cosine": dot / (sampled * learned) ** 0.5 if learned and sampled else nan,
+                "charts/push_update_kept": dot / learned if learned else nan}
+
+
+class PushCast:
+    """How a push turns the learner's weights into the sampler's `dtype` (None: sent as they are), by `rounding`:
+    - "nearest": round to nearest even, what `Tensor.to` and vLLM's loaders do (a weight moves only once its change
+      since the last representable value passes half a spacing, |w|/256 in bf16: small RL steps vanish);
+    - "stochastic": stochastic_round_bf16, its draws seeded by (`seed`, the push's version), so a seeded run and a
+      resumed one round alike; the sampler's copy equals the learner's weights on average, push by push;
+    - "error-feedback": each cast's residual (in bf16, one more half-size copy of the weights) is added to the next
+      push's weights before rounding to nearest, so the sampler's copy averages to the learner's over pushes
+      (sigma-delta); the residual starts at zero on --resume.
+    `probe` (an UpdateProbe, optional) sees every pushed tensor. Between begin(version) and end() a call rounds
+    and is observed; outside (an engine's set-up copy) it rounds to nearest and changes nothing."""
+
+    def __init__(self, dtype: torch.dtype | None, rounding: str = "nearest", seed: int = 0,
+                 probe: UpdateProbe | None = None, round_to: torch.dtype | None = None):
+        round_to = round_to or dtype
+        if rounding not in PUSH_ROUNDINGS:
+            raise ValueError(f"push rounding {rounding!r}: expected one of {PUSH_ROUNDINGS}")
+        if rounding != "nearest" and round_to not in (None, torch.bfloat16):
+            raise ValueError(f"--push-rounding {rounding} rounds to bfloat16 only, not {round_to}")
+        self.dtype, self.round_to, self.rounding, self.seed, self.probe = dtype, round_to, rounding, seed, probe
+        self.residual: dict[str, torch.Tensor] = {}
+        self.pushing, self.last_metrics, self.version = False, {}, 0
+        self._generators: dict = {}
+        if probe is not None:
+            probe.set_dtype(round_to)
+
+    def casts(self, tensor: torch.Tensor) -> bool:
+        """Whether a push changes `tensor`'s values or dtype (else it is sent as it is)."""
+        return tensor.dtype.is_floating_point and any(d is not None and d != tensor.dtype
+                                                      for d in (self.dtype, self.round_to))
+
+    def begin(self, version: int) -> None:
+        for generator in self._generators.values():
+            generator.manual_seed(self.seed * 1_000_003 + version)
+        self.version, self.pushing = version, True
+        if self.probe is not None:
+            self.probe.reset()
+
+    def end(self) -> dict:
+        self.pushing = False
+        self.last_metrics = self.probe.metrics() if self.probe is not None else {}
+        return self.last_metrics
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if not self.casts(tensor) or self.round_to == tensor.dtype:
+            sent = tensor
+        elif not self.pushing or self.rounding == "nearest":
+            sent = tensor.to(self.round_to)
+        elif self.rounding == "stochastic":
+            sent = stochastic_round_bf16(tensor, self._generator(tensor.device))
+        else:
+            # (a new tensor either way: the learner's weights are never written)
+            target = tensor.float() + self.residual[name] if name in self.residual else tensor.float().clone()
+            sent = target.to(self.round_to)
+            self.residual[name] = target.sub_(sent).to(self.round_to)
+        if self.dtype is not None and tensor.dtype.is_floating_point:
+            sent = sent.to(self.dtype)  # (--push-round-to bfloat16 into an fp32 sampler: back to fp32, exactly)
+        if self.pushing and self.probe is not None:
+            self.probe.observe(name, tensor, sent)
+        return sent
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+            self._generators[device].manual_seed(self.seed * 1_000_003 + self.version)
+        return self._generators[device]
+
+
+def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None, cast: PushCast | None = None):
     """vLLM's ModuleSource over `module` (vllm/distributed/weight_transfer/base.py:244-265), its floating-point
     parameters sent in the sampler's `dtype`: a bf16 sampler receives half the bytes, and no load-time cast
     warns (vllm/model_executor/models/utils.py:324-340 warns at every push for each fp32 tensor loaded into a
-    bf16 parameter that way). The cast is the one vLLM's loaders apply: `param.data.copy_(loaded_weight)`
-    (vllm/model_executor/model_loader/weight_utils.py:1490; the linear layers' loaders also copy_) converts
-    as `Tensor.to` does, round to nearest even. None, or a dtype the parameters already have: vLLM's
-    ModuleSource itself, which sends the parameters as they are (fp32 CPU runs unchanged, bit for bit)."""
+    bf16 parameter that way). `cast` (a PushCast for `dtype`) rounds them; without one they round as vLLM's loaders
+    would: `param.data.copy_(loaded_weight)` (vllm/model_executor/model_loader/weight_utils.py:1490; the linear
+    layers' loaders also copy_) converts as `Tensor.to` does, round to nearest even. None, or a dtype the parameters
+    already have: vLLM's ModuleSource itself, which sends the parameters as they are (fp32 CPU runs unchanged, bit for
+    bit)."""
     from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta
 
-    if dtype is None or all(p.dtype == dtype or not p.dtype.is_floating_point for p in module.parameters()):
+    cast = cast or PushCast(dtype)
+    if not any(cast.casts(p) for p in module.parameters()):
         return ModuleSource(module)
 
     def wire(d: torch.dtype) -> torch.dtype:
@@ -84,9 +226,19 @@ def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None):
 
         def __iter__(self):
             for name, tensor in super().__iter__():
-                yield name, tensor.detach().to(wire(tensor.dtype))
+                yield name, cast(name, tensor)
 
     return CastSource(module)
+
+
+def resolve_push_rounding(rounding: str, dtype: torch.dtype | None, model: torch.nn.Module) -> str:
+    """--push-rounding's "auto": "stochastic" where a push rounds fp32 weights to a bf16 sampler (the GPU's default
+    split; docs/results.md, "The push's precision": round to nearest loses most of a small-step update), else
+    "nearest" (a cast that keeps every bit, or none)."""
+    if rounding != "auto":
+        return rounding
+    fp32 = any(p.dtype == torch.float32 for p in model.parameters())
+    return "stochastic" if dtype == torch.bfloat16 and fp32 else "nearest"
 
 
 def trainer_init_info(backend: str, master_address: str = "127.0.0.1", world_size: int = 2,
@@ -157,17 +309,23 @@ class WeightPusher:
 
     def _start_weight_engine(self, backend: str, model: torch.nn.Module, background: bool,
                              master_address: str = "127.0.0.1",
-                             world_size: int = 2, dtype: torch.dtype | None = None) -> None:
+                             world_size: int = 2, dtype: torch.dtype | None = None, rounding: str = "nearest",
+                             seed: int = 0, probe: UpdateProbe | None = None,
+                             round_to: torch.dtype | None = None) -> None:
         """Start vLLM's trainer engine for `backend` with this client, reading `model`, or with
         `background` a snapshot copy of it (training goes on while a thread sends the snapshot).
         `dtype`: the sampler's weight dtype, which pushes are cast to on the learner (sampler_source; the
-        snapshot is kept in it, half the memory for a bf16 sampler). A failure is a SamplerError."""
+        snapshot is kept in it, half the memory for a bf16 sampler), by `rounding` (PushCast, "auto": stochastic
+        where fp32 weights go to a bf16 sampler, else nearest; `seed` seeds it) to `round_to` (None: `dtype`);
+        `probe` (UpdateProbe) measures every push (push_metrics). A failure is a SamplerError."""
         import copy
         import math
 
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         register_engines()
+        rounding = resolve_push_rounding(rounding, round_to or dtype, model)
+        self._cast = PushCast(dtype, rounding, seed, probe, round_to)
         self._model, self._snapshot = model, None
         self._device = next(iter(model.parameters()), torch.empty(0)).device
         if background:
@@ -177,7 +335,7 @@ class WeightPusher:
                     if p.dtype.is_floating_point:
                         p.data = p.data.to(dtype)
         try:
-            source = sampler_source(model, dtype)
+            source = sampler_source(model, dtype, self._cast)
             packed_bytes = packed_buffer_bytes([math.prod(m.shape) * m.dtype.itemsize for m in source.metadata()])
             info = trainer_init_info(backend, master_address, world_size, packed_bytes)
             self._weight_engine = WeightTransferTrainerFactory.trainer_init(info, client=self, source=source)
@@ -203,10 +361,18 @@ class WeightPusher:
             raise RuntimeError("push_weights(background=True) needs init_weight_sync(model, background=True)")
         start = time.perf_counter()
         self.wait_for_push()
+        cast = self._cast
+        cast.begin(version)
         if self._snapshot is not None:  # the engine sends from the snapshot: bring it up to date
             with torch.no_grad():  # on the learner's stream: after the step's kernels that wrote the weights
-                for mine, theirs in zip(self._snapshot.parameters(), self._model.parameters()):
-                    mine.copy_(theirs)
+                for (name, mine), theirs in zip(self._snapshot.named_parameters(), self._model.parameters()):
+                    mine.copy_(cast(name, theirs))
+            cast.end()
+        elif not any(cast.casts(p) for p in self._model.parameters()):  # sent as they are (the engine may not copy)
+            with torch.no_grad():
+                for name, p in self._model.named_parameters():
+                    cast(name, p)
+            cast.end()
         # the learner's queued kernels (the step, the copy) are done before anything reads the weights
         wait_for_learner_kernels(self._device, self._cuda)
         self._in_background = background
@@ -214,6 +380,8 @@ class WeightPusher:
             self._push_stream = self._cuda.Stream(device=self._device)
         if not background:
             self._send_weights(version, recompute_kv, when_idle)
+            if cast.pushing:
+                cast.end()
             return time.perf_counter() - start
 
         def push():
@@ -226,6 +394,11 @@ class WeightPusher:
         self._push_thread.start()
         return time.perf_counter() - start
 
+    def push_metrics(self) -> dict[str, float]:
+        """UpdateProbe's metrics at the last push that was measured (init_weight_sync's `probe`; {} without one)."""
+        return dict(self._cast.last_metrics) if self._cast is not None else {}
+
+    _cast: PushCast | None = None
     _push_thread: threading.Thread | None = None
     _push_error: BaseException | None = None
     _snapshot = None
