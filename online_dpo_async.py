@@ -247,14 +247,15 @@ def dpo_micro_batch(policy, batch: Batch, mb: common.MicroBatch, chosen_rows, re
     return loss.mean(), k, outputs
 
 
-def penalized_rewards(samples, problems, task, reward_model, args: Args) -> torch.Tensor:
-    """The round's rewards [prompts, group size]: --reward-model's or the task's, penalised without EOS (rank 0's)."""
+def penalized_rewards(samples, problems, task, reward_model, args: Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's scores (--reward-model's, --reward's or the task's: charts/reward) and the rewards the pairs are
+    chosen by, the scores penalised without EOS, each [prompts, group size] (rank 0's)."""
     texts, problem_of = [s.text for s in samples], [problems[i // args.group_size] for i in range(len(samples))]
-    scores = reward_model.score(reward_model.conversations(problem_of, texts)) if reward_model is not None else [
-        task.reward(t, p) for t, p in zip(texts, problem_of)]
+    scores = torch.tensor(reward_model.score(reward_model.conversations(problem_of, texts)) if reward_model is not None
+                          else [task.reward(t, p) for t, p in zip(texts, problem_of)], dtype=torch.float32)
     ended_with_eos = torch.tensor([s.finish_reason == "stop" for s in samples])
-    return penalize_missing_eos(torch.tensor(scores, dtype=torch.float32), ended_with_eos, args.missing_eos_penalty,
-                                args.eos_penalty_mode).view(-1, args.group_size)
+    rewards = penalize_missing_eos(scores, ended_with_eos, args.missing_eos_penalty, args.eos_penalty_mode)
+    return scores.view(-1, args.group_size), rewards.view(-1, args.group_size)
 
 
 # TRY NOT TO MODIFY: loading
@@ -272,6 +273,10 @@ def load_models(args: Args, run: Run, model_path: str):
 def main():
     args = parse_args()  # on --resume: the saved run's flags
     run = Run(args, "dpo", tasks.HUB_TASKS, common.resolve_model, overlapped=args.staleness > 0)  # the sampler starts
+    if args.reward and args.eos_penalty_mode != "off":  # a student's own reward, rewritten where a completion is cut
+        print(f"note: --eos-penalty-mode {args.eos_penalty_mode} changes --reward's score of a completion without EOS "
+              f"(to {'-' if args.eos_penalty_mode == 'replace' else 'score - '}{args.missing_eos_penalty:g}; "
+              "charts/eos_penalized_fraction, charts/reward_penalized); --eos-penalty-mode off keeps it")
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer, reward_model = load_models(args, run, run.model_path)
@@ -300,7 +305,7 @@ def main():
             fresh = all(s.version_min == s.version_max == step for s in samples)  # the learner holds their weights
 
             # ALGO LOGIC: rewards (a completion cut at --max-new-tokens penalised), pairs, pi_ref's sequence logprobs
-            rewards = run.from_main(penalized_rewards, samples, problems, task, reward_model, args)  # [P, group size]
+            scores, rewards = run.from_main(penalized_rewards, samples, problems, task, reward_model, args)  # [P, G]
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             chosen, rejected, keep = select_pairs(rewards)  # the best and the worst of each prompt's group
             run.warn_no_learning(keep, "every prompt's rewards tie: no preference pair")
@@ -357,7 +362,9 @@ def main():
                 pair_rows) else (torch.zeros(1), torch.zeros(1))
             logprob_diff = diff_sum / diff_tokens if diff_tokens else math.nan
             metrics = {
-                "charts/reward": rewards.mean().item(), "charts/accuracy": float(correct),
+                "charts/reward": scores.mean().item(), "charts/reward_penalized": rewards.mean().item(),
+                "charts/eos_penalized_fraction": (scores != rewards).float().mean().item(),
+                "charts/accuracy": float(correct),
                 "charts/rewards_chosen": chosen_r.mean().item(), "charts/rewards_rejected": rejected_r.mean().item(),
                 "charts/rewards_margin": (chosen_r - rejected_r).mean().item(),
                 "charts/response_length": batch.mask.sum(1).mean().item(),

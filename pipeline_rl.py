@@ -238,10 +238,27 @@ class Actor:
         self.on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
         self.rng = np.random.default_rng(args.seed)  # long-tail lengths
         self.shuffle_rng = np.random.default_rng([args.seed, 1])  # apart: the two modes draw the same lengths
+        self.resubmit: list[int] = []  # prompts in flight at the checkpoint a run resumed from: admitted first
         first = tasks.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens,
                                      args.chat_template)[1]
         if first and sampler is not None:
             print(f"first training prompt, as the model sees it: {tokenizer.decode(first[0])!r}")
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run trains every admitted prompt once: the finished groups not
+        trained yet (Conventional RL's batches of this RL step, or the trainer queue) as they are, the prompts still in
+        flight (submitted again), and the generators. Plain data (runlog's checkpoints load weights_only)."""
+        plain = lambda group: (group[0], [dataclasses.asdict(c) for c in group[1]])  # noqa: E731
+        return dict(ready=[plain(g) for g in self.ready], rl_step=[[plain(g) for g in b] for b in self.rl_step],
+                    in_flight=sorted(self.groups), rng=self.rng.bit_generator.state,
+                    shuffle_rng=self.shuffle_rng.bit_generator.state)
+
+    def restore(self, state: dict) -> None:
+        completions = lambda group: (group[0], [vllm_sampler.Completion(**c) for c in group[1]])  # noqa: E731
+        self.ready = deque(completions(g) for g in state["ready"])
+        self.rl_step = [[completions(g) for g in b] for b in state["rl_step"]]
+        self.resubmit = list(state["in_flight"])
+        self.rng.bit_generator.state, self.shuffle_rng.bit_generator.state = state["rng"], state["shuffle_rng"]
 
     def queued(self) -> int:
         return len(self.ready) * self.args.group_size
@@ -254,7 +271,10 @@ class Actor:
         """The next `count` prompts that fit --max-prompt-tokens (the others counted), group_size samples each."""
         args, keys, prompts, overrides = self.args, [], [], []
         while len(keys) < count:
-            key, self.data_position = self.data_position, self.data_position + 1
+            if self.resubmit:
+                key = self.resubmit.pop(0)
+            else:
+                key, self.data_position = self.data_position, self.data_position + 1
             _, ids, too_long = tasks.encode_prompts(self.tokenizer, [self.task.problem("train", key)],
                                                      args.max_prompt_tokens, args.chat_template)
             self.totals["skipped_prompts"] += too_long
@@ -342,10 +362,14 @@ def main():
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
+        actor = None
+        run.checkpoint_also(policy, lambda: dict(actor=actor.state() if actor is not None else None))
         start = run.begin(policy, optimizer, tasks.evaluator(run.sampler, task, tokenizer, args),
                           background_push=args.mode == "pipeline" and args.background_push)  # pushes from a thread
         step, score, nonfinite_in_a_row = start.step, reward_function(task, args), 0
         actor = Actor(run.sampler, task, tokenizer, args, start.data_position, run.totals)
+        if start.extra.get("actor"):  # a resumed run: what the checkpoint's actor held, untrained, comes first
+            actor.restore(start.extra["actor"])
         while step < args.num_steps:  # one batch a pass: a step, or a batch the ESS guard or a non-finite loss skips
             # ---- sample: the actor's next B finished sequences (under torchrun: rank 0's, on every rank) ----
             wait_seconds, groups, rl_step_done = run.from_main(lambda: actor.next_batch(step))

@@ -266,6 +266,7 @@ def main():
             if not args.overlap:
                 sampler_rng = run.sampler_rng()  # nothing generating now: what the next round will draw from
             generate_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
+            data_position = train_problems.position  # the first problem not trained on: a checkpoint resumes there
             if args.overlap and round_index + 1 < args.num_rounds:
                 pending = run.submit_round(train_problems, args.num_prompts, args.group_size)  # while we update
 
@@ -295,9 +296,10 @@ def main():
                 batch.advantages = shaped_advantages(rewards.to(run.device), current_logp, batch.ref_logp, batch.mask,
                                                      kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
                                                      group_size=args.group_size)
-                if k_step == 0:
-                    run.warn_no_learning(batch.advantages, "every advantage is 0 or not finite (each prompt's rewards "
-                                         "tie, or --group-size 1)")
+                if k_step == 0:  # the task rewards' spread in each group: what the advantages have to learn from
+                    spread = rewards.view(-1, args.group_size) - rewards.view(-1, args.group_size).mean(1, keepdim=True)
+                    run.warn_no_learning(spread if args.group_size > 1 else torch.zeros(1), "each prompt's rewards "
+                                         "tie (or --group-size 1): the advantages carry no task signal")
                 # each micro-batch's loss backpropagated with its share of the batch mean: the gradients accumulate
                 # to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
@@ -328,8 +330,9 @@ def main():
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
 
-            # ---- push the new weights; the next round samples with them ----
-            push_seconds = run.push(step)
+            # ---- push the new weights; the next round samples with them (--overlap: the round after, once the one
+            # in flight has finished with the weights it started with, so that none mixes two) ----
+            push_seconds = run.push(step, when_idle=args.overlap)
             if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = run.submit_round(train_problems, args.num_prompts, args.group_size)
             metrics = {
@@ -355,7 +358,7 @@ def main():
             }
             run.warn_logprob_diff(logprob_diff, tis_on)  # (a NaN: not measured this round)
             run.log(round_index + 1, step, len(samples), metrics, show=("charts/ess", f"charts/iw_mean_k{args.k}"))
-            run.end_round(round_index + 1, step, train_problems.position, sampler_rng, tokenizer)
+            run.end_round(round_index + 1, step, data_position, sampler_rng, tokenizer)
         run.finish(step)  # pass@k at the end, peak memory
     run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4", {"K": str(args.k)})
 

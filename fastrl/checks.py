@@ -249,13 +249,15 @@ def warn_push_update(metrics: dict, warned: list) -> None:
     """One warning line (once per run) when the sampler's copy of the weights kept less than PUSH_KEPT_LIMIT of the
     learner's update since the start (charts/push_update_kept, weight_sync.UpdateProbe): the sampler then samples,
     and pass@k scores, a policy that has learned less than half of what the learner did (a bf16 sampler fed by
-    round to nearest: SmolLM2 after 12 RLOO rounds kept 0.25, docs/results.md). Stochastic rounding keeps 1.0 on
-    average; the first pushes' figures are noisy (a tiny update), so it waits for the third."""
+    round to nearest: SmolLM2 after 12 RLOO rounds kept 0.25, docs/results.md). Stochastic rounding keeps 1.00
+    +-0.02 from the first push on (tests/test_push_precision.py), round to nearest 0.02-0.30 at the SmolLM2 presets'
+    learning rates: 0.5 lies between with room on both sides."""
     kept = metrics.get("charts/push_update_kept", math.nan)
     if math.isfinite(kept) and kept < PUSH_KEPT_LIMIT and not warned:
         warned.append(kept)
-        print(f"warning: the sampler's weights kept {kept:.2f} of the learner's update (charts/push_update_kept, below "
-              f"{PUSH_KEPT_LIMIT}): it samples and scores a policy that learned less; --push-rounding stochastic keeps it")
+        print(f"warning: the sampler's weights kept {kept:.2f} of the learner's update (charts/push_update_kept, "
+              f"below {PUSH_KEPT_LIMIT}): it samples and scores a policy that learned less; --push-rounding "
+              "stochastic keeps it")
 
 
 def warn_no_learning(signal, what: str, streaks: dict, patience: int) -> bool:

@@ -85,9 +85,9 @@ def connect_weights(sampler, weights: torch.nn.Module, version: int = 0, backgro
                     rounding: str = "nearest", seed: int = 0, probe=None, round_to: torch.dtype | None = None):
     """Wait until the sampler is ready, open weight sync with the learner's policy `weights`
     (init_weight_sync, `background_push` for pushes from a thread; `rounding`, `seed`, `probe` and `round_to`: how a
-    push rounds to the sampler's dtype and what measures it) and push them labelled `version` when resuming (`version` > 0) or
-    to servers (always: what they loaded is not ours to know), so the sampler starts from the learner's weights.
-    Closes the sampler if any of that fails."""
+    push rounds to the sampler's dtype and what measures it) and push them labelled `version` when resuming
+    (`version` > 0) or to servers (always: what they loaded is not ours to know), so the sampler starts from the
+    learner's weights. Closes the sampler if any of that fails."""
     try:
         # imports vLLM's trainer side while the sampler still builds (~2 s less on the critical path)
         weight_sync.register_engines()

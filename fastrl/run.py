@@ -28,6 +28,7 @@ arguments (the Hub task names, how --model resolves, the evaluation)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Literal
 
@@ -39,8 +40,9 @@ from fastrl import checks, cpu_memory, distributed, launch, runlog, util, vllm_s
 TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, push_seconds=0.0, wall_seconds=0.0,
               nonfinite_skipped=0)
 # the metrics every round's console line shows, in this order (Run.log)
-CONSOLE = ("charts/reward", "charts/accuracy", "charts/kl", "losses/entropy", "time/generate_seconds",
-           "time/train_seconds")
+CONSOLE = ("charts/reward", "charts/accuracy", "charts/kl", "losses/entropy", "losses/grad_clipped_fraction",
+           "time/generate_seconds", "time/train_seconds")
+CONSOLE_NAMES = {"losses/grad_clipped_fraction": "clipped"}  # (the step's gradient norm above --max-grad-norm)
 
 
 @dataclasses.dataclass
@@ -208,7 +210,9 @@ class Run:
         self.memory: dict = {}
         self._warned: list = []  # the logprob_diff warning, once
         self._warned_push: list = []  # the push precision warning, once
+        self.scored = ""  # which weights the last pass@k scored (the sampler's copy: its precision, its rounding)
         self.update_probe = None
+        self._rounds_logged = self._rounds_ended = 0  # (check_flags_served)
         self._no_signal: dict = {}  # warn_no_learning's streaks
         self._progress = None
         self._clock = 0.0
@@ -299,9 +303,12 @@ class Run:
     def finish(self, step: int) -> None:
         """The end of the loop: the last pass@k and the run's peak memory (what report() prints)."""
         self.step = step
+        self.check_flags_served(self._rounds_logged)
         if self._progress is not None:
             self._progress.close()
         self.eval_end = self.evaluate()
+        if self.sampler is not None and hasattr(self.sampler, "weights_described"):
+            self.scored = self.sampler.weights_described()
         self.memory = launch.peak_memory_mib(self.sampler)
 
     def report(self, title: str, columns: dict) -> None:
@@ -312,7 +319,7 @@ class Run:
         row = columns | {"wall (s)": t["wall_seconds"], "sample (s)": t["generate_seconds"],
                          "update (s)": t["train_seconds"], "sample %": f"{100 * t['generate_seconds'] / wall:.0f}%",
                          "grad steps/s": self.step / wall}
-        self.logger.report(self.step, title, row, self.eval_start, self.eval_end, self.memory)
+        self.logger.report(self.step, title, row, self.eval_start, self.eval_end, self.memory, scored=self.scored)
         self.logger.close()
 
     # ---- each round ----
@@ -371,6 +378,17 @@ class Run:
         self.totals["push_seconds"] += seconds
         return seconds
 
+    def check_flags_served(self, rounds: int) -> None:
+        """Stop in one line when `rounds` rounds went by without end_round while a flag only it serves is set (a copy
+        that deleted the call would otherwise accept --save-every and friends, and save nothing, in silence)."""
+        flags = [f"--{name.replace('_', '-')} {getattr(self.args, name)}" for name in ("save_every", "eval_every",
+                                                                                      "snapshot_every")
+                 if getattr(self.args, name, 0)]
+        if rounds and self._rounds_ended == 0 and flags:
+            raise SystemExit(f"error: {', '.join(flags)}: never served, this script does not call run.end_round(...) "
+                             "after its rounds (where evaluations, snapshots and checkpoints happen); call it, or drop "
+                             "the flag")
+
     def push_metrics(self) -> dict:
         """What the sampler's copy kept of the learner's update at the last push (weight_sync.UpdateProbe's
         charts/push_*; rank 0, {} elsewhere or before a push), with one warning when it kept too little."""
@@ -409,17 +427,22 @@ class Run:
     def log(self, rounds_done: int, step: int, episodes: int, metrics: dict, show: tuple = ()) -> dict:
         """One round's metrics, with `episodes` trained on and its time/generate_seconds and time/train_seconds added
         to the run's totals and the totals' metrics added (throughput): metrics.jsonl and TensorBoard at `step`, the
-        progress bar, and one console line (every round, in every script): the reward, accuracy, KL, entropy and
-        seconds, then the `show` metrics. Returns the metrics logged."""
+        progress bar, and one console line (every round, in every script): the reward, accuracy, KL, entropy, the
+        fraction of steps whose gradient was clipped and seconds, then the `show` metrics, each only where it was
+        measured (no NaN: no KL without a reference model). Returns the metrics logged."""
         self.step = step
+        self.check_flags_served(self._rounds_logged)
+        self._rounds_logged += 1
         self.totals["episodes"] += episodes
         self.totals["generate_seconds"] += metrics.get("time/generate_seconds", 0.0)
         self.totals["train_seconds"] += metrics.get("time/train_seconds", 0.0)
         metrics = metrics | self.throughput(step) | self.push_metrics()
         self.logger.log(step, metrics, echo=False)
-        shown = {k.split("/")[-1]: float(metrics[k]) for k in CONSOLE[:3] if k in metrics}  # reward, accuracy, kl
-        self._progress.update(1, step=step, **shown)
-        shown = [(k.split("/")[-1], metrics[k]) for k in CONSOLE + tuple(show) if k in metrics]
+        # what was measured: a metric that does not exist this run (the KL without a reference model) is left out
+        measured = [k for k in CONSOLE + tuple(show) if k in metrics and math.isfinite(float(metrics[k]))]
+        bar = {k.split("/")[-1]: float(metrics[k]) for k in CONSOLE[:3] if k in measured}  # reward, accuracy, kl
+        self._progress.update(1, step=step, **bar)
+        shown = [(CONSOLE_NAMES.get(k, k.split("/")[-1]), metrics[k]) for k in measured]
         self._progress.write(f"{self.unit} {rounds_done}/{self.rounds} step {step}: " + " ".join(
             f"{name[:-len('_seconds')]} {value:.2f}s" if name.endswith("_seconds") else f"{name} {value:.3f}"
             for name, value in shown))
@@ -430,6 +453,7 @@ class Run:
         (--save-every, and always after the last round; `data_position`: the first problem not trained on yet,
         `sampler_rng`: the sampler's generators for that round)."""
         args, last = self.args, rounds_done == self.rounds
+        self._rounds_ended += 1
         if self.gathered_step != step and ((args.snapshot_every and rounds_done % args.snapshot_every == 0) or last
                                            or (args.save_every and rounds_done % args.save_every == 0)):
             distributed.gather_into(self.policy, self.push_model, self.dist)  # a step that was not pushed

@@ -93,16 +93,18 @@ class RunLogger:
             shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in clean.items() if isinstance(v, float))
             print(f"[{record['wall']:7.1f}s] step {step}: {shown}")
 
-    def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict) -> str:
+    def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict,
+               scored: str = "") -> str:
         """The end-of-run report, the same shape in every script: this run's line of its paper's
-        table (`row`: column -> value), held-out pass@k at the start and the end, peak memory and the machine.
+        table (`row`: column -> value), held-out pass@k at the start and the end (`scored`: which weights the end's
+        sampled, e.g. a bf16 sampler's copy), peak memory and the machine.
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
         cell = lambda v: (v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100  # noqa: E731
                           else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}")
         keys = sorted((k for k in eval_end if "@" in k), key=lambda k: int(k.split("@")[1]))
         measured = (f": {eval_end['eval/problems']:.0f} problems x {eval_end['eval/samples']:.0f} samples each, "
                     f"{', '.join(k.split('/')[1] for k in keys)} (unbiased, Chen et al. 2021)"
-                    if "eval/samples" in eval_end else "")
+                    if "eval/samples" in eval_end else "") + (f"; the end scored {scored}" if scored else "")
         command = changed_flags(self.args) if dataclasses.is_dataclass(self.args) else ""
         lines = [f"## {title}" + (f" | {command}" if command else ""), "", "| " + " | ".join(row) + " |",
                  "|" + "---|" * len(row),

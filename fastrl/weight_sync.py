@@ -394,6 +394,14 @@ class WeightPusher:
         self._push_thread.start()
         return time.perf_counter() - start
 
+    def weights_described(self) -> str:
+        """Which weights the sampler holds, for a report's pass@k: "the sampler's bfloat16 copy (stochastic rounding)
+        of policy version 12", or the learner's weights as they are."""
+        cast, version = self._cast, getattr(self, "version", None)
+        held = "the learner's weights as they are" if cast is None or cast.round_to is None else (
+            f"the sampler's {str(cast.round_to).split('.')[-1]} copy ({cast.rounding} rounding)")
+        return held + (f" of policy version {version}" if version is not None else "")
+
     def push_metrics(self) -> dict[str, float]:
         """UpdateProbe's metrics at the last push that was measured (init_weight_sync's `probe`; {} without one)."""
         return dict(self._cast.last_metrics) if self._cast is not None else {}

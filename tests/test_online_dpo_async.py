@@ -277,7 +277,8 @@ def test_async_short_run_and_lag_from_sampler_versions(minibatches, tmp_path):
 # --sync on a fixed seed: the run that both the staleness-0 parity test and the torchrun test compare
 # against (one launch for two tests). A small --micro-batch-tokens, so that under torchrun each rank
 # gets several micro-batches of pairs and of reference rows.
-SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "--seed", "3"]
+SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "--seed", "3", "--save-every", "1",
+        "--keep-checkpoints", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -293,16 +294,21 @@ def test_sync_run_has_lag_0(sync_run):
 
 @pytest.mark.slow
 def test_sync_resume_is_exact(tmp_path, sync_run):
-    """--sync stopped after 2 rounds and resumed to 3 gives the uninterrupted run's rounds, row for row
-    (the checkpoint keeps the sampler's generators as they were before the next round)."""
-    i = SYNC.index("--num-rounds")
-    flags = SYNC[:i] + SYNC[i + 2:]
-    run = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_resume", "--num-rounds", "2", cwd=tmp_path), tmp_path)
-    _run_dir(_run("--resume", str(run), "--num-rounds", "3", cwd=tmp_path), tmp_path)
+    """--sync resumed from its checkpoint after round 1 (written mid-run: --save-every 1) gives the uninterrupted run's
+    rounds 2 and 3, row for row (the checkpoint keeps the sampler's generators as they were before the next round).
+    charts/reward is the task's score, charts/reward_penalized the one pairs are chosen by."""
+    run = tmp_path / sync_run.name  # a copy: the resumed run goes on in the checkpoint's directory
+    shutil.copytree(sync_run, run)
+    first = min(run.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
+    _run_dir(_run("--resume", str(first), cwd=tmp_path), tmp_path)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
     rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(d) if "charts/reward" in r]
               for d in (sync_run, run)]
-    assert len(rounds[0]) == len(rounds[1]) == 3 and rounds[0] == rounds[1]
+    assert len(rounds[0]) == 3 and len(rounds[1]) == 5 and rounds[0][1:] == rounds[1][3:]
+    for r in rounds[0]:  # --eos-penalty-mode replace: a completion cut short scores -1 in the pairs, not in the reward
+        cut = r["charts/eos_penalized_fraction"]
+        assert 0 <= r["charts/reward"] <= 1 and r["charts/reward_penalized"] <= r["charts/reward"]
+        assert (cut == 0) == (r["charts/reward_penalized"] == r["charts/reward"])
 
 
 @pytest.mark.slow
@@ -699,3 +705,30 @@ def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(mode):
     out = run_stripped_copy("dpo_stripped", strip_dpo((ROOT / "online_dpo_async.py").read_text()),
                             ["--num-rounds", "3", *SMALL, "--num-minibatches", "2", *mode])
     assert "round 3/3 step" in out.stdout and "reward" in out.stdout
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode, said", [("replace", True), ("subtract", True), ("off", False)])
+def test_a_custom_reward_that_the_eos_penalty_rewrites_is_said_at_the_start(monkeypatch, capsys, tmp_path, tiny_path,
+                                                                           mode, said):
+    """Issue 59, item 6: --reward with the EOS penalty on rewrote the student's score of every cut completion without
+    a word (charts/reward 0.034 against the function's 0.319). Now one line says so before the first round."""
+    from fastrl import launch
+    from fastrl.run import Run
+
+    (tmp_path / "my_reward.py").write_text("def score(completion, problem):\n    return 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(launch, "start_sampler", lambda *a, **k: SimpleNamespace(close=lambda: None))  # no process
+
+    def stop(*a, **k):
+        raise _Started
+
+    monkeypatch.setattr(Run, "begin", stop)
+    monkeypatch.setattr(sys, "argv", ["online_dpo_async.py", "--reward", "my_reward:score", "--eos-penalty-mode", mode])
+    with pytest.raises(_Started):
+        dpo.main()
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: --eos-penalty-mode")]
+    assert len(notes) == int(said) and all("charts/eos_penalized_fraction" in n for n in notes)

@@ -560,15 +560,19 @@ def test_zero_lag_pipeline_reproduces_conventional_g1(zero_lag_pipeline):
     evals = [[r["eval/pass@1"] for r in runlog.read_metrics(d) if "eval/pass@1" in r] for d in (_rows(pipeline)[0],
                                                                                                 _rows(conventional)[0])]
     assert evals[0] == evals[1]
-    # and Conventional RL stopped after 2 steps, resumed to 3, is the straight run, row for row (a seed per prompt)
-    stopped = _run("--exp-name", "pytest_prl_stopped", "--mode", "conventional", "--steps-per-rl-step", "1", *flags[:1],
-                   "2", *flags[2:])
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    resumed = _run("--resume", str(_rows(stopped)[0]), "--num-steps", "3")
+    # and Conventional RL with G=3 resumed from its checkpoint after step 1, in the middle of the RL step (two of its
+    # three batches generated, not trained), trains steps 2 and 3 as the straight run does, row for row
+    straight = _run("--exp-name", "pytest_prl_g3", "--mode", "conventional", "--steps-per-rl-step", "3",
+                    "--save-every", "1", "--keep-checkpoints", "3", *flags)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir, straight_rows = _rows(straight)
+    resumed = _run("--resume", str(run_dir / "checkpoints" / "1.pt"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k or "wait" in k  # noqa: E731
-    rows = [[{k: v for k, v in r.items() if not timing(k)} for r in rs] for rs in (b, _rows(resumed)[1])]
-    assert len(rows[1]) == 3 and rows[0] == rows[1]
+    same = lambda v: "nan" if v != v else v  # noqa: E731  (charts/kl without a reference model)
+    rows = [[{k: same(v) for k, v in r.items() if not timing(k)} for r in rs] for rs in (straight_rows,
+                                                                                         _rows(resumed)[1][3:])]
+    assert len(rows[1]) == 2 and rows[0][1:] == rows[1]
 
 
 @pytest.mark.slow

@@ -441,18 +441,23 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
 
 @pytest.mark.slow
 def test_plain_ppo_resume_is_exact(tmp_path):
-    """Plain PPO stopped after 2 rounds and resumed to 3 gives the uninterrupted run's rounds,
-    row for row (the checkpoint keeps the sampler's generators and the learner's RNG)."""
+    """Plain PPO resumed from its checkpoint after round 1 (written mid-run: --save-every 1) gives the uninterrupted
+    run's rounds 2 and 3, row for row (the checkpoint keeps the sampler's generators and the learner's RNG).
+    charts/reward is the task's score; charts/reward_penalized, what PPO trains on, less the missing-EOS penalty."""
     flags = ("--no-intra", "--no-inter", "--max-new-tokens", "24", "--num-minibatches", "2", "--eval-problems", "4",
              "--eval-samples", "1")
-    _run(tmp_path, "--exp-name", "straight", "--num-rounds", "3", *flags)
-    _run(tmp_path, "--exp-name", "stopped", "--num-rounds", "2", *flags)
-    [stopped] = (tmp_path / "runs").glob("stopped__*")
-    _run(tmp_path, "--resume", str(stopped), "--num-rounds", "3", *flags)
+    _run(tmp_path, "--exp-name", "straight", "--num-rounds", "3", "--save-every", "1", "--keep-checkpoints", "3",
+         *flags)
+    [straight] = (tmp_path / "runs").glob("straight__*")
+    _, rows = _metrics(tmp_path, "straight")
+    first = min(straight.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
+    _run(tmp_path, "--resume", str(first))
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k  # noqa: E731
-    rows = [[{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, name)[1]]
-            for name in ("straight", "stopped")]
-    assert len(rows[0]) == len(rows[1]) == 3 and rows[0] == rows[1]
+    again = [{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, "straight")[1]]
+    assert len(rows) == 3 and len(again) == 5
+    assert [{k: v for k, v in r.items() if not timing(k)} for r in rows][1:] == again[3:]
+    for r in rows:  # --missing-eos-penalty 1.0 on every response without EOS
+        assert r["charts/reward_penalized"] == pytest.approx(r["charts/reward"] - r["charts/no_eos_fraction"])
 
 
 @pytest.mark.slow

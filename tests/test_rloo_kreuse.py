@@ -122,7 +122,7 @@ def test_two_rounds_from_the_command_line_then_resume():
     nucleus (the logprob contract)."""
     flags = ["--exp-name", "pytest_rloo", "--k", "2", "--top-p", "0.9", "--num-prompts", "8", "--group-size", "4",
              "--eval-problems", "16", "--eval-samples", "4"]
-    out = _run(*flags, "--num-rounds", "2")
+    out = _run(*flags, "--num-rounds", "2", "--save-every", "1", "--keep-checkpoints", "3")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     rows = runlog.read_metrics(run_dir)
@@ -158,9 +158,20 @@ def test_two_rounds_from_the_command_line_then_resume():
                      if "charts/reward" in r]
     resumed_rows = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert len(straight_rows) == len(resumed_rows) == 3
-    for a, b in zip(straight_rows, resumed_rows):
+
+    def same(a, b):
         assert {k: v for k, v in a.items() if not k.startswith(("time/", "wall")) and "per_second" not in k} == \
                {k: v for k, v in b.items() if not k.startswith(("time/", "wall")) and "per_second" not in k}
+
+    for a, b in zip(straight_rows, resumed_rows):
+        same(a, b)
+    # from a checkpoint written mid-run (after round 1, round 2 already submitted): rounds 2 and 3 again, as straight
+    midrun = _run("--num-rounds", "3", "--resume", str(run_dir / "checkpoints" / "2.pt"))
+    assert midrun.returncode == 0, midrun.stderr[-3000:]
+    again = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r][3:]
+    assert [r["step"] for r in again] == [4, 6]
+    for a, b in zip(straight_rows[1:], again):
+        same(a, b)
 
     # the round's micro-batch loop accumulates exactly the whole batch's gradient: round 1 (sampled before any step)
     # again, in micro-batches of about one row each instead of one, gives the same loss, gradient norm and weights
@@ -217,17 +228,24 @@ def test_your_own_jsonl_task_and_reward_module_from_the_command_line(tmp_path):
 
 @pytest.mark.slow
 def test_overlap_mode_runs_one_round_off_policy():
-    """--overlap trains on a round generated one round earlier; --snapshot-every keeps the weights
-    (for benchmarks/learning_speed.py) from round 0 on, with the run's wall time."""
-    out = _run("--exp-name", "pytest_rloo_overlap", "--k", "2", "--num-prompts", "8", "--group-size", "4",
-               "--num-rounds", "3",
+    """--overlap trains on a round generated one round earlier, every token of it by the same weights even where
+    sampling is slower than the K steps (countdown-steps' long answers against one step on 4 sequences: the push
+    waits for the round in flight); a checkpoint after round r resumes with round r+1's prompts, which were in flight;
+    --snapshot-every keeps the weights (for benchmarks/learning_speed.py) from round 0 on, with the run's wall time."""
+    out = _run("--exp-name", "pytest_rloo_overlap", "--k", "1", "--num-prompts", "2", "--group-size", "2",
+               "--num-rounds", "3", "--task", "countdown-steps", "--max-new-tokens", "64", "--save-every", "1",
+               "--keep-checkpoints", "3",
                "--overlap", "--eval-problems", "8", "--eval-samples", "2", "--snapshot-every", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
-    lags = [r["charts/lag_mean"] for r in runlog.read_metrics(run_dir) if "charts/lag_mean" in r]
-    assert lags[0] == 0 and all(lag == 2 for lag in lags[1:])  # round r+1 was generated before round r's K=2 steps
-    snapshots = [torch.load(run_dir / "snapshots" / f"{step}.pt", weights_only=True) for step in (0, 2, 4, 6)]
-    assert [s["step"] for s in snapshots] == [0, 2, 4, 6] and all(a["wall"] < b["wall"] for a,
+    rows = [r for r in runlog.read_metrics(run_dir) if "charts/lag_mean" in r]
+    # round r+1 was generated before round r's K=1 step, all of it: no token by the weights pushed meanwhile
+    assert [(r["charts/lag_min"], r["charts/lag_max"]) for r in rows] == [(0, 0), (1, 1), (1, 1)]
+    positions = [torch.load(run_dir / "checkpoints" / f"{step}.pt", weights_only=False)["data_position"]
+                 for step in (1, 2, 3)]
+    assert positions == [2, 4, 6]  # the prompts trained on, not those in flight
+    snapshots = [torch.load(run_dir / "snapshots" / f"{step}.pt", weights_only=True) for step in (0, 1, 2, 3)]
+    assert [s["step"] for s in snapshots] == [0, 1, 2, 3] and all(a["wall"] < b["wall"] for a,
                                                                   b in zip(snapshots, snapshots[1:]))
     trained = torch.load(run_dir / "checkpoint.pt", weights_only=True)["model"]
     assert all(torch.equal(snapshots[-1]["model"][k], v) for k, v in trained.items())

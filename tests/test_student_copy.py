@@ -264,7 +264,27 @@ def test_a_copy_without_the_group_size_check_says_it_learns_nothing(tmp_path):
                          env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     said = [line for line in out.stdout.splitlines() if "learns nothing" in line]
-    assert len(said) == 1 and said[0].startswith("warning: every advantage is 0 or not finite"), out.stdout[-3000:]
+    assert len(said) == 1 and said[0].startswith("warning: each prompt's rewards tie (or --group-size 1)"), \
+        out.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_rewards_that_tie_are_said_even_where_k1_shapes_the_advantages(tmp_path):
+    """Issue 59, item 5: with the default k1 KL folded into the reward, a group whose task rewards tie still gets
+    non-zero advantages (from KL differences), so a check on the advantages never saw it. A reward that scores every
+    completion 0.5: the warning comes, read off the task rewards' spread."""
+    (tmp_path / "flat_reward.py").write_text("def score(completion, problem):\n    return 0.5\n")
+    out = subprocess.run([sys.executable, str(ROOT / "rloo_kreuse.py"), "--reward", "flat_reward:score",
+                          "--kl-coef", "0.05", "--kl-estimator", "k1", "--num-prompts", "4", "--num-rounds", "2",
+                          "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in runlog.read_metrics(tmp_path / out.stdout.split("run directory: ")[1].split()[0])
+            if "charts/advantage_std" in r]
+    assert all(r["charts/advantage_std"] > 0 for r in rows[1:])  # k1 differences: advantages that are not 0
+    said = [line for line in out.stdout.splitlines() if "learns nothing" in line]
+    assert len(said) == 1 and said[0].startswith("warning: each prompt's rewards tie"), out.stdout[-3000:]
 
 
 # --------------------------------------------------------------------------------------
@@ -301,3 +321,49 @@ def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
     assert all(callable(getattr(Run, name)) for name in ("push", "check_version", "warn_no_learning", "__exit__"))
     readme = (ROOT / "README.md").read_text()
     assert "methods.md#which-script-to-start-from" in readme and "methods.md#what-a-copy-must-keep" in readme
+
+
+# --------------------------------------------------------------------------------------
+# Issue 59, items 7 and 8: flags a copy no longer serves, and a console line of what was measured
+
+
+@pytest.mark.slow
+def test_a_copy_without_end_round_refuses_the_flags_it_no_longer_serves(tmp_path):
+    """A copy of rloo_kreuse.py whose round no longer calls run.end_round accepted --save-every (and --eval-every,
+    --snapshot-every), wrote no checkpoint and said nothing. Now it stops in one line naming the flag, at the round
+    after the first (end_round's place), before training on."""
+    source = (ROOT / "rloo_kreuse.py").read_text()
+    call = next(line for line in source.splitlines() if "run.end_round(" in line)
+    copy = tmp_path / "rloo_copy.py"
+    copy.write_text(source.replace(call + "\n", ""))
+    out = subprocess.run([sys.executable, str(copy), "--save-every", "1", "--num-prompts", "4", "--num-rounds", "3",
+                          "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --save-every 1: never served") and "run.end_round" in last, out.stderr[-2000:]
+    assert "round 2/3" not in out.stdout  # stopped when round 2 was logged, its line not printed
+
+
+def test_the_console_line_shows_what_was_measured_and_the_clipped_fraction():
+    """The round's console line: no `kl nan` where no reference model exists (the SmolLM2 presets), and the fraction
+    of steps whose gradient was clipped (1.0 in every round of the README's SmolLM2 run, and nobody saw it)."""
+    import math
+    import time
+    from types import SimpleNamespace
+
+    from fastrl import distributed
+    from fastrl.run import TOTALS, Run
+
+    lines = []
+    run = object.__new__(Run)  # the round's log alone: no sampler, no process
+    run.args = SimpleNamespace(save_every=0, eval_every=0, snapshot_every=0)
+    run._rounds_logged = run._rounds_ended = 0
+    run.totals, run._clock, run.sampler, run.update_probe, run._warned_push = dict(TOTALS), time.perf_counter(), \
+        None, None, []
+    run.logger, run.unit, run.rounds = distributed.NullLogger(), "round", 3
+    run._progress = SimpleNamespace(update=lambda *a, **k: None, write=lines.append)
+    run.log(1, 2, 8, {"charts/reward": 0.25, "charts/accuracy": 0.5, "charts/kl": math.nan, "losses/entropy": 0.7,
+                      "losses/grad_clipped_fraction": 1.0, "time/generate_seconds": 1.5, "time/train_seconds": 2.0})
+    assert lines == ["round 1/3 step 2: reward 0.250 accuracy 0.500 entropy 0.700 clipped 1.000 generate 1.50s "
+                     "train 2.00s"]
