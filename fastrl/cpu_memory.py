@@ -100,18 +100,22 @@ def learner_resident_bytes(method: str, args, shape: memory_plan.Shape, budget: 
 def push_resident_bytes(method: str, args, shape: memory_plan.Shape) -> float:
     """What the weight push keeps in the learner beside its model, in copies of the weights in the sampler's dtype.
     A sampler on this machine (shm_transfer): none while the learner trains in the shared buffer itself (a sampler
-    of the learner's dtype, pushes from the caller), else one: the buffer a cast fills, or PipelineRL's
+    of the learner's dtype, pushes from the caller, nothing rounded), else one: the buffer a cast fills, or PipelineRL's
     --background-push snapshot (SmolLM2 in fp32: 513 MiB, what its run's peak holds above its step's). A server
-    (--sampler-url, gloo_transfer): its packed broadcast buffers, one copy, and the snapshot on top."""
+    (--sampler-url, gloo_transfer): its packed broadcast buffers, one copy, and the snapshot on top. Plus
+    --push-rounding error-feedback's residual, two bytes a weight."""
     learner = getattr(args, "dtype", "float32")
     sampler = getattr(args, "sampler_dtype", "auto")
     sampler = "float32" if sampler == "auto" else sampler  # "auto" on a CPU (vllm_sampler.resolve_dtype)
     background = memory_plan.pushes_in_background(method, args)
+    rounded = getattr(args, "push_round_to", "sampler") != "sampler"  # a cast into an fp32 sampler: the engine copies
     if getattr(args, "sampler_url", None):
         copies = 1 + background
     else:
-        copies = 1 if background or sampler != learner else 0
-    return copies * shape.params * memory_plan.DTYPE_BYTES[sampler]
+        copies = 1 if background or sampler != learner or rounded else 0
+    # --push-rounding error-feedback keeps each weight's residual in bf16 (weight_sync.PushCast)
+    residual = 2 if getattr(args, "push_rounding", "auto") == "error-feedback" else 0
+    return copies * shape.params * memory_plan.DTYPE_BYTES[sampler] + shape.params * residual
 
 
 def sampler_resident_bytes(args, shape: memory_plan.Shape) -> float:

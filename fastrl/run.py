@@ -213,6 +213,7 @@ class Run:
         self.scored = ""  # which weights the last pass@k scored (the sampler's copy: its precision, its rounding)
         self.update_probe = None
         self._rounds_logged = self._rounds_ended = 0  # (check_flags_served)
+        self._pushed = False  # a push since the last row (Run.push; not the start's, nor a resume's)
         self._no_signal: dict = {}  # warn_no_learning's streaks
         self._progress = None
         self._clock = 0.0
@@ -342,8 +343,10 @@ class Run:
     def mismatch_correction(self, tis: str = "auto") -> bool:
         """--tis (auto: whether the sampler's numbers differ from the learner's: a sampler not in fp32, the GPU
         default, or a bf16 learner), on or off: whether the truncated IS correction applies."""
-        learner_bf16 = self.args.autocast_bf16 or self.args.dtype == "bfloat16"
-        return checks.mismatch_correction(tis, self.args.sampler_dtype, self.args.placement, learner_bf16)
+        # (--push-round-to bfloat16: the sampler's weights are not the learner's, whatever its dtype)
+        learner_differs = (self.args.autocast_bf16 or self.args.dtype == "bfloat16"
+                           or getattr(self.args, "push_round_to", "sampler") != "sampler")
+        return checks.mismatch_correction(tis, self.args.sampler_dtype, self.args.placement, learner_differs)
 
     def from_main(self, fn: Callable, *fn_args):
         """fn(*fn_args) on rank 0 (the sampler's side), its result handed to every rank."""
@@ -372,7 +375,7 @@ class Run:
         decode steps (`recompute_kv`: running sequences re-prefilled with them; `background`: sent from a thread,
         begin(background_push=True)). Returns its seconds."""
         distributed.gather_into(self.policy, self.push_model, self.dist)
-        self.gathered_step = step
+        self.gathered_step, self._pushed = step, True  # (its charts/push_* go in this round's row)
         seconds = (self.sampler.push_weights(step, recompute_kv=recompute_kv, when_idle=when_idle,
                                              background=background) if self.dist.is_main else 0.0)
         self.totals["push_seconds"] += seconds
@@ -436,7 +439,8 @@ class Run:
         self.totals["episodes"] += episodes
         self.totals["generate_seconds"] += metrics.get("time/generate_seconds", 0.0)
         self.totals["train_seconds"] += metrics.get("time/train_seconds", 0.0)
-        metrics = metrics | self.throughput(step) | self.push_metrics()
+        metrics = metrics | self.throughput(step) | (self.push_metrics() if self._pushed else {})
+        self._pushed = False
         self.logger.log(step, metrics, echo=False)
         # what was measured: a metric that does not exist this run (the KL without a reference model) is left out
         measured = [k for k in CONSOLE + tuple(show) if k in metrics and math.isfinite(float(metrics[k]))]

@@ -94,6 +94,10 @@ def test_the_push_adds_a_copy_of_the_weights_only_where_the_learner_cannot_train
                                           SMOLLM2) == weights / 2  # the snapshot is kept in the sampler's dtype
     assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True, sampler_url=("http://x:8000",)),
                                           SMOLLM2) == 2 * weights
+    # bf16's rounding into an fp32 sampler: the cast's buffer; error feedback: its bf16 residual on top
+    assert cpu_memory.push_resident_bytes("rloo", rloo_args(push_round_to="bfloat16"), SMOLLM2) == weights
+    assert cpu_memory.push_resident_bytes("rloo", rloo_args(sampler_dtype="bfloat16", push_rounding="error-feedback"),
+                                          SMOLLM2) == weights
     planned = [cpu_memory.learner_resident_bytes("pipeline", pipeline(background_push=b), SMOLLM2, 640)
                for b in (False, True)]
     assert planned[1] - planned[0] == weights

@@ -451,7 +451,7 @@ def test_plain_ppo_resume_is_exact(tmp_path):
     [straight] = (tmp_path / "runs").glob("straight__*")
     _, rows = _metrics(tmp_path, "straight")
     first = min(straight.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
-    _run(tmp_path, "--resume", str(first))
+    _run(tmp_path, "--resume", str(first), "--num-rounds", "3", *flags)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k  # noqa: E731
     again = [{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, "straight")[1]]
     assert len(rows) == 3 and len(again) == 5

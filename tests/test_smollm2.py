@@ -138,6 +138,11 @@ def test_rloo_k2_bf16_sampler_corrects_the_mismatch_on_a_real_model(smollm2_path
     assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-3)
     assert 1e-4 < r["charts/logprob_diff"] < 5e-2
     assert 0.5 < r["charts/tis_max_ratio"] <= 2.0
+    # the push rounds stochastically by default into a bf16 sampler: it keeps the update (issue 58), and the summary
+    # says which weights the end's pass@k scored
+    assert 0.8 < r["charts/push_update_kept"] < 1.2 and 0 < r["charts/push_changed_fraction"] < 1
+    assert "the end scored the sampler's bfloat16 copy (stochastic rounding) of policy version 2" in out.stdout
+    assert "warning: the sampler's weights kept" not in out.stdout
 
 
 @pytest.mark.slow

@@ -1,0 +1,75 @@
+"""What a push's rounding costs on the learner (issue 58): SmolLM2-135M's fp32 weights cast to bf16 the way a push casts
+them (weight_sync.PushCast, every tensor in the order the engine sends them), by round to nearest (what vLLM's loaders
+and `Tensor.to` do), stochastic rounding and error feedback, each with the UpdateProbe that measures every push
+(charts/push_*), and round to nearest without it. Arms alternate A B B A within one process (the machine drifts),
+so the ratios are taken in one run; the bytes each sends are counted.
+
+    .venv/bin/python benchmarks/push_precision.py             # 8 repetitions of each arm
+    .venv/bin/python benchmarks/push_precision.py --repeats 4
+
+A push's time beside these: `time/push_seconds` in a run's metrics (the transfer and the sampler's load)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fastrl import launch, util, weight_sync  # noqa: E402
+from fastrl.smollm2 import smollm2_path  # noqa: E402
+
+
+@dataclasses.dataclass
+class Args:
+    repeats: int = 8
+    """repetitions of each arm (in A B B A order)"""
+    threads: int = 2
+    """torch threads (the learner's on this machine)"""
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    torch.set_num_threads(args.threads)
+    launch.limit_cpu_threads()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
+    probe = weight_sync.UpdateProbe(model)
+    with torch.no_grad():  # a learner a few steps in: most weights off their bf16 start by ~1e-5
+        for p in model.parameters():
+            p.add_(torch.randn_like(p), alpha=1e-5)
+    arms = {"nearest, no probe": weight_sync.PushCast(torch.bfloat16, "nearest"),
+            "nearest": weight_sync.PushCast(torch.bfloat16, "nearest", probe=probe),
+            "stochastic": weight_sync.PushCast(torch.bfloat16, "stochastic", seed=1, probe=probe),
+            "error-feedback": weight_sync.PushCast(torch.bfloat16, "error-feedback", probe=probe)}
+    seconds: dict[str, list[float]] = {name: [] for name in arms}
+    sent_bytes: dict[str, int] = {}
+    order = list(arms)
+    for repeat in range(args.repeats):
+        for name in (order if repeat % 2 == 0 else order[::-1]):
+            cast = arms[name]
+            start = time.perf_counter()
+            cast.begin(repeat + 1)
+            total = sum(cast(n, p).nbytes for n, p in model.named_parameters())
+            cast.end()
+            seconds[name].append(time.perf_counter() - start)
+            sent_bytes[name] = total
+    base = statistics.median(seconds["nearest, no probe"])
+    print(f"# push_precision: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
+          f"{args.repeats} repetitions, {util.machine_line()}")
+    print("| arm | median s | min s | x nearest without probe | MiB sent |")
+    print("|---|---|---|---|---|")
+    for name, values in seconds.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | "
+              f"{statistics.median(values) / base:.2f} | {sent_bytes[name] / 2**20:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
