@@ -63,7 +63,7 @@ def packed_buffer_bytes(tensor_bytes: list[int]) -> int:
 
 
 PUSH_ROUNDINGS = ("nearest", "stochastic", "error-feedback")
-PROBE_STRIDE = 61  # UpdateProbe reads every 61st weight (prime: no alignment with rows of 64k columns)
+PROBE_STRIDE = 61  # UpdateProbe reads every 61st block of 64 weights (prime: no alignment with rows)
 
 
 def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile: int = 1 << 16) -> torch.Tensor:
@@ -72,16 +72,14 @@ def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile
     of `tile` numbers serves each tile of the tensor (3x a round-to-nearest cast here instead of 9x): every weight
     still rounds up with probability equal to its dropped fraction, push after push, as each push draws anew.
     Finite inputs only (a step with a non-finite gradient is skipped before it reaches the weights)."""
-    flat = tensor.detach().reshape(-1).float()
-    n = flat.numel()
-    noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=flat.device)
-    bits = flat.view(torch.int32)
-    body = n - n % noise.numel()
-    parts = [(bits[:body].view(-1, noise.numel()) + noise).view(-1)] + ([bits[body:] + noise[:n - body]]
-                                                                         if body < n else [])
+    bits = tensor.detach().reshape(-1).float().view(torch.int32)
+    n = bits.numel()
+    noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=bits.device)
+    body, summed = n - n % noise.numel(), torch.empty_like(bits)
     # sign and magnitude: adding to the magnitude's low bits and truncating rounds |x| up or down alike
-    kept = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return kept.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).view(tensor.shape)
+    torch.add(bits[:body].view(-1, noise.numel()), noise, out=summed[:body].view(-1, noise.numel()))
+    torch.add(bits[body:], noise[:n - body], out=summed[body:])
+    return summed.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).view(tensor.shape)
 
 
 class UpdateProbe:
@@ -103,7 +101,12 @@ class UpdateProbe:
 
     @staticmethod
     def sample(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().reshape(-1)[::PROBE_STRIDE]
+        """Every PROBE_STRIDE-th weight, read as every PROBE_STRIDE-th block of 64 where the tensor divides into them
+        (a read of 1/61 of its memory instead of every cache line)."""
+        flat = tensor.detach().reshape(-1)
+        if PROBE_STRIDE > 1 and flat.numel() % 64 == 0 and flat.numel() >= 64 * PROBE_STRIDE:
+            return flat.view(-1, 64)[::PROBE_STRIDE].reshape(-1)
+        return flat[::PROBE_STRIDE]
 
     def set_dtype(self, dtype: torch.dtype | None) -> None:
         self.sampler_start = {name: w.to(dtype).float() if dtype is not None else w for name, w in self.start.items()}

@@ -5,6 +5,7 @@ scripts end to end on it from its real command line (short runs)."""
 
 import importlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -140,7 +141,10 @@ def test_rloo_k2_bf16_sampler_corrects_the_mismatch_on_a_real_model(smollm2_path
     assert 0.5 < r["charts/tis_max_ratio"] <= 2.0
     # the push rounds stochastically by default into a bf16 sampler: it keeps the update (issue 58), and the summary
     # says which weights the end's pass@k scored
-    assert 0.8 < r["charts/push_update_kept"] < 1.2 and 0 < r["charts/push_changed_fraction"] < 1
+    if r["losses/grad_norm"] > 0:  # (a round whose rewards all tie moves nothing: then there is no update to keep)
+        assert 0.8 < r["charts/push_update_kept"] < 1.2 and 0 < r["charts/push_changed_fraction"] < 1
+    else:
+        assert r["charts/push_changed_fraction"] == 0 and math.isnan(r["charts/push_update_kept"])
     assert "the end scored the sampler's bfloat16 copy (stochastic rounding) of policy version 2" in out.stdout
     assert "warning: the sampler's weights kept" not in out.stdout
 
