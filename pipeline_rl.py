@@ -245,20 +245,17 @@ class Actor:
             print(f"first training prompt, as the model sees it: {tokenizer.decode(first[0])!r}")
 
     def state(self) -> dict:
-        """What a checkpoint keeps so that a resumed run trains every admitted prompt once: the finished groups not
-        trained yet (Conventional RL's batches of this RL step, or the trainer queue) as they are, the prompts still in
-        flight (submitted again), and the generators. Plain data (runlog's checkpoints load weights_only)."""
-        plain = lambda group: (group[0], [dataclasses.asdict(c) for c in group[1]])  # noqa: E731
-        return dict(ready=[plain(g) for g in self.ready], rl_step=[[plain(g) for g in b] for b in self.rl_step],
-                    in_flight=sorted(self.groups), rng=self.rng.bit_generator.state,
-                    shuffle_rng=self.shuffle_rng.bit_generator.state)
+        """A checkpoint's (plain data): the finished groups not trained yet as they are, the prompts in flight (a
+        resumed run submits them first) and the generators, so that every admitted prompt is trained once."""
+        plain = lambda groups: [(key, [dataclasses.asdict(c) for c in group]) for key, group in groups]  # noqa: E731
+        return dict(ready=plain(self.ready), rl_step=[plain(b) for b in self.rl_step], in_flight=sorted(self.groups),
+                    rngs=[self.rng.bit_generator.state, self.shuffle_rng.bit_generator.state])
 
     def restore(self, state: dict) -> None:
-        completions = lambda group: (group[0], [vllm_sampler.Completion(**c) for c in group[1]])  # noqa: E731
-        self.ready = deque(completions(g) for g in state["ready"])
-        self.rl_step = [[completions(g) for g in b] for b in state["rl_step"]]
-        self.resubmit = list(state["in_flight"])
-        self.rng.bit_generator.state, self.shuffle_rng.bit_generator.state = state["rng"], state["shuffle_rng"]
+        back = lambda groups: [(key, [vllm_sampler.Completion(**c) for c in group]) for key, group in groups]  # noqa
+        self.ready, self.rl_step, self.resubmit = deque(back(state["ready"])), [back(b) for b in state["rl_step"]], \
+            list(state["in_flight"])
+        self.rng.bit_generator.state, self.shuffle_rng.bit_generator.state = state["rngs"]
 
     def queued(self) -> int:
         return len(self.ready) * self.args.group_size
@@ -271,10 +268,8 @@ class Actor:
         """The next `count` prompts that fit --max-prompt-tokens (the others counted), group_size samples each."""
         args, keys, prompts, overrides = self.args, [], [], []
         while len(keys) < count:
-            if self.resubmit:
-                key = self.resubmit.pop(0)
-            else:
-                key, self.data_position = self.data_position, self.data_position + 1
+            key = self.resubmit.pop(0) if self.resubmit else self.data_position  # (a resumed run's in flight first)
+            self.data_position = max(self.data_position, key + 1)
             _, ids, too_long = tasks.encode_prompts(self.tokenizer, [self.task.problem("train", key)],
                                                      args.max_prompt_tokens, args.chat_template)
             self.totals["skipped_prompts"] += too_long
@@ -362,8 +357,8 @@ def main():
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
-        actor = None
-        run.checkpoint_also(policy, lambda: dict(actor=actor.state() if actor is not None else None))
+        actor = None  # (the checkpoints keep its state: Actor.state)
+        run.checkpoint_also(policy, lambda: dict(actor=actor and actor.state()))
         start = run.begin(policy, optimizer, tasks.evaluator(run.sampler, task, tokenizer, args),
                           background_push=args.mode == "pipeline" and args.background_push)  # pushes from a thread
         step, score, nonfinite_in_a_row = start.step, reward_function(task, args), 0

@@ -422,9 +422,10 @@ class OPPOBuffer:
             with common.autocast(next(model.parameters()).device, self.args.autocast_bf16):
                 prefill(name, model, rollouts, self.args.temperature, self.args.micro_batch_size, self.args.top_p)
 
-    def scores(self, batch: list[Rollout], run: Run):
-        """Stage 3: score what is left and read off the prefixes (freed): scores [B], which lack EOS, the reference's
-        logprobs and the critic's values [B, T]. Under torchrun each rank scores its share."""
+    def scores(self, batch: list[Rollout], run: Run, eos_penalty: float):
+        """Stage 3: score what is left and read off the prefixes (freed): the task's scores [B], the same less
+        `eos_penalty` where EOS is missing (TRL's missing_eos_penalty), which lack EOS, the reference's logprobs and the
+        critic's values [B, T]. Under torchrun each rank scores its share."""
         mine = common.score_my_share(batch, [r.num_tokens for r in batch], self.args.micro_batch_size, self.score,
                                      lambda r: replace(r, prefix={k: Prefix() for k in self.downstream}), run.dist)
         B, T, rm = len(batch), max(len(r.response) for r in batch), self.downstream.get("rm")
@@ -438,7 +439,7 @@ class OPPOBuffer:
             r.prefix.clear()  # read: free the batch's KV caches before the update
         no_eos = torch.tensor([r.final.finish_reason != "stop" for r in batch], dtype=torch.float32)
         scores = run.all_sum(scores) if rm is not None else scores
-        return scores, no_eos, *run.all_sum((ref_logp, values))
+        return scores, scores - eos_penalty * no_eos, no_eos, *run.all_sum((ref_logp, values))
 
 
 # ALGO LOGIC: one minibatch step's loss on a micro-batch (main() adds the micro-batches up to the minibatch's gradient)
@@ -508,7 +509,7 @@ def main():
     run = Run(args, "ppo", tasks.HUB_TASKS, common.resolve_model, overlapped=args.intra,  # flags, sampler's start
               sampler_settings=dict(max_num_seqs=B + (args.delta_max if args.inter else 0)))
     tis_on = run.mismatch_correction(args.tis)  # pi_old at the learner's precision whenever the sampler's differs
-    eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty
+    eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty  # (--long-tail forces the lengths)
     mean = lambda x: float(np.mean(x)) if len(x) else math.nan  # (no step taken: NaN)
     ratio = lambda total, count: total / count if count else math.nan
     grads = lambda model: [p.grad for p in model.parameters() if p.grad is not None]
@@ -544,8 +545,7 @@ def main():
             batch = run.from_main(oppo.take, B)  # every rank trains on rank 0's batch
             run.learner_threads()  # every core: the sampler is paused (carried sequences) or done
             score_start = time.perf_counter()
-            task_scores, no_eos, ref_logp, values = oppo.scores(batch, run)  # Stage 3 (intra: last chunks; else all)
-            scores = task_scores - eos_penalty * no_eos  # TRL's missing_eos_penalty (0 under --long-tail)
+            task_scores, scores, no_eos, ref_logp, values = oppo.scores(batch, run, eos_penalty)  # Stage 3 (the rest)
             train_start, samples = time.perf_counter(), [r.final for r in batch]
             run.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same")
             run.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: the learner's
@@ -596,7 +596,6 @@ def main():
                 norms += [(grad_norm.item(), actor_norm.item())] if stepped else []
             learner.eval()  # the critic's prefill and TIS's forward (gradient checkpointing drops KV caches in train)
             train_seconds = time.perf_counter() - train_start
-
             push_seconds = run.push(step, recompute_kv=True) if step != round_start_step else 0.0  # none if no step
             if unfinished:  # the carried sequences continue under the new weights (rank 0's count: 0 elsewhere)
                 run.sampler.resume()
@@ -605,7 +604,7 @@ def main():
             run.totals["tokens"] += total_tokens
             ages, (joint, actor) = [round_index - r.admitted for r in batch], np.array(norms, float).reshape(-1, 2).T
             metrics = {
-                "charts/reward": task_scores.mean().item(), "charts/reward_penalized": scores.mean().item(),
+                "charts/reward": task_scores.mean().item(), "charts/reward_penalized": scores.mean().item(),  # (EOS)
                 "charts/no_eos_fraction": no_eos.mean().item(),
                 "charts/accuracy": mean([task.is_correct(s.text, r.problem) for s, r in zip(samples, batch)]),
                 "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(),  # k3 of the sampled tokens

@@ -330,9 +330,8 @@ def main():
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
 
-            # ---- push the new weights; the next round samples with them (--overlap: the round after, once the one
-            # in flight has finished with the weights it started with, so that none mixes two) ----
-            push_seconds = run.push(step, when_idle=args.overlap)
+            # ---- push the new weights; the next round samples with them (--overlap: once the one in flight ends) ----
+            push_seconds = run.push(step, when_idle=args.overlap)  # (so that no round mixes two policies)
             if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = run.submit_round(train_problems, args.num_prompts, args.group_size)
             metrics = {

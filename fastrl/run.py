@@ -395,7 +395,8 @@ class Run:
     def push_metrics(self) -> dict:
         """What the sampler's copy kept of the learner's update at the last push (weight_sync.UpdateProbe's
         charts/push_*; rank 0, {} elsewhere or before a push), with one warning when it kept too little."""
-        metrics = self.sampler.push_metrics() if self.sampler is not None and self.update_probe is not None else {}
+        measured = self.sampler is not None and self.update_probe is not None and hasattr(self.sampler, "push_metrics")
+        metrics = self.sampler.push_metrics() if measured else {}
         checks.warn_push_update(metrics, self._warned_push)
         return metrics
 

@@ -364,14 +364,14 @@ class WeightPusher:
             raise RuntimeError("push_weights(background=True) needs init_weight_sync(model, background=True)")
         start = time.perf_counter()
         self.wait_for_push()
-        cast = self._cast
+        cast = self._cast = self._cast or PushCast(None)  # (an engine started without one: the weights as they are)
         cast.begin(version)
         if self._snapshot is not None:  # the engine sends from the snapshot: bring it up to date
             with torch.no_grad():  # on the learner's stream: after the step's kernels that wrote the weights
                 for (name, mine), theirs in zip(self._snapshot.named_parameters(), self._model.parameters()):
                     mine.copy_(cast(name, theirs))
             cast.end()
-        elif not any(cast.casts(p) for p in self._model.parameters()):  # sent as they are (the engine may not copy)
+        elif self._model is not None and not any(cast.casts(p) for p in self._model.parameters()):  # sent as they are
             with torch.no_grad():
                 for name, p in self._model.named_parameters():
                     cast(name, p)

@@ -328,7 +328,7 @@ class ScriptedSampler:
         self.pushes.append(version)
         return 0.0
 
-    def init_weight_sync(self, model, background=False):
+    def init_weight_sync(self, model, background=False, **push):  # (push: rounding, seed, probe)
         self.model = model
 
     def abort(self, ids):

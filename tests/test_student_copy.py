@@ -359,6 +359,7 @@ def test_the_console_line_shows_what_was_measured_and_the_clipped_fraction():
     run = object.__new__(Run)  # the round's log alone: no sampler, no process
     run.args = SimpleNamespace(save_every=0, eval_every=0, snapshot_every=0)
     run._rounds_logged = run._rounds_ended = 0
+    run._pushed = False
     run.totals, run._clock, run.sampler, run.update_probe, run._warned_push = dict(TOTALS), time.perf_counter(), \
         None, None, []
     run.logger, run.unit, run.rounds = distributed.NullLogger(), "round", 3
