@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -760,3 +761,38 @@ def test_a_copy_stripped_to_its_method_runs_pushes_and_stops():
                             ["--max-lag", "0", "--num-steps", "3", "--train-batch-size", "8", "--group-size", "4",
                              "--eval-problems", "4", "--eval-samples", "1"])
     assert "step 3/3 step 3" in out.stdout and "reward" in out.stdout
+
+
+def test_the_actors_state_goes_through_a_checkpoint_and_trains_every_admitted_prompt_once(tmp_path, monkeypatch):
+    """Issue 59, item 1: a checkpoint of pipeline mode dropped the groups admitted and not trained (the trainer queue,
+    and the prompts in flight), and Conventional RL's batches of the RL step. Actor.state keeps them as plain data
+    (checkpoints load weights_only); a restored actor hands the queued groups over as they were, submits the prompts
+    that were in flight before any new one, and goes on from the same data position and generators."""
+    def completion(key, i):
+        return vllm_sampler.Completion(request_id=f"{key}-{i}", prompt_token_ids=[1, 2], token_ids=[3, 4],
+                                       logprobs=[-0.5, -0.25], finish_reason="stop", versions=[(2, 0, 2)], text="7",
+                                       tag=(key, i))
+
+    args = prl.mode_defaults(prl.Args(group_size=2))
+    actor = object.__new__(prl.Actor)  # the actor's bookkeeping alone: no sampler, no task
+    actor.args, actor.data_position, actor.resubmit = args, 9, []
+    actor.rng, actor.shuffle_rng = np.random.default_rng(1), np.random.default_rng([1, 1])
+    actor.ready = prl.deque([(5, [completion(5, 0), completion(5, 1)])])
+    actor.rl_step = [[(6, [completion(6, 0), completion(6, 1)])]]
+    actor.groups = {7: [completion(7, 0)], 8: []}  # in flight: one sample of prompt 7 back, none of 8
+    actor.rng.random(3)  # (generators part-way through)
+    path = tmp_path / "actor.pt"
+    torch.save(dict(actor=actor.state()), path)
+    restored = object.__new__(prl.Actor)
+    restored.args, restored.data_position, restored.groups = args, 9, {}
+    restored.rng, restored.shuffle_rng = np.random.default_rng(1), np.random.default_rng([1, 1])
+    restored.restore(torch.load(path, weights_only=True)["actor"])
+    assert list(restored.ready) == list(actor.ready) and restored.rl_step == actor.rl_step
+    assert restored.resubmit == [7, 8] and restored.rng.random() == actor.rng.random()
+    submitted = []
+    restored.task = SimpleNamespace(problem=lambda split, key: key)
+    restored.tokenizer, restored.totals = None, {"skipped_prompts": 0}
+    restored.sampler = SimpleNamespace(submit=lambda prompts, **kw: submitted.extend(kw["tags"]))
+    monkeypatch.setattr(tasks, "encode_prompts", lambda tokenizer, problems, *a: (None, [[problems[0]]], 0))
+    restored.submit(3)
+    assert submitted == [7, 8, 9] and restored.data_position == 10  # in flight first, then on from the position
