@@ -64,7 +64,7 @@ def strip_rloo(source: str) -> str:
     """rloo_kreuse.py as a student strips it to the method: no checkpoints, snapshots or evaluation between rounds
     (run.end_round), no torchrun calls (all_sum, full_norm), and one metric besides the seconds."""
     replacements = [
-        ("            run.end_round(round_index + 1, step, train_problems.position, sampler_rng, tokenizer)\n", ""),
+        ("            run.end_round(round_index + 1, step, data_position, sampler_rng, tokenizer)\n", ""),
         ("                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
         ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
          "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
