@@ -29,6 +29,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from fastrl import distributed
@@ -380,6 +381,21 @@ def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: in
     if schedule == "constant":
         return learning_rate
     return learning_rate * max(0.0, 1 - round_index / num_rounds)
+
+
+def throughput(totals: dict, step: int) -> dict:
+    """The run's counters as metrics: episodes so far and per second of the loop's wall time (the whole run, resumes
+    included), the share of it spent generating, optimizer steps per second, steps skipped for a non-finite loss."""
+    wall = max(totals["wall_seconds"], 1e-9)
+    return {"charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / wall,
+            "time/sample_fraction": totals["generate_seconds"] / wall, "time/grad_steps_per_second": step / wall,
+            "charts/nonfinite_skipped": totals["nonfinite_skipped"]}
+
+
+def lags(samples, version: int) -> dict:
+    """charts/lag_min|mean|max: the learner's policy `version` minus the version that sampled each token."""
+    lags = [version - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
+    return {"charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags)}
 
 
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Asynchronous off-policy online DPO (Algorithm 1). Paper: Noukhovitch et al., "Asynchronous RLHF: Faster and More
 Efficient Off-Policy RL for Language Models", arXiv:2410.18252.
 
-Each round the sampler draws a group of completions per prompt; the best and worst by reward form a preference pair
-(ties dropped, counted) and the learner takes N DPO steps against the frozen initial policy. Asynchronous (default,
-Cleanba-style): while the learner trains on the round generated with theta_{t-1}, the sampler generates the next with
-theta_t, one round ahead. `--sync` (the next round submitted only after the push) is the on-policy baseline.
+What it adds to examples/reinforce.py: preference pairs (the best and worst of each prompt's group by reward; ties
+dropped, counted), N DPO steps against the frozen initial policy, and the one-step-off overlap (default, Cleanba-style):
+while the learner trains on the round generated with theta_{t-1}, the sampler generates the next with theta_t.
+`--sync` (the next round submitted only after the push) is the on-policy baseline.
 
     python online_dpo_async.py --model tiny           # async, the built-in model, CPU
     python online_dpo_async.py --model tiny --sync    # the synchronous baseline
@@ -212,9 +212,8 @@ class Batch(common.Batch):
     def from_samples(cls, samples, pad_token_id: int, device, eos_logprob: str = "include") -> Batch:
         """eos_logprob exclude: a completion that ended on EOS (finish reason stop: its last token) sums the others."""
         batch = super().from_samples(samples, pad_token_id, device)
-        batch.logp_mask = batch.mask
+        batch.logp_mask = batch.mask.clone() if eos_logprob == "exclude" else batch.mask
         if eos_logprob == "exclude":
-            batch.logp_mask = batch.mask.clone()
             ended = [row for row, s in enumerate(samples) if s.finish_reason == "stop" and s.token_ids]
             batch.logp_mask[ended, [batch.lengths[row] - 2 for row in ended]] = 0  # the last token's column
         return batch
@@ -239,9 +238,8 @@ def dpo_micro_batch(policy, batch: Batch, mb: common.MicroBatch, chosen_rows, re
     token_logp = token_logp * batch.logp_mask[rows, :width - 1]
     logp, ref = token_logp.sum(1), batch.ref_seq[rows]
     loss, margins = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], beta=args.beta, loss_type=args.loss_type)
-    outputs = {"margins": margins}
+    outputs, mask = {"margins": margins}, batch.mask[rows, :width - 1]
     if logprob_diff:
-        mask = batch.mask[rows, :width - 1]
         outputs["diff_sum"] = ((token_logp.detach() - batch.sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
         outputs["diff_tokens"] = mask.sum().item()
     return loss.mean(), k, outputs
@@ -265,8 +263,7 @@ def load_models(args: Args, run: Run, model_path: str):
     policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype))
     ref_policy = run.frozen_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False))
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all
-    reward_model = tasks.RewardModel(args.reward_model, device=str(run.device)) if args.reward_model and run.is_main \
-        else None
+    reward_model = tasks.RewardModel(args.reward_model, str(run.device)) if args.reward_model and run.is_main else None
     return policy, ref_policy, optimizer, reward_model
 
 
@@ -280,28 +277,38 @@ def main():
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer, reward_model = load_models(args, run, run.model_path)
-        evaluate = tasks.evaluator(run.sampler, task, tokenizer, args, greedy=args.eval_decoding == "greedy")
-        start = run.begin(policy, optimizer, evaluate)  # the weight sync; pass@k at the start
-        step, mismatch_expected = start.step, run.mismatch_correction()
+        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args,
+                                                         greedy=args.eval_decoding == "greedy")
+        start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
+        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        sampler.set_rng_state(start.sampler_rng)  # (after the start's evaluation, which drew from them)
+        step, totals, mismatch_expected = start.step, start.totals, checks.tis_applies(args)
+        if args.snapshot_every and start.round == 0:
+            run.snapshot(step)  # time 0 of the learning curve
         train_problems = tasks.ShuffledTrainProblems(task, tokenizer, args, start.data_position)
-        sampler_rng = run.sampler_rng() if args.sync else None  # --sync: a resumed run samples as an uninterrupted one
+        sampler_rng = sampler.rng_state() if args.sync else None  # --sync: resumed, it samples as an uninterrupted run
+
+        def sample_round():  # the next prompts, G responses each, sampled as batch.logprobs(..., args) assumes
+            problems, prompts, skipped = train_problems.take(args.prompts_per_round)
+            return problems, skipped, sampler.generate(prompts, n=args.group_size, temperature=args.temperature,
+                                                       top_p=args.top_p, max_tokens=args.max_new_tokens)
         # Algorithm 1: a first round y_0 ~ pi_theta_0(x_0); `pending`, the rounds in flight, oldest first
-        pending = deque([run.submit_round(train_problems, args.prompts_per_round, args.group_size)])
+        pending, clock = deque([sample_round()]), time.perf_counter() - totals["wall_seconds"]
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: the oldest in flight (sync: by the weights just pushed; async: by theta_{t-1}) ----
-            wait_start = time.perf_counter()
-            (problems, skipped), samples, generated_in = run.collect(pending.popleft())
+            wait_start, (problems, skipped, request) = time.perf_counter(), pending.popleft()
+            samples, generated_in = sampler.wait(request)
             learner_wait, finished_at = time.perf_counter() - wait_start, max(s.finished_at for s in samples)
             generate_seconds = generated_in - (time.time() - finished_at)  # sent to finished (not to collected)
             if round_index == start.round:  # what the sampler really sees (e.g. the chat template) and answers
                 print(f"example: {tokenizer.decode(samples[0].prompt_token_ids)!r} -> {samples[0].text!r}")
-            run.check_version(samples, step, max_lag=args.staleness * args.num_minibatches)  # async: a round behind
+            sampler.check_version(samples, step, max_lag=args.staleness * args.num_minibatches)  # async: a round behind
             more, sampler_wait, round_start_step = round_index + 1 < args.num_rounds, math.nan, step
             if args.staleness and more:  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
                 sampler_wait = time.time() - finished_at  # the sampler idled since it finished this round
-                pending.append(run.submit_round(train_problems, args.prompts_per_round, args.group_size))
+                pending.append(sample_round())
             train_start = time.perf_counter()
-            run.learner_threads()  # every core with --sync; one while the next round generates
+            sampler.set_learner_threads()  # every core with --sync; one while the next round generates
             fresh = all(s.version_min == s.version_max == step for s in samples)  # the learner holds their weights
 
             # ALGO LOGIC: rewards (a completion cut at --max-new-tokens penalised), pairs, pi_ref's sequence logprobs
@@ -325,8 +332,7 @@ def main():
                 if len(pairs) == 0:  # every prompt tied: nothing to learn from this minibatch
                     continue
                 # micro-batches of whole pairs, each backpropagated with its share (its pairs' summed loss / `total`)
-                loss, out = 0.0, {}
-                lengths = pair_lengths(batch.lengths, chosen_rows[pairs], rejected_rows[pairs])
+                loss, out, lengths = 0.0, {}, pair_lengths(batch.lengths, chosen_rows[pairs], rejected_rows[pairs])
                 for mb in common.micro_batch_plan(lengths, args.micro_batch_tokens, rows_per_item=2, dist=run.dist):
                     mb_loss, size, mb_out = dpo_micro_batch(policy, batch, mb, chosen_rows[pairs], rejected_rows[pairs],
                                                             args, logprob_diff=fresh)
@@ -343,10 +349,9 @@ def main():
                 if fresh:  # no step on this round yet: |learner - sampler| on the sampling weights
                     diff_sum, diff_tokens = diff_sum + out["diff_sum"], diff_tokens + out["diff_tokens"]
                 if not stepped:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
-                    run.totals["nonfinite_skipped"] += 1
+                    totals["nonfinite_skipped"] += 1
                     continue
-                step += 1
-                fresh = False
+                step, fresh = step + 1, False
                 losses.append(loss.item())
                 grad_norms.append(grad_norm.item())
                 accuracies.append((out["margins"] > 0).float().mean().item())
@@ -354,10 +359,14 @@ def main():
             train_seconds = time.perf_counter() - train_start
 
             # ---- push: applied once the round in flight (async) is done with the old weights, so none mixes two ----
-            push_seconds = run.push(step, when_idle=True)
+            pushed = sampler.push(policy, step, when_idle=True)
             if not args.staleness and more:  # sync: the next round samples with the weights just pushed
-                sampler_rng, sampler_wait = run.sampler_rng(), time.time() - finished_at  # nothing generating now
-                pending.append(run.submit_round(train_problems, args.prompts_per_round, args.group_size))
+                sampler_rng, sampler_wait = sampler.rng_state(), time.time() - finished_at  # nothing generating now
+                pending.append(sample_round())
+            totals["episodes"] += len(samples)
+            totals["generate_seconds"] += generate_seconds
+            totals["train_seconds"] += train_seconds
+            totals["wall_seconds"] = time.perf_counter() - clock
             chosen_r, rejected_r = (rewards[pair_rows, chosen[keep]], rewards[pair_rows, rejected[keep]]) if len(
                 pair_rows) else (torch.zeros(1), torch.zeros(1))
             logprob_diff = diff_sum / diff_tokens if diff_tokens else math.nan
@@ -370,7 +379,7 @@ def main():
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
                 "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()),
-                "charts/skipped_long_prompts": skipped, **run.lags(samples, round_start_step),
+                "charts/skipped_long_prompts": skipped, **common.lags(samples, round_start_step),
                 "charts/kl": common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item(),  # k3 to pi_0
                 "charts/learning_rate": learning_rate, "losses/loss": float(np.mean(losses or [math.nan])),
                 "losses/dpo_accuracy": float(np.mean(accuracies or [math.nan])),
@@ -378,19 +387,28 @@ def main():
                 "losses/grad_norm": float(np.mean(grad_norms or [math.nan])),
                 "losses/grad_clipped_fraction": np.mean([g > args.max_grad_norm for g in grad_norms] or [math.nan]),
                 "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds,
-                "time/push_seconds": push_seconds, "time/learner_wait_seconds": learner_wait,
-                "time/sampler_wait_seconds": sampler_wait, "time/step_seconds": time.perf_counter() - wait_start,
+                "time/learner_wait_seconds": learner_wait, "time/sampler_wait_seconds": sampler_wait,
+                "time/step_seconds": time.perf_counter() - wait_start, **pushed, **common.throughput(totals, step),
                 **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}),
             }
             run.warn_logprob_diff(logprob_diff, mismatch_expected)  # (a NaN: not measured this round)
-            run.log(round_index + 1, step, len(samples), metrics, show=("charts/pairs", "losses/dpo_accuracy"))
-            # the data position of the first round not trained on: a round in flight is generated again on resume
-            run.end_round(round_index + 1, step, train_problems.position - len(pending) * args.prompts_per_round,
-                          run.sampler_rng() if args.sync and not more else sampler_rng, tokenizer)
-        run.finish(step)  # pass@k at the end, peak memory
+            run.log(step, metrics, round=round_index + 1, show=("charts/pairs", "losses/dpo_accuracy"))
+
+            # ---- after the round: the curve's weights, pass@k, the checkpoint ----
+            rounds_done, last = round_index + 1, round_index + 1 == args.num_rounds
+            if args.snapshot_every and rounds_done % args.snapshot_every == 0:
+                run.snapshot(step)
+            if args.eval_every and rounds_done % args.eval_every == 0 and not last:
+                run.log(step, evaluate())
+            if last or (args.save_every and rounds_done % args.save_every == 0):
+                # the data position of the first round not trained on: a round in flight is generated again on resume
+                run.save(step, rounds_done, train_problems.position - len(pending) * args.prompts_per_round, totals,
+                         sampler.rng_state() if args.sync and not more else sampler_rng, tokenizer)
+        eval_end = run.log(step, evaluate())  # pass@k at the end
     run.report("Online DPO: the paper's synchronous vs asynchronous comparison for this run; held-out pass@k",
                {"mode": "sync" if args.sync else "async", "N": str(args.num_minibatches),
-                "episodes/s": run.totals["episodes"] / max(run.totals["wall_seconds"], 1e-9)})
+                "episodes/s": totals["episodes"] / max(totals["wall_seconds"], 1e-9)},
+               totals, step, eval_start, eval_end)
 
 
 if __name__ == "__main__":

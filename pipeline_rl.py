@@ -27,7 +27,7 @@ import torch
 import common
 import tasks
 from common import ess, truncated_is_weights  # (shared with rloo_kreuse, ppo_oppo)
-from fastrl import checks, runlog, vllm_sampler
+from fastrl import checks, runlog, util, vllm_sampler
 from fastrl.run import Run, RunArgs
 
 MAX_CONSECUTIVE_NONFINITE = 10  # then the data or the model is broken: stop instead of skipping forever
@@ -320,14 +320,14 @@ class Actor:
         args, per_batch = self.args, self.args.train_batch_size // self.args.group_size
         if args.mode == "pipeline":
             self.pump(0.0, step)
-            waited = Run.wait_until(lambda: self.queued() >= args.train_batch_size, lambda: self.pump(0.1, step),
+            waited = util.wait_until(lambda: self.queued() >= args.train_batch_size, lambda: self.pump(0.1, step),
                                     args.data_timeout, lambda: self.describe(step))
             return waited, [self.ready.popleft() for _ in range(per_batch)], False
         waited = 0.0
         if not self.rl_step:
             steps = min(args.steps_per_rl_step, args.num_steps - step)
             self.submit(per_batch * steps)
-            waited = Run.wait_until(lambda: self.queued() >= args.train_batch_size * steps, lambda: self.receive(0.5),
+            waited = util.wait_until(lambda: self.queued() >= args.train_batch_size * steps, lambda: self.receive(0.5),
                                     args.data_timeout, lambda: self.describe(step))
             self.rl_step = shuffled_batches(list(self.ready), per_batch, self.shuffle_rng)
             self.ready.clear()
@@ -353,18 +353,21 @@ def main():
     args = mode_defaults(checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
     run = Run(args, "pipeline", tasks.HUB_TASKS, common.resolve_model, overlapped=args.mode == "pipeline",
               rounds=args.num_steps, unit="step", sampler_settings=dict(max_num_seqs=args.gen_batch_size))
-    run.totals |= dict(tokens=0, ess_skipped=0, stale_dropped=0, skipped_prompts=0)  # this method's, checkpointed too
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
-        actor = None  # (the checkpoints keep its state: Actor.state)
-        run.checkpoint_also(policy, lambda: dict(actor=actor and actor.state()))
-        start = run.begin(policy, optimizer, tasks.evaluator(run.sampler, task, tokenizer, args),
-                          background_push=args.mode == "pipeline" and args.background_push)  # pushes from a thread
+        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)
+        start = run.resume(policy, optimizer, extra=("actor",),  # (the checkpoints keep the actor's state)
+                           background_push=args.mode == "pipeline" and args.background_push)  # pushes from a thread
+        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        if args.snapshot_every and start.round == 0:
+            run.snapshot(start.step)  # time 0 of the learning curve
         step, score, nonfinite_in_a_row = start.step, reward_function(task, args), 0
-        actor = Actor(run.sampler, task, tokenizer, args, start.data_position, run.totals)
+        totals = dict(tokens=0, ess_skipped=0, stale_dropped=0, skipped_prompts=0) | start.totals  # this method's too
+        actor = Actor(sampler.engine, task, tokenizer, args, start.data_position, totals)
         if start.extra.get("actor"):  # a resumed run: what the checkpoint's actor held, untrained, comes first
             actor.restore(start.extra["actor"])
+        clock = time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
         while step < args.num_steps:  # one batch a pass: a step, or a batch the ESS guard or a non-finite loss skips
             # ---- sample: the actor's next B finished sequences (under torchrun: rank 0's, on every rank) ----
             wait_seconds, groups, rl_step_done = run.from_main(lambda: actor.next_batch(step))
@@ -374,7 +377,7 @@ def main():
             samples = [c for _, group in groups for c in group]
             rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             correct = [task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]
-            run.learner_threads()  # every core in Conventional RL's training phase; one beside the pipeline's sampler
+            sampler.set_learner_threads()  # every core in Conventional RL's training; one beside the pipeline's
             # ALGO LOGIC: the per-prompt mean baseline; the truncated-IS loss (Eq. 5) summed over the micro-batches
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             batch.advantages = per_prompt_advantages(rewards.view(-1, args.group_size)).view(-1).to(run.device)
@@ -408,28 +411,32 @@ def main():
                 actor.on_policy_only = low_ess
             run.warn_no_learning(batch.advantages, "every advantage is 0 (each prompt's rewards tie)")
             run.warn_no_learning(trained, "no optimizer step (the ESS guard or a non-finite loss skipped it)")
-            lags, tis_weights = run.lags(samples, step), out["weights"][batch.mask.bool()]
+            lags, tis_weights = common.lags(samples, step), out["weights"][batch.mask.bool()]
             step += trained
             train_seconds = time.perf_counter() - train_start
 
             # ---- push: PipelineRL's after every step, in flight (pause, update, resume); Conventional RL's per RL step
-            push_seconds = 0.0
+            pushed = {"time/push_seconds": 0.0}
             if args.mode == "pipeline" and trained:
-                push_seconds = run.push(step, recompute_kv=args.recompute_kv, background=args.background_push)
+                pushed = sampler.push(policy, step, recompute_kv=args.recompute_kv, background=args.background_push)
             elif args.mode == "conventional" and rl_step_done:
-                push_seconds = run.push(step)
+                pushed = sampler.push(policy, step)
             nonfinite_in_a_row = 0 if trained else nonfinite_in_a_row + (not low_ess)
             if not trained:  # counted and logged with its ESS (the guard must not flatter the logged ESS), not pushed
-                run.totals["ess_skipped" if low_ess else "nonfinite_skipped"] += 1
+                totals["ess_skipped" if low_ess else "nonfinite_skipped"] += 1
                 if not low_ess:
                     print(f"step {step + 1} skipped: ESS {batch_ess:.3g}, loss {loss.item():.3g}, grad {grad_norm:.3g}")
                     if nonfinite_in_a_row >= MAX_CONSECUTIVE_NONFINITE:  # the data or the model is broken
                         raise RuntimeError(f"{nonfinite_in_a_row} batches in a row gave a non-finite ESS, loss or grad")
                 run.logger.log(step, {"charts/ess": batch_ess, **lags, "charts/tis_max_ratio": tis_weights.max().item(),
-                                      "charts/skipped_steps": run.totals["ess_skipped"],
-                                      "charts/nonfinite_skipped": run.totals["nonfinite_skipped"]}, echo=False)
+                                      "charts/skipped_steps": totals["ess_skipped"],
+                                      "charts/nonfinite_skipped": totals["nonfinite_skipped"]}, echo=False)
                 continue
-            run.totals["tokens"] += tokens
+            totals["tokens"] += tokens
+            totals["episodes"] += len(samples)
+            totals["generate_seconds"] += wait_seconds
+            totals["train_seconds"] += train_seconds
+            totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": float(np.mean(correct)), **lags,
                 "charts/response_length": tokens / len(samples), "charts/ess": batch_ess,
@@ -437,32 +444,40 @@ def main():
                 "charts/tis_truncated_fraction": (tis_weights > args.tis_cap).float().mean().item(),
                 "charts/truncated_fraction": float(np.mean([c.finish_reason == "length" for c in samples])),
                 "charts/advantage_std": batch.advantages.std().item(),
-                "charts/tokens_per_second": run.totals["tokens"] / run.seconds(),
-                "charts/skipped_steps": run.totals["ess_skipped"], "charts/stale_dropped": run.totals["stale_dropped"],
-                "charts/skipped_long_prompts": run.totals["skipped_prompts"],
+                "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
+                "charts/skipped_steps": totals["ess_skipped"], "charts/stale_dropped": totals["stale_dropped"],
+                "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "charts/in_flight": len(actor.sampler.pending) if actor.sampler else 0, "losses/loss": loss.item(),
                 "charts/kl": out["kl"].mean().item() if ref_policy is not None else math.nan,
                 "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm,
                 "losses/pg": out["pg"], "losses/kl_penalty": out["kl_penalty"],
                 "losses/grad_clipped_fraction": float(grad_norm > args.max_grad_norm),
                 "time/generate_seconds": wait_seconds, "time/train_seconds": train_seconds,
-                "time/push_seconds": push_seconds,
+                **pushed, **common.throughput(totals, step),
                 **({"charts/logprob_diff": out["diff"] / out["diff_tokens"]} if out["diff_tokens"] else {}),
             }
-            run.log(step, step, len(samples), metrics, show=("charts/ess", "charts/lag_mean", "charts/in_flight"))
-            run.end_round(step, step, actor.data_position, tokenizer=tokenizer)
-        if run.is_main:  # the last push landed (the evaluation samples with it); the training requests dropped
-            run.sampler.wait_for_push()
-            run.sampler.abort(list(run.sampler.pending))
-        run.finish(step)  # pass@k at the end, peak memory
+            run.log(step, metrics, round=step, show=("charts/ess", "charts/lag_mean", "charts/in_flight"))
+
+            # ---- after the step: the curve's weights, pass@k, the checkpoint ----
+            if args.snapshot_every and step % args.snapshot_every == 0:
+                run.snapshot(step)
+            if args.eval_every and step % args.eval_every == 0 and step < args.num_steps:
+                run.log(step, evaluate())
+            if step == args.num_steps or (args.save_every and step % args.save_every == 0):
+                run.save(step, step, actor.data_position, totals, tokenizer=tokenizer, actor=actor.state())
+        if sampler.engine is not None:  # the last push landed (the evaluation samples with it); training's dropped
+            sampler.engine.wait_for_push()
+            sampler.engine.abort(list(sampler.engine.pending))
+        eval_end = run.log(step, evaluate())  # pass@k at the end
     rows = runlog.read_metrics(run.logger.dir) if run.is_main else []  # every batch's ESS (skipped too), trained lags
     ess_values = [r["charts/ess"] for r in rows if math.isfinite(r.get("charts/ess", math.nan))] or [math.nan]
-    t, lags = run.totals, [r["charts/lag_mean"] for r in rows if "losses/loss" in r] or [math.nan]
+    t, lags = totals, [r["charts/lag_mean"] for r in rows if "losses/loss" in r] or [math.nan]
     run.report("PipelineRL (Algorithm 2) or Conventional RL (Algorithm 1), as --mode says", {
         "method": "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})",
         "episodes/s": t["episodes"] / t["wall_seconds"], "tokens/s": t["tokens"] / t["wall_seconds"],
         "mean ESS": float(np.mean(ess_values)), "mean token lag": float(np.mean(lags)),
-        "skipped": str(t["ess_skipped"] + t["nonfinite_skipped"]), "dropped": str(t["stale_dropped"])})
+        "skipped": str(t["ess_skipped"] + t["nonfinite_skipped"]), "dropped": str(t["stale_dropped"])},
+        totals, step, eval_start, eval_end)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """PPO with OPPO's pipeline overlap (Algorithm 1, Eq. 1-4). Paper: Yan et al., "OPPO: Accelerating PPO-based RLHF
-via Pipeline Overlap", arXiv:2509.25762. PPO as TRL's PPOTrainer (OPPO's base): the actor (the vLLM sampler)
-generates; the critic (a value head), the frozen reference and the reward (the task's verifier or --reward-model)
-score; GAE on per-token rewards with the KL penalty folded in; clipped surrogate and value loss over epochs x
-minibatches. OPPO's overlaps (both off: plain PPO): intra-step (--no-intra) streams each response in chunks of C tokens
-and prefills each new chunk into the downstream models on their cached prefix while the sampler decodes the next (C
-tuned); inter-step (--no-inter) over-commits B + Delta prompts, trains on the first B to finish and carries the others,
-paused, into the next round (Delta follows the reward trend). A round is the paper's training step; a step is one
-optimizer.step().
+via Pipeline Overlap", arXiv:2509.25762. What it adds to examples/reinforce.py: a critic (a value head), GAE on
+per-token rewards with the KL penalty to the frozen reference folded in, and PPO's clipped surrogate and value loss over
+epochs x minibatches, as TRL's PPOTrainer (OPPO's base); then OPPO's overlaps (both off: plain PPO). Intra-step
+(--no-intra) streams each response in chunks of C tokens (C tuned) into the critic's, reference's and reward's prefill
+while the sampler decodes the next; inter-step (--no-inter) over-commits B + Delta prompts, trains on the first B to
+finish and carries the others, paused, into the next round (Delta follows the reward trend). A round is the paper's
+training step; a step is one optimizer.step().
 
     python ppo_oppo.py --model tiny                           # OPPO
     python ppo_oppo.py --model tiny --no-intra --no-inter     # plain synchronous PPO
@@ -177,8 +176,7 @@ def ppo_losses(logp, old_logp, advantages, values_pred, old_values, returns, mas
     """Clipped surrogate (Eq. 2) and clipped value loss, token means; `is_weights` (--tis) weigh the policy loss's."""
     ratio = torch.exp(logp - old_logp)
     pg = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_coef, 1 + clip_coef))
-    if is_weights is not None:
-        pg = pg * is_weights
+    pg = pg if is_weights is None else pg * is_weights
     clipped_values = old_values + (values_pred - old_values).clamp(-vf_clip, vf_clip)
     vf = 0.5 * torch.max((values_pred - returns) ** 2, (clipped_values - returns) ** 2)
     n = mask.sum()
@@ -194,8 +192,7 @@ def next_delta(delta: int, rewards: list[float], window: int, delta_min: int, de
     floor(Delta / 4)) within its bounds, `eq4`: up while d > 0 (Eq. 4, the text), `alg1`: - sign(d) (line 25)."""
     if len(rewards) < 2 * window:
         return delta, rewards
-    d = np.mean(rewards[-window:]) - np.mean(rewards[-2 * window:-window])
-    change = max(1, delta // 4)
+    d, change = np.mean(rewards[-window:]) - np.mean(rewards[-2 * window:-window]), max(1, delta // 4)
     direction = (1 if d > 0 else -1) if rule == "eq4" else -int(np.sign(d))
     return int(np.clip(delta + direction * change, delta_min, delta_max)), rewards[-window:]
 
@@ -219,8 +216,7 @@ class Overlap:
             self.chunk = self.candidates[phase]
         elif phase == len(self.candidates) and self.trial_seconds:
             self.chunk = min(self.trial_seconds, key=self.trial_seconds.get)
-        if phase == 0:
-            self.trial_seconds = {}  # a new window: its own trials
+        self.trial_seconds = {} if phase == 0 else self.trial_seconds  # a new window: its own trials
         return self.chunk
 
     def update(self, args: Args, round_index: int, reward: float, rollout_seconds: float) -> None:
@@ -508,7 +504,7 @@ def main():
     B = args.batch_size
     run = Run(args, "ppo", tasks.HUB_TASKS, common.resolve_model, overlapped=args.intra,  # flags, sampler's start
               sampler_settings=dict(max_num_seqs=B + (args.delta_max if args.inter else 0)))
-    tis_on = run.mismatch_correction(args.tis)  # pi_old at the learner's precision whenever the sampler's differs
+    tis_on = checks.tis_applies(args, args.tis)  # pi_old at the learner's precision whenever the sampler's differs
     eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty  # (--long-tail forces the lengths)
     mean = lambda x: float(np.mean(x)) if len(x) else math.nan  # (no step taken: NaN)
     ratio = lambda total, count: total / count if count else math.nan
@@ -520,35 +516,39 @@ def main():
         tokenizer, task = tasks.load(args, run.model_path)
         policy, downstream, learner, optimizer = load_models(args, run, tokenizer)
         critic, overlap = downstream["critic"], Overlap(args.delta if args.inter else 0, *chunk_sizes(args))
-        oppo = OPPOBuffer(run.sampler, task, tokenizer, downstream, args, overlap.chunk)
-        run.totals |= dict(tokens=0, skipped_prompts=0)  # this method's counters, checkpointed too
-        run.checkpoint_also(learner, lambda: dict(delta=overlap.delta, chunk=overlap.chunk,  # and OPPO's state
-                                                  reward_history=overlap.reward_history,
-                                                  carried_keys=[r.key for r in oppo.inflight.values()]))
-        start = run.begin(policy, optimizer, tasks.evaluator(run.sampler, task, tokenizer, args))
+        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)
+        oppo = OPPOBuffer(sampler.engine, task, tokenizer, downstream, args, overlap.chunk)
+        start = run.resume(policy, optimizer, checkpointed=learner,  # actor and critic, and OPPO's state:
+                           extra=("delta", "chunk", "reward_history", "carried_keys"))
+        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        sampler.set_rng_state(start.sampler_rng)  # (after the start's evaluation, which drew from them)
+        if args.snapshot_every and start.round == 0:
+            run.snapshot(start.step)  # time 0 of the learning curve
         step, overlap.data_position = start.step, start.data_position
+        totals = dict(tokens=0, skipped_prompts=0) | start.totals  # this method's counters, checkpointed too
         policy.eval()  # (train mode for the update only)
         if start.extra:  # resumed: OPPO's state, and the prompts that were in flight submitted again
             overlap.delta, overlap.reward_history = start.extra["delta"], start.extra["reward_history"]
             overlap.chunk = oppo.chunk = start.extra["chunk"]
             if run.is_main:
-                run.totals["skipped_prompts"] += oppo.admit(start.extra["carried_keys"], start.round)
+                totals["skipped_prompts"] += oppo.admit(start.extra["carried_keys"], start.round)
+        clock = time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
         for round_index in range(start.round, args.num_rounds):
             # ALGO LOGIC: OPPO's Stages 1-2 on rank 0 (under torchrun the other ranks wait for its batch)
             round_start, unfinished, generate_seconds, hidden_score = time.perf_counter(), 0, 0.0, 0.0
             if run.is_main:
                 if args.intra:
                     oppo.stream_every(overlap.next_chunk(round_index, args.chunk_tune_every))
-                run.totals["skipped_prompts"] += oppo.over_commit(B + overlap.delta, overlap, round_index)  # Stage 1
+                totals["skipped_prompts"] += oppo.over_commit(B + overlap.delta, overlap, round_index)  # Stage 1
                 hidden_score, unfinished = oppo.generate_until(B)  # Stage 2: the unfinished ones paused, carried over
                 generate_seconds = time.perf_counter() - round_start
             batch = run.from_main(oppo.take, B)  # every rank trains on rank 0's batch
-            run.learner_threads()  # every core: the sampler is paused (carried sequences) or done
+            sampler.set_learner_threads()  # every core: the sampler is paused (carried sequences) or done
             score_start = time.perf_counter()
             task_scores, scores, no_eos, ref_logp, values = oppo.scores(batch, run, eos_penalty)  # Stage 3 (the rest)
             train_start, samples = time.perf_counter(), [r.final for r in batch]
             run.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same")
-            run.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: the learner's
+            sampler.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: the learner's
             mask, sampler_logp, fresh = common.sampler_rows(samples, step)
             data = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             old_logp, tis_weights, tis_stats = sampler_logp, None, {}  # same precision: the sampler's are the learner's
@@ -592,16 +592,21 @@ def main():
                     first_ratio_deviation = out["ratio_deviation"] / max(out["tokens"], 1e-9)
                     logprob_diff = logprob_diff if tis_on else ratio(out["diff_sum"], out["diff_count"])
                 step += stepped
-                run.totals["nonfinite_skipped"] += not stepped  # a NaN/inf never reaches the weights, Adam, sampler
+                totals["nonfinite_skipped"] += not stepped  # a NaN/inf never reaches the weights, Adam, sampler
                 norms += [(grad_norm.item(), actor_norm.item())] if stepped else []
             learner.eval()  # the critic's prefill and TIS's forward (gradient checkpointing drops KV caches in train)
             train_seconds = time.perf_counter() - train_start
-            push_seconds = run.push(step, recompute_kv=True) if step != round_start_step else 0.0  # none if no step
+            pushed = (sampler.push(policy, step, recompute_kv=True) if step != round_start_step
+                      else {"time/push_seconds": 0.0})  # none if no step
             if unfinished:  # the carried sequences continue under the new weights (rank 0's count: 0 elsewhere)
-                run.sampler.resume()
+                sampler.engine.resume()
             # ALGO LOGIC: OPPO's controllers: Delta from the reward trend (Algorithm 1 lines 22-27), C's trial seconds
             overlap.update(args, round_index, scores.mean().item(), generate_seconds + train_start - score_start)
-            run.totals["tokens"] += total_tokens
+            totals["tokens"] += total_tokens
+            totals["episodes"] += B
+            totals["generate_seconds"] += generate_seconds
+            totals["train_seconds"] += train_seconds
+            totals["wall_seconds"] = time.perf_counter() - clock
             ages, (joint, actor) = [round_index - r.admitted for r in batch], np.array(norms, float).reshape(-1, 2).T
             metrics = {
                 "charts/reward": task_scores.mean().item(), "charts/reward_penalized": scores.mean().item(),  # (EOS)
@@ -617,31 +622,43 @@ def main():
                 "charts/resumed_in_batch": sum(len({v for v, _, _ in s.versions}) > 1 for s in samples),  # 2 versions
                 "charts/explained_variance": (1 - (returns - values)[mask > 0].var() / returns[mask > 0].var()).item(),
                 "charts/logprob_diff": logprob_diff, "charts/first_ratio_deviation": first_ratio_deviation,
-                "charts/tokens_per_second": run.totals["tokens"] / run.seconds(), **run.lags(samples, round_start_step),
-                "charts/skipped_long_prompts": run.totals["skipped_prompts"], "charts/learning_rate": learning_rate,
+                "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
+                **common.lags(samples, round_start_step),
+                "charts/skipped_long_prompts": totals["skipped_prompts"], "charts/learning_rate": learning_rate,
                 **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()},
                 "losses/grad_norm": mean(joint), "losses/grad_clipped_fraction": mean(joint > args.max_grad_norm),
                 "losses/actor_grad_share": mean((actor / joint) ** 2),  # of the joint norm's square (actor + critic)
                 "time/round_seconds": time.perf_counter() - round_start, "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": train_start - score_start,
-                "time/train_seconds": train_seconds, "time/push_seconds": push_seconds,
+                "time/train_seconds": train_seconds, **pushed, **common.throughput(totals, step),
                 **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
             }
             run.warn_logprob_diff(logprob_diff, tis_on)
             if round_index == start.round:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
-            run.log(round_index + 1, step, B, metrics, show=("losses/value", "charts/delta", "charts/carried_over"))
-            run.end_round(round_index + 1, step, overlap.data_position, None if args.inter else run.sampler_rng(),
-                          tokenizer)  # (without inter nothing is in flight: the next round draws from the generators)
-        if run.is_main:
-            run.sampler.abort(list(run.sampler.pending))  # the carried-over sequences: none is trained on now
-        run.finish(step)  # pass@k at the end, peak memory
+            run.log(step, metrics, round=round_index + 1, show=("losses/value", "charts/delta", "charts/carried_over"))
+
+            # ---- after the round: the curve's weights, pass@k, the checkpoint ----
+            rounds_done, last = round_index + 1, round_index + 1 == args.num_rounds
+            if args.snapshot_every and rounds_done % args.snapshot_every == 0:
+                run.snapshot(step)
+            if args.eval_every and rounds_done % args.eval_every == 0 and not last:
+                run.log(step, evaluate())
+            if last or (args.save_every and rounds_done % args.save_every == 0):
+                run.save(step, rounds_done, overlap.data_position, totals,
+                         None if args.inter else sampler.rng_state(), tokenizer,  # (no inter: nothing in flight)
+                         delta=overlap.delta, chunk=overlap.chunk, reward_history=overlap.reward_history,
+                         carried_keys=[r.key for r in oppo.inflight.values()])
+        if sampler.engine is not None:
+            sampler.engine.abort(list(sampler.engine.pending))  # the carried-over sequences: none is trained on now
+        eval_end = run.log(step, evaluate())  # pass@k at the end
     rows = [r for r in runlog.read_metrics(run.logger.dir) if "time/round_seconds" in r] if run.is_main else []
     method = {(1, 1): "OPPO", (1, 0): "intra only", (0, 1): "inter only", (0, 0): "plain PPO"}[args.intra, args.inter]
     run.report("PPO with OPPO's overlaps: the paper's Figure 6 (seconds per round by stage)", dict(method=method)
                | {stage: mean([r[f"time/{stage.replace(' ', '_')}_seconds"] for r in rows]) for stage in (
                    "round", "generate", "score exposed", "score hidden", "train", "push")}
-               | {"reward (last 10)": mean([r["charts/reward"] for r in rows[-10:]])})
+               | {"reward (last 10)": mean([r["charts/reward"] for r in rows[-10:]])},
+               totals, step, eval_start, eval_end)
 
 
 if __name__ == "__main__":

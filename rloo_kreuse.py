@@ -1,9 +1,9 @@
 """RLOO with off-policy K-reuse. Paper: Bharani, "Systems-Aware Off-Policy RLOO: Amortizing Sampling Cost via
 K-Reuse" (Stanford CS224R final report, 2025).
 
-Each sampling round draws G responses for each of P prompts from the vLLM sampler, then takes K gradient steps on
-that one batch, correcting for the policy drift with importance weights w = exp(log pi_theta_j(y|x) - log
-pi_theta_0(y|x)). K=1 is plain on-policy RLOO. Weights are pushed to the sampler once per round.
+What it adds to examples/reinforce.py: the leave-one-out baseline, and K gradient steps on each sampled batch (G
+responses to each of P prompts), each weighted by w = exp(log pi_theta_j(y|x) - log pi_theta_0(y|x)) for the policy's
+drift since sampling; K=1 is plain on-policy RLOO. Weights are pushed to the sampler once per round.
 
     python rloo_kreuse.py --model tiny --k 4               # the built-in model, CPU
     python rloo_kreuse.py --k 8 --model Qwen/Qwen2.5-0.5B  # the paper's v3 setup (GPU)
@@ -236,10 +236,8 @@ def load_models(args: Args, run: Run, model_path: str):
     """The policy (the model the sampler gets), the frozen reference (only when --kl-coef uses it) and Adam."""
     dtype = getattr(torch, args.dtype)
     policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype))
-    ref_policy = None
-    if args.kl_coef:
-        ref_policy = common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
-        ref_policy = run.frozen_model(ref_policy)
+    ref_policy = run.frozen_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
+                                  if args.kl_coef else None)  # (--kl-coef 0: no reference model)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all
     return policy, ref_policy, optimizer
 
@@ -247,32 +245,41 @@ def load_models(args: Args, run: Run, model_path: str):
 def main():
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     run = Run(args, "rloo", tasks.HUB_TASKS, common.resolve_model, overlapped=args.overlap)  # flags, sampler's start
-    tis_on = not args.overlap and run.mismatch_correction(args.tis)  # (--overlap: no sampling weights to recompute)
-    if args.overlap and args.tis == "auto" and run.mismatch_correction():
+    tis_on = not args.overlap and checks.tis_applies(args, args.tis)  # (--overlap: no sampling weights to recompute)
+    if args.overlap and args.tis == "auto" and checks.tis_applies(args):
         print("note: --overlap with a sampler whose precision differs from the learner's: K-reuse's weights include it")
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
-        start = run.begin(policy, optimizer, tasks.evaluator(run.sampler, task, tokenizer, args))  # the paper's Table 4
-        step, sampler_rng = start.step, start.sampler_rng
+        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)  # its Table 4
+        start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
+        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        sampler.set_rng_state(start.sampler_rng)  # (after the start's evaluation, which drew from them)
+        step, totals, sampler_rng = start.step, start.totals, start.sampler_rng
+        if args.snapshot_every and start.round == 0:
+            run.snapshot(step)  # time 0 of the learning curve
         train_problems = tasks.TrainProblems(task, tokenizer, args, start.data_position)
-        pending = run.submit_round(train_problems, args.num_prompts, args.group_size)
+
+        def sample_round():  # the next prompts, G responses each, sampled as batch.logprobs(..., args) assumes
+            problems, prompts, skipped = train_problems.take(args.num_prompts)
+            return problems, skipped, sampler.generate(prompts, n=args.group_size, temperature=args.temperature,
+                                                       top_p=args.top_p, max_tokens=args.max_new_tokens)
+        pending, clock = sample_round(), time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
-            wait_start = time.perf_counter()
-            (problems, skipped), samples, generated_in = run.collect(pending)
-            run.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or a round behind
-            if not args.overlap:
-                sampler_rng = run.sampler_rng()  # nothing generating now: what the next round will draw from
+            wait_start, (problems, skipped, request) = time.perf_counter(), pending
+            samples, generated_in = sampler.wait(request)
+            sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or a round behind
+            sampler_rng = sampler_rng if args.overlap else sampler.rng_state()  # nothing generating: the next round's
             generate_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             data_position = train_problems.position  # the first problem not trained on: a checkpoint resumes there
             if args.overlap and round_index + 1 < args.num_rounds:
-                pending = run.submit_round(train_problems, args.num_prompts, args.group_size)  # while we update
+                pending = sample_round()  # generated while we update
 
             # ALGO LOGIC: rewards, pi_theta0 and pi_ref of the sampled tokens
             train_start = time.perf_counter()
-            run.learner_threads()  # every core in a synchronous round; one while the next round generates
+            sampler.set_learner_threads()  # every core in a synchronous round; one while the next generates
             rewards = torch.tensor([task.reward(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
@@ -320,7 +327,7 @@ def main():
                 if fresh and k_step == 0:  # |learner - sampler|: the first thing to look at when training goes wrong
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
                 if not stepped:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
-                    run.totals["nonfinite_skipped"] += 1
+                    totals["nonfinite_skipped"] += 1
                     continue
                 step += 1
                 grad_norms.append(grad_norm.item())
@@ -331,14 +338,18 @@ def main():
             train_seconds = time.perf_counter() - train_start
 
             # ---- push the new weights; the next round samples with them (--overlap: once the one in flight ends) ----
-            push_seconds = run.push(step, when_idle=args.overlap)  # (so that no round mixes two policies)
+            pushed = sampler.push(policy, step, when_idle=args.overlap)  # (so that no round mixes two policies)
             if not args.overlap and round_index + 1 < args.num_rounds:
-                pending = run.submit_round(train_problems, args.num_prompts, args.group_size)
+                pending = sample_round()
+            totals["episodes"] += len(samples)
+            totals["generate_seconds"] += generate_seconds
+            totals["train_seconds"] += train_seconds
+            totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-                "charts/skipped_long_prompts": skipped, **run.lags(samples, round_start_step),
+                "charts/skipped_long_prompts": skipped, **common.lags(samples, round_start_step),
                 # charts/kl, the same in every script: k3 of the sampled responses, whatever the penalty's estimator
                 "charts/kl": (common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item()
                               if ref_policy is not None else math.nan),
@@ -348,18 +359,26 @@ def main():
                 "losses/entropy": out["entropy"].item(),
                 "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
                 "losses/grad_clipped_fraction": np.mean([g > args.max_grad_norm for g in grad_norms] or [math.nan]),
-                "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds,
-                "time/push_seconds": push_seconds,
+                "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds, **pushed,
                 **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}),
                 **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
                 **{f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)},
-                **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)},
+                **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}, **common.throughput(totals, step),
             }
             run.warn_logprob_diff(logprob_diff, tis_on)  # (a NaN: not measured this round)
-            run.log(round_index + 1, step, len(samples), metrics, show=("charts/ess", f"charts/iw_mean_k{args.k}"))
-            run.end_round(round_index + 1, step, data_position, sampler_rng, tokenizer)
-        run.finish(step)  # pass@k at the end, peak memory
-    run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4", {"K": str(args.k)})
+            run.log(step, metrics, round=round_index + 1, show=("charts/ess", f"charts/iw_mean_k{args.k}"))
+
+            # ---- after the round: the curve's weights, pass@k, the checkpoint ----
+            rounds_done, last = round_index + 1, round_index + 1 == args.num_rounds
+            if args.snapshot_every and rounds_done % args.snapshot_every == 0:
+                run.snapshot(step)
+            if args.eval_every and rounds_done % args.eval_every == 0 and not last:
+                run.log(step, evaluate())
+            if last or (args.save_every and rounds_done % args.save_every == 0):
+                run.save(step, rounds_done, data_position, totals, sampler_rng, tokenizer)
+        eval_end = run.log(step, evaluate())  # pass@k at the end
+    run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4", {"K": str(args.k)},
+               totals, step, eval_start, eval_end)
 
 
 if __name__ == "__main__":

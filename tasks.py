@@ -1,26 +1,24 @@
-"""Tasks and rewards: what the model is asked and how an answer is scored; the prompts' tokens
-(encode_prompts, in a chat template or not), a reward model's scores (RewardModel) and held-out
-pass@k (evaluate).
+"""Tasks and rewards: what the model is asked and how an answer is scored; the prompts' tokens (encode_prompts, in a
+chat template or not), a reward model's scores (RewardModel) and held-out pass@k (evaluate).
 
-- Countdown (TinyZero's task): reach a target with + - * / using each given number once; the
-  answer is the last <answer>...</answer>; 1 if right, 0.1 if well-formed but wrong, 0 if absent.
-  `countdown-steps` is the long-tail workload: 3-7 numbers, few problems with many, answered step
-  by step, so that long answers are real answers.
-  `countdown` is an offline generator (train problem i is a pure function of the seed and i, test
-  problem i of i alone; train and test are disjoint); `countdown-hub` is TinyZero's data on the Hub.
-- Arithmetic in words (`arithmetic`, offline): "What is 63 - 15? Give the final answer as a number.",
-  two-digit sums and differences; the answer is the completion's last number (one final answer:
-  "48, or maybe 47" answers 47); 1 if it equals the result, else 0. The task that SmolLM2-135M-Instruct
-  (`--model smollm2`) starts weak at (pass@1 ~0.1) and learns from in minutes on a CPU.
-- GSM8K (`gsm8k`, from the Hub): exact match on the final number, in the dataset's `#### n` format
-  (strict: a completion without `#### n` scores 0; loose: it falls back to its last number).
+- Countdown (TinyZero's task): reach a target with + - * / using each given number once; the answer is the last
+  <answer>...</answer>; 1 if right, 0.1 if well-formed but wrong, 0 if absent. `countdown-steps` is the long-tail
+  workload: 3-7 numbers, few problems with many, answered step by step, so that long answers are real answers.
+  `countdown` is an offline generator (train problem i is a pure function of the seed and i, test problem i of i
+  alone; train and test are disjoint); `countdown-hub` is TinyZero's data on the Hub.
+- Arithmetic in words (`arithmetic`, offline): "What is 63 - 15? Give the final answer as a number.", two-digit sums
+  and differences; the answer is the completion's last number (one final answer: "48, or maybe 47" answers 47); 1 if
+  it equals the result, else 0. The task that SmolLM2-135M-Instruct (`--model smollm2`) starts weak at (pass@1 ~0.1)
+  and learns from in minutes on a CPU.
+- GSM8K (`gsm8k`, from the Hub): exact match on the final number, in the dataset's `#### n` format (strict: a
+  completion without `#### n` scores 0; loose: it falls back to its last number).
 
-Held-out problems do not depend on the seed (HELD_OUT_SEED): runs on different seeds are evaluated
-on the same test problems, so an average over seeds is over one test set; only the train problems
-(their choice or order) follow the seed.
+Held-out problems do not depend on the seed (HELD_OUT_SEED): runs on different seeds are evaluated on the same test
+problems, so an average over seeds is over one test set; only the train problems (their choice or order) follow the
+seed.
 
-Scoring is safe and bounded: arithmetic is evaluated with `ast` and exact fractions (no `eval`),
-and every reward runs in time linear in the completion.
+Scoring is safe and bounded: arithmetic is evaluated with `ast` and exact fractions (no `eval`), and every reward
+runs in time linear in the completion.
 """
 
 from __future__ import annotations
@@ -56,9 +54,9 @@ class _Unsafe(ValueError):
 
 
 def safe_arithmetic(expression: str) -> tuple[Fraction, list[int]]:
-    """Evaluate `expression` allowing only non-negative integer literals, parentheses and
-    + - * /, exactly (Fractions). Returns (value, integer literals used). Raises ValueError on
-    anything else (names, calls, **, unary ops, floats), on division by zero and on huge values."""
+    """Evaluate `expression` allowing only non-negative integer literals, parentheses and + - * /, exactly (Fractions).
+    Returns (value, integer literals used). Raises ValueError on anything else (names, calls, **, unary ops, floats), on
+    division by zero and on huge values."""
     if len(expression) > 200:
         raise _Unsafe("expression too long")
     tree = ast.parse(expression.strip(), mode="eval")
@@ -92,8 +90,8 @@ def safe_arithmetic(expression: str) -> tuple[Fraction, list[int]]:
 
 def last_answer(completion: str) -> str | None:
     """The content of the last <answer>...</answer>, pairing tags left to right as TinyZero's
-    `re.finditer(r"<answer>(.*?)</answer>")` does, in time linear in the completion (the regex
-    is quadratic in unclosed <answer> tags: 2.6 s for a 72 KB completion)."""
+    `re.finditer(r"<answer>(.*?)</answer>")` does, in time linear in the completion (the regex is quadratic in
+    unclosed <answer> tags: 2.6 s for a 72 KB completion)."""
     found, position = None, 0
     while (start := completion.find("<answer>", position)) >= 0:
         end = completion.find("</answer>", start + len("<answer>"))
@@ -105,9 +103,8 @@ def last_answer(completion: str) -> str | None:
 
 def countdown_reward(completion: str, numbers: list[int], target: int,
                      format_score: float = COUNTDOWN_FORMAT_SCORE) -> float:
-    """TinyZero convention: 1 for a correct equation in the last <answer>...</answer> that uses
-    each given number exactly once; `format_score` for a well-formed but wrong answer; 0 when
-    there is no answer."""
+    """TinyZero convention: 1 for a correct equation in the last <answer>...</answer> that uses each given number
+    exactly once; `format_score` for a well-formed but wrong answer; 0 when there is no answer."""
     answer = last_answer(completion)
     if answer is None:
         return 0.0
@@ -128,13 +125,12 @@ _MARKED_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
 
 
 def gsm8k_extract(text: str, match: str = "strict") -> str | None:
-    """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the
-    number after the first '####' that is followed by one, as the authors' grader reads it (async_rlhf
-    src/gsm8k_utils.py: ANS_RE.search; a model that goes on to a next "Problem:" and its own `#### n`
-    keeps its first answer; a trailing '####' does not change it). Without a marked answer: None when `match` is
-    "strict" (the paper's reward, §5.2: 1 only if the answer string matches; the authors' grader
-    `extract_answer` reads `#### n` only), the last number in the text when "loose" (this file's
-    rule before issue #27). Unicode minus signs count as minus."""
+    """The final answer of a GSM8K solution. The dataset's format puts it right after '####': the number after the
+    first '####' that is followed by one, as the authors' grader reads it (async_rlhf src/gsm8k_utils.py:
+    ANS_RE.search; a model that goes on to a next "Problem:" and its own `#### n` keeps its first answer; a trailing
+    '####' does not change it). Without a marked answer: None when `match` is "strict" (the paper's reward, §5.2: 1
+    only if the answer string matches; the authors' grader `extract_answer` reads `#### n` only), the last number in
+    the text when "loose" (this file's rule before issue #27). Unicode minus signs count as minus."""
     text = text.replace("\u2212", "-")
     marked = _MARKED_RE.findall(text)
     if marked:
@@ -165,8 +161,8 @@ class Problem:
     target: int = 0
     answer: str = ""  # a known solution (Countdown) or the reference answer (GSM8K)
     steps: list[str] = field(default_factory=list)  # Countdown: the known solution's steps, "a*b=c"
-    # under --chat-template (tasks.encode_prompts): the system turn (empty: the task has none, a template's default one
-    # stays; None: no system turn at all, --system-prompt ""), the user turn (empty: the prompt) and the start of
+    # under --chat-template (tasks.encode_prompts): the system turn (empty: the task has none, a template's default
+    # one stays; None: no system turn at all, --system-prompt ""), the user turn (empty: the prompt) and the start of
     # the assistant's reply that the model continues (empty: none)
     system: str | None = ""
     user: str = ""
@@ -175,9 +171,8 @@ class Problem:
 
 def _solution_string(rng: np.random.Generator, numbers: list[int],
                      max_target: int) -> tuple[str, int, list[str]] | None:
-    """Combine `numbers` in random order with random ops into one expression whose every
-    intermediate value is a non-negative integer; returns (expression, value, the steps "a*b=c" in
-    the order they were taken)."""
+    """Combine `numbers` in random order with random ops into one expression whose every intermediate value is a
+    non-negative integer; returns (expression, value, the steps "a*b=c" in the order they were taken)."""
     # each item: (text, value, precedence) with precedence 2 for atoms/products, 1 for sums
     items = [(str(n), n, 3) for n in numbers]
     steps = []
@@ -206,13 +201,12 @@ def _solution_string(rng: np.random.Generator, numbers: list[int],
 
 
 TINY_PROMPT = "{numbers}->{target}:"
-# The tiny model's Countdown: three numbers 1-9, short prompts; small enough that a 0.8M-parameter
-# model starts with some success and RL has room to improve it.
+# The tiny model's Countdown: three numbers 1-9, short prompts; small enough that a 0.8M-parameter model starts with
+# some success and RL has room to improve it.
 TINY_TASK = dict(min_numbers=3, max_numbers=3, max_number=9, max_target=100, prompt_template=TINY_PROMPT)
-# `countdown-steps`, the long-tail workload: 3 to 7 numbers, few problems with many (each number
-# count half as likely as the one before), and an answer worked step by step ("7*8=56;56-9=47;...;
-# <answer>7*8-9</answer>"): its length grows with the numbers, ~20 tokens for 3, ~80 for 7, and all
-# of it is answer, none is junk after it.
+# `countdown-steps`, the long-tail workload: 3 to 7 numbers, few problems with many (each number count half as likely
+# as the one before), and an answer worked step by step ("7*8=56;56-9=47;...;<answer>7*8-9</answer>"): its length
+# grows with the numbers, ~20 tokens for 3, ~80 for 7, and all of it is answer, none is junk after it.
 STEPS_NUMBER_WEIGHTS = (16, 8, 4, 2, 1)  # numbers 3, 4, 5, 6, 7
 TINY_STEPS_TASK = dict(TINY_TASK, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS, show_steps=True,
                        name="countdown-steps")
@@ -226,21 +220,20 @@ CHAT_USER = (
 )
 CHAT_ASSISTANT_START = "Let me solve this step by step.\n<think>"
 CHAT_PROMPT = (
-    "A conversation between User and Assistant. The user asks a question, and the Assistant "
-    "solves it. The assistant first thinks about the reasoning process in the mind and then "
-    "provides the user with the answer.\nUser: Using the numbers {numbers_list}, create an "
-    "equation that equals {target}. You can use basic arithmetic operations (+, -, *, /) and "
-    "each number can only be used once. Show your work in <think> </think> tags. And return "
-    "the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.\n"
-    "Assistant: Let me solve this step by step.\n<think>"
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. The assistant "
+    "first thinks about the reasoning process in the mind and then provides the user with the answer.\nUser: Using "
+    "the numbers {numbers_list}, create an equation that equals {target}. You can use basic arithmetic operations "
+    "(+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. And return the final "
+    "answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.\nAssistant: Let me solve this "
+    "step by step.\n<think>"
 )
 
 
 @dataclass
 class CountdownTask:
-    """Offline Countdown generator: train problem i is a pure function of (seed, i), test problem i
-    of i alone (HELD_OUT_SEED: every seed is evaluated on the same problems), so a data position is
-    one integer. Train and test are disjoint by a hash of the problem."""
+    """Offline Countdown generator: train problem i is a pure function of (seed, i), test problem i of i alone
+    (HELD_OUT_SEED: every seed is evaluated on the same problems), so a data position is one integer. Train and test
+    are disjoint by a hash of the problem."""
 
     seed: int = 0
     min_numbers: int = 3
@@ -273,12 +266,11 @@ class CountdownTask:
             in_test = int(hashlib.sha1(f"{sorted(numbers)}|{target}".encode()).hexdigest(), 16) % 10 == 0
             if in_test != (split == "test"):
                 continue
-            prompt = self.prompt_template.format(
-                numbers=" ".join(map(str, numbers)), numbers_list=numbers, target=target
-            )
+            prompt = self.prompt_template.format(numbers=" ".join(map(str, numbers)), numbers_list=numbers,
+                                                 target=target)
             chat = {} if self.prompt_template == TINY_PROMPT else dict(
                 system=CHAT_SYSTEM, user=CHAT_USER.format(numbers_list=numbers, target=target),
-                                                                       assistant_start=CHAT_ASSISTANT_START)
+                assistant_start=CHAT_ASSISTANT_START)
             return Problem(prompt=prompt, numbers=numbers, target=target, answer=solution, steps=steps, **chat)
 
     def reward(self, completion: str, problem: Problem) -> float:
@@ -428,10 +420,9 @@ def answer_matches(completion: str, answer: str) -> bool:
 
 
 def load_reward(spec: str):
-    """`module:function` (a module importable from the working directory, or a path to a .py file)
-    -> the function, which takes (completion: str, problem: Problem) and returns a float (with a third
-    parameter named `task`, it is also given the task: Customised); one line naming --reward when it
-    cannot be loaded."""
+    """`module:function` (a module importable from the working directory, or a path to a .py file) -> the function,
+    which takes (completion: str, problem: Problem) and returns a float (with a third parameter named `task`, it is also
+    given the task: Customised); one line naming --reward when it cannot be loaded."""
     import importlib
     import importlib.util
     import sys
@@ -501,8 +492,8 @@ HUB_TASKS = ("countdown-hub", "gsm8k", "tldr")  # loaded from the Hugging Face H
 
 
 def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gsm8k_match: str = "strict",
-              reward: str | None = None,
-              prompt_field: str = "prompt", answer_field: str = "answer", system_prompt: str | None = None) -> Any:
+              reward: str | None = None, prompt_field: str = "prompt", answer_field: str = "answer",
+              system_prompt: str | None = None) -> Any:
     """The task `name` (see _built_in_or_data), with its reward replaced by `reward` ("module:function",
     see load_reward) and its chat system turn by `system_prompt` when given ("" for none: no system turn at all, not
     even the one a chat template such as SmolLM2's inserts when given none); what counts as correct stays the task's."""
@@ -514,13 +505,12 @@ def make_task(name: str, seed: int, tiny_prompts: bool, test_size: int = 200, gs
 
 def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, gsm8k_match: str, prompt_field: str,
                       answer_field: str) -> Any:
-    """`countdown`: the offline generator. `countdown-steps`: the same with 3-7 numbers, long-tailed
-    (the tiny model is built to answer it step by step: answers of widely varying length). `countdown-hub`:
-    Jiayi-Pan/Countdown-Tasks-3to4 (the TinyZero data; the first `test_size` rows of a shuffle by HELD_OUT_SEED are held
-    out, the rest is the train split, in an order drawn from `seed`). `gsm8k`: openai/gsm8k with its own
-    train/test splits in the dataset's order, scored by `gsm8k_match` ("strict": only `#### n`
-    counts; "loose": else the last number). The test split never depends on `seed`. Hub tasks need
-    network access to the Hub."""
+    """`countdown`: the offline generator. `countdown-steps`: the same with 3-7 numbers, long-tailed (the tiny model is
+    built to answer it step by step: answers of widely varying length). `countdown-hub`: Jiayi-Pan/Countdown-Tasks-3to4
+    (the TinyZero data; the first `test_size` rows of a shuffle by HELD_OUT_SEED are held out, the rest is the train
+    split, in an order drawn from `seed`). `gsm8k`: openai/gsm8k with its own train/test splits in the dataset's order,
+    scored by `gsm8k_match` ("strict": only `#### n` counts; "loose": else the last number). The test split never
+    depends on `seed`. Hub tasks need network access to the Hub."""
     template = TINY_PROMPT if tiny_prompts else CHAT_PROMPT
     if name == "countdown":
         if tiny_prompts:
@@ -530,35 +520,29 @@ def _built_in_or_data(name: str, seed: int, tiny_prompts: bool, test_size: int, 
         if tiny_prompts:
             return CountdownTask(seed=seed, **TINY_STEPS_TASK)
         return CountdownTask(seed=seed, max_number=99, max_numbers=7, number_weights=STEPS_NUMBER_WEIGHTS,
-                             prompt_template=template,
-                             name="countdown-steps")
+                             prompt_template=template, name="countdown-steps")
     if name == "arithmetic":
         return ArithmeticTask(seed=seed)
     if name == "countdown-hub":
         rows = _load_hub_dataset("Jiayi-Pan/Countdown-Tasks-3to4", split="train")
-        problems = [
-            Problem(prompt=template.format(numbers=" ".join(map(str, r["nums"])), numbers_list=r["nums"],
-                                           target=r["target"]),
-                    numbers=list(r["nums"]), target=int(r["target"]), system=CHAT_SYSTEM,
-                    user=CHAT_USER.format(numbers_list=r["nums"], target=r["target"]),
-                    assistant_start=CHAT_ASSISTANT_START)
-            for r in rows
-        ]
+        problems = [Problem(prompt=template.format(numbers=" ".join(map(str, r["nums"])), numbers_list=r["nums"],
+                                                   target=r["target"]),
+                            numbers=list(r["nums"]), target=int(r["target"]), system=CHAT_SYSTEM,
+                            user=CHAT_USER.format(numbers_list=r["nums"], target=r["target"]),
+                            assistant_start=CHAT_ASSISTANT_START) for r in rows]
         random.Random(HELD_OUT_SEED).shuffle(problems)  # the held-out rows: the same for every seed
         train = problems[test_size:]
         random.Random(seed).shuffle(train)
-        return ListTask(train, problems[:test_size], name,
-                        lambda c, p: countdown_reward(c, p.numbers, p.target))
+        return ListTask(train, problems[:test_size], name, lambda c, p: countdown_reward(c, p.numbers, p.target))
     if name == "gsm8k":
         if gsm8k_match not in ("strict", "loose"):
             raise SystemExit(f"error: --gsm8k-match: strict or loose, got {gsm8k_match!r}")
         data = _load_hub_dataset("openai/gsm8k", "main")
-        # the format realtreetune/rho-1b-sft-GSM8K was fine-tuned on and the authors prompt it with (async_rlhf
-        # src/gsm8k_utils.py)
+        # realtreetune/rho-1b-sft-GSM8K's fine-tuning format, the authors' prompt (async_rlhf src/gsm8k_utils.py)
         to_problem = lambda r: Problem(prompt=GSM8K_PROMPT.format(r["question"]),  # noqa: E731
                                        answer=r["answer"], user=r["question"])
-        # the whole test split (1319 problems), in the dataset's order whatever the seed: evaluate(num_problems=None)
-        # scores all of it, as the paper does
+        # all 1319 test problems in the dataset's order, whatever the seed; evaluate(num_problems=None) scores them all,
+        # as the paper does
         return ListTask([to_problem(r) for r in data["train"]], [to_problem(r) for r in data["test"]],
                         name, lambda c, p: gsm8k_reward(c, p.answer, gsm8k_match))
     if name == "tldr":  # TL;DR summarisation (the Asynchronous RLHF paper's main task): scored by --reward-model
@@ -611,9 +595,8 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification
 
         self.tokenizer = load_tokenizer(path)
-        # pad: EOS if none
         self.model = load_hf(AutoModelForSequenceClassification, path, num_labels=1).to(device).eval()
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # pad: EOS if none
         self.device, self.batch_size = device, batch_size
 
     def conversations(self, problems: list[Problem], completions: list[str]) -> list[str]:
@@ -649,12 +632,11 @@ def rm_position(tokens: list[int], pad_token_id: int | None) -> int:
 
 def encode_prompts(tokenizer, problems: list[Problem], max_prompt_tokens: int,
                    chat_template: bool = False) -> tuple[list[Problem], list[list[int]], int]:
-    """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`.
-    `chat_template` (instruct models): the problem's system turn (chat_text) and user turn (its `user`,
-    else its prompt) in the tokenizer's chat template with the assistant's generation prompt, then the
-    start of the assistant's reply the task gives (TinyZero's instruct setting: "Let me solve this step
-    by step.\n<think>"), which the model continues. Returns the kept problems, their token ids and how
-    many were skipped (log it)."""
+    """Tokenize prompts, skipping (not crashing on) those longer than `max_prompt_tokens`. `chat_template` (instruct
+    models): the problem's system turn (chat_text) and user turn (its `user`, else its prompt) in the tokenizer's chat
+    template with the assistant's generation prompt, then the start of the assistant's reply the task gives (TinyZero's
+    instruct setting: "Let me solve this step by step.\n<think>"), which the model continues. Returns the kept
+    problems, their token ids and how many were skipped (log it)."""
     kept, ids = [], []
     for problem in problems:
         if chat_template:
@@ -718,8 +700,7 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 
 def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, samples_per_problem: int,
-             max_prompt_tokens: int,
-             chat_template: bool = False, **sampling) -> dict[str, float]:
+             max_prompt_tokens: int, chat_template: bool = False, **sampling) -> dict[str, float]:
     """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems`
     held-out problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
     weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
@@ -727,8 +708,7 @@ def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, sample
     if num_problems is None:
         num_problems = len(task.test)
     problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)],
-                                          max_prompt_tokens,
-                                          chat_template)
+                                          max_prompt_tokens, chat_template)
     ids = sampler.submit(prompts, n=samples_per_problem, **sampling)
     samples: list[Completion] = []
     with Progress(len(ids), "eval", unit="sample", leave=False) as progress:
@@ -807,7 +787,8 @@ class ShuffledTrainProblems(TrainProblems):
 def evaluator(sampler, task, tokenizer, args, greedy: bool = False):
     """pass@k on the held-out split as the flags say (--eval-problems, 0: a fixed dataset's whole test split;
     --eval-samples), sampling as in training (--temperature, --top-p, --max-new-tokens), or with `greedy` one greedy
-    completion per problem (DPO's --eval-decoding greedy): a function of no arguments, for Run.begin."""
-    return lambda: evaluate(sampler, task, tokenizer, args.eval_problems or None, args.eval_samples,
-                            args.max_prompt_tokens, args.chat_template, temperature=0.0 if greedy else args.temperature,
-                            top_p=1.0 if greedy else args.top_p, max_tokens=args.max_new_tokens)
+    completion per problem (DPO's --eval-decoding greedy): a function of no arguments ({} without a sampler)."""
+    return lambda: {} if sampler is None else evaluate(
+        sampler, task, tokenizer, args.eval_problems or None, args.eval_samples, args.max_prompt_tokens,
+        args.chat_template, temperature=0.0 if greedy else args.temperature, top_p=1.0 if greedy else args.top_p,
+        max_tokens=args.max_new_tokens)

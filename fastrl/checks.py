@@ -216,6 +216,14 @@ def check_chat_template(model_path: str, enabled: bool) -> None:
     check_args(found, "--chat-template", "this model's tokenizer has no chat template (a base model?); drop the flag")
 
 
+def tis_applies(args, tis: str = "auto") -> bool:
+    """mismatch_correction for a script's flags: --tis (auto: whether the sampler's numbers differ from the learner's:
+    a sampler not in fp32, the GPU default, a learner in bf16, or --push-round-to's rounded weights), on or off."""
+    learner_differs = (getattr(args, "autocast_bf16", False) or getattr(args, "dtype", "float32") == "bfloat16"
+                       or getattr(args, "push_round_to", "sampler") != "sampler")
+    return mismatch_correction(tis, args.sampler_dtype, args.placement, learner_differs)
+
+
 def check_sampler_version(samples, learner_version: int, max_lag: int = 0) -> None:
     """Stop with one line unless every token of `samples` was sampled by a policy version between
     `learner_version - max_lag` and `learner_version` (0: by the learner's current weights): a forgotten

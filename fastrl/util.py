@@ -212,3 +212,15 @@ def machine_line() -> str:
     return (f"{cpu}, {cores} cores, bf16 {'native' if cpu_bf16() else 'not native'}, {memory:.0f} GB, "
             f"torch {torch.__version__}")
 
+
+
+def wait_until(done, pump, timeout: float, describe) -> float:
+    """Call pump() (receive, admit: it returns how many things happened) until done(); raise, saying describe(),
+    after `timeout` seconds without progress: a clear error, never a silent spin. Returns the seconds waited."""
+    start = last_progress = time.monotonic()
+    while not done():
+        if pump():
+            last_progress = time.monotonic()
+        elif time.monotonic() - last_progress > timeout:
+            raise RuntimeError(f"no sequence arrived and no prompt was admitted for {timeout:.0f}s: {describe()}")
+    return time.monotonic() - start

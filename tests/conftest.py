@@ -212,6 +212,17 @@ def strip_to_method(source: str, replacements: list[tuple[str, str]], metrics: s
     return source[:start] + f"            metrics = {metrics}\n" + source[end:]
 
 
+def without_after_round(source: str) -> str:
+    """The script without its after-round lines (snapshot, --eval-every, checkpoint: from its `# ---- after the` comment
+    to the end of the loop), as a student strips them; a script without them fails."""
+    lines = source.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.lstrip().startswith("# ---- after the"))
+    indent = len(lines[at]) - len(lines[at].lstrip())
+    end = next(i for i in range(at + 1, len(lines))
+               if lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) < indent)
+    return "".join(lines[:at] + lines[end:])
+
+
 def run_stripped_copy(name: str, source: str, flags: list[str]):
     """Write the stripped copy to a scratch directory and run it (importing common, tasks and fastrl from the
     checkout); it must finish, write its summary, leave no checkpoint and no traceback or leaked process. Returns

@@ -21,7 +21,7 @@ import common
 from fastrl import runlog
 import tasks
 import online_dpo_async as dpo
-from conftest import run_stripped_copy, scratch_dir, strip_to_method
+from conftest import run_stripped_copy, scratch_dir, strip_to_method, without_after_round
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
@@ -683,10 +683,9 @@ def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
 
 def strip_dpo(source: str) -> str:
     """online_dpo_async.py as a student strips it to the method (tests/test_pages.py's strip for rloo_kreuse.py): no
-    checkpoints, snapshots or evaluation between rounds (run.end_round), no torchrun calls (all_sum, full_norm), and
-    one metric besides the seconds."""
-    end_round = source.index("            # the data position of the first round not trained on")
-    source = source[:end_round] + source[source.index("        run.finish(step)"):]
+    checkpoints, snapshots or evaluation between rounds (the loop's after-round lines), no torchrun calls (all_sum,
+    full_norm), and one metric besides the seconds."""
+    source = without_after_round(source)
     replacements = [
         ("                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
         ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
@@ -700,8 +699,9 @@ def strip_dpo(source: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [["--sync"], []], ids=["sync", "async"])
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(mode):
-    """Issue 48: the copy's obligations are code. Stripped as above it still runs, pushes (run.check_version stops the
-    run otherwise: --sync on the weights just pushed, async a round behind) and stops cleanly, without a checkpoint."""
+    """Issue 48: the copy's obligations are code. Stripped as above it still runs, pushes (sampler.check_version stops
+    the run otherwise: --sync on the weights just pushed, async a round behind) and stops cleanly, without a
+    checkpoint."""
     out = run_stripped_copy("dpo_stripped", strip_dpo((ROOT / "online_dpo_async.py").read_text()),
                             ["--num-rounds", "3", *SMALL, "--num-minibatches", "2", *mode])
     assert "round 3/3 step" in out.stdout and "reward" in out.stdout
@@ -726,7 +726,7 @@ def test_a_custom_reward_that_the_eos_penalty_rewrites_is_said_at_the_start(monk
     def stop(*a, **k):
         raise _Started
 
-    monkeypatch.setattr(Run, "begin", stop)
+    monkeypatch.setattr(Run, "resume", stop)
     monkeypatch.setattr(sys, "argv", ["online_dpo_async.py", "--reward", "my_reward:score", "--eos-penalty-mode", mode])
     with pytest.raises(_Started):
         dpo.main()

@@ -17,11 +17,10 @@ import pytest
 import torch
 
 import common
-from fastrl import checks, launch, runlog, vllm_sampler, weight_sync
-from fastrl.run import Run
+from fastrl import checks, launch, runlog, util, vllm_sampler, weight_sync
 import tasks
 import pipeline_rl as prl
-from conftest import run_stripped_copy, scratch_dir, strip_to_method
+from conftest import run_stripped_copy, scratch_dir, strip_to_method, without_after_round
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = scratch_dir("fastrl-test-runs-")  # scripts run here
@@ -113,9 +112,9 @@ def test_truncated_is_weights_and_their_stats_by_hand():
 
 
 def test_token_lags_follow_version_spans():
-    """Run.lags, main()'s charts/lag_min|mean|max: per token, 5 - [3, 3, 4, 4, 4] = [2, 2, 1, 1, 1]."""
+    """common.lags, main()'s charts/lag_min|mean|max: per token, 5 - [3, 3, 4, 4, 4] = [2, 2, 1, 1, 1]."""
     c = vllm_sampler.Completion("0", [1], [5, 6, 7, 8, 9], [0.0] * 5, "stop", versions=[(3, 0, 2), (4, 2, 5)])
-    assert Run.lags([c], 5) == {"charts/lag_min": 1, "charts/lag_mean": pytest.approx(1.4), "charts/lag_max": 2}
+    assert common.lags([c], 5) == {"charts/lag_min": 1, "charts/lag_mean": pytest.approx(1.4), "charts/lag_max": 2}
 
 
 def _perturbed(model, scale=0.05, seed=0):
@@ -255,9 +254,9 @@ def test_a_larger_generation_batch_is_staler():
 
 def test_wait_until_has_a_deadline():
     with pytest.raises(RuntimeError, match="no sequence arrived.*3 of 8 queued"):
-        Run.wait_until(lambda: False, lambda: 0, timeout=0.2, describe=lambda: "3 of 8 queued")
+        util.wait_until(lambda: False, lambda: 0, timeout=0.2, describe=lambda: "3 of 8 queued")
     progress = iter([1, 1, 1, 0])
-    assert Run.wait_until(lambda: next(progress, None) is None, lambda: 1, timeout=0.2, describe=str) < 0.2
+    assert util.wait_until(lambda: next(progress, None) is None, lambda: 1, timeout=0.2, describe=str) < 0.2
 
 
 def test_conventional_batches_are_shuffled_whole_groups():
@@ -431,7 +430,7 @@ def test_the_guards_and_the_loss_in_mains_round(scripted_main, tiny_path):
 
 def test_each_step_trains_at_its_scheduled_rate_and_a_resumed_run_continues_exactly(scripted_main):
     """main() sets each step's rate from the step alone, on the optimizer load_models builds (AdamW, biases not
-    decayed); stopped after 2 steps, checkpointed (AdamW's moments) and resumed (Run.begin), 2 steps more give the
+    decayed); stopped after 2 steps, checkpointed (AdamW's moments) and resumed (Run.resume), 2 steps more give the
     straight run's rates and weights to the bit. Fixed sampler logprobs: the batches are the same whatever the
     weights."""
     flags = ("--mode", "conventional", "--steps-per-rl-step", "1", "--learning-rate", "1e-3", "--weight-decay", "0.01",
@@ -740,9 +739,10 @@ def test_the_cosine_schedule_by_hand_and_against_transformers():
 
 def strip_pipeline(source: str) -> str:
     """pipeline_rl.py as a student strips it to the method: no checkpoints, snapshots or evaluation between steps
-    (run.end_round), no torchrun calls (from_main, all_sum, full_norm), and one metric besides the seconds."""
+    (the loop's after-step lines), no torchrun calls (from_main, all_sum, full_norm), and one metric besides the
+    seconds."""
+    source = without_after_round(source)
     replacements = [
-        ("            run.end_round(step, step, actor.data_position, tokenizer=tokenizer)\n", ""),
         ("            loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
         ("run.from_main(lambda: actor.next_batch(step))", "actor.next_batch(step)"),
         ("run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",

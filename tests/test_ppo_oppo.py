@@ -19,7 +19,7 @@ import common
 from fastrl import checks, runlog, util
 import ppo_oppo as po
 import tasks
-from conftest import run_stripped_copy, strip_to_method
+from conftest import run_stripped_copy, strip_to_method, without_after_round
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -549,10 +549,10 @@ def test_the_joint_clipping_is_measured(tmp_path):
 
 def strip_ppo(source: str) -> str:
     """ppo_oppo.py as a student strips it to the method (tests/test_pages.py's test for rloo_kreuse.py): no checkpoints,
-    snapshots or evaluation between rounds (run.end_round), no torchrun calls (the --intra and world-size checks,
-    all_sum, full_norm), and one metric besides the seconds."""
-    lines = source.splitlines(keepends=True)
-    for start, count in (("        distributed.from_main(", 3), ("            run.end_round(", 2),
+    snapshots or evaluation between rounds (the loop's after-round lines), no torchrun calls (the --intra and
+    world-size checks, all_sum, full_norm), and one metric besides the seconds."""
+    lines = without_after_round(source).splitlines(keepends=True)
+    for start, count in (("        distributed.from_main(", 3),
                          ("                loss, out = run.all_sum((loss, out))", 1)):
         at = next(i for i, line in enumerate(lines) if line.startswith(start))
         del lines[at:at + count]
@@ -563,7 +563,7 @@ def strip_ppo(source: str) -> str:
                               "torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)")],
                              '{"charts/reward": scores.mean().item(), "time/generate_seconds": generate_seconds, '
                              '"time/train_seconds": train_seconds}')
-    assert all(gone not in source for gone in ("distributed.check_world_size", "run.end_round", "run.all_sum((loss"))
+    assert all(gone not in source for gone in ("distributed.check_world_size", "run.save(", "run.all_sum((loss"))
     return source
 
 
@@ -571,8 +571,8 @@ def strip_ppo(source: str) -> str:
 @pytest.mark.parametrize("flags", [("--no-intra", "--no-inter"), ("--delta", "4")], ids=["plain", "oppo"])
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(flags):
     """Issue 48: the copy's obligations are code. Plain PPO: each round after the first was sampled by the weights
-    pushed after the one before (run.check_version in the copy stops it otherwise); OPPO: sequences over-committed and
-    carried, and still a clean stop (the carried ones aborted, the sampler closed)."""
+    pushed after the one before (sampler.check_version in the copy stops it otherwise); OPPO: sequences
+    over-committed and carried, and still a clean stop (the carried ones aborted, the sampler closed)."""
     out = run_stripped_copy("ppo_stripped", strip_ppo((ROOT / "ppo_oppo.py").read_text()),
                             ["--num-rounds", "3", "--batch-size", "4", "--num-ppo-epochs", "1", "--max-new-tokens",
                              "16", "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *flags])

@@ -314,11 +314,14 @@ def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
     for script in SCRIPTS:
         for name in memory_plan.needed_flags(script):
             assert f"--{name.replace('_', '-')}" in keep, name
-    for call in ("run.push(step)", "run.check_version", "with run:", "Run(args", "run.warn_no_learning", "__main__"):
+    for call in ("sampler.push(policy, step)", "sampler.check_version", "with run:", "Run(args", "run.warn_no_learning",
+                 "__main__"):
         assert call in keep, call
     from fastrl.run import Run
+    from fastrl.sampler_client import SamplerClient
 
-    assert all(callable(getattr(Run, name)) for name in ("push", "check_version", "warn_no_learning", "__exit__"))
+    assert all(callable(getattr(Run, name)) for name in ("warn_no_learning", "__exit__"))
+    assert all(callable(getattr(SamplerClient, name)) for name in ("push", "check_version", "generate", "wait"))
     readme = (ROOT / "README.md").read_text()
     assert "methods.md#which-script-to-start-from" in readme and "methods.md#what-a-copy-must-keep" in readme
 
@@ -328,20 +331,22 @@ def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
 
 
 @pytest.mark.slow
-def test_a_copy_without_end_round_refuses_the_flags_it_no_longer_serves(tmp_path):
-    """A copy of rloo_kreuse.py whose round no longer calls run.end_round accepted --save-every (and --eval-every,
-    --snapshot-every), wrote no checkpoint and said nothing. Now it stops in one line naming the flag, at the round
-    after the first (end_round's place), before training on."""
+def test_a_copy_without_the_save_line_refuses_the_flags_it_no_longer_serves(tmp_path):
+    """A copy of rloo_kreuse.py whose loop no longer has its `if ... args.save_every ...: run.save(...)` lines accepted
+    --save-every (and --eval-every, --snapshot-every), wrote no checkpoint and said nothing. Now it stops in one line
+    naming the flag, at the round after the one that should have saved, before training on."""
     source = (ROOT / "rloo_kreuse.py").read_text()
-    call = next(line for line in source.splitlines() if "run.end_round(" in line)
+    lines = source.splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if "args.save_every and" in line)
+    assert "run.save(" in lines[at + 1]
     copy = tmp_path / "rloo_copy.py"
-    copy.write_text(source.replace(call + "\n", ""))
+    copy.write_text("".join(lines[:at] + lines[at + 2:]))
     out = subprocess.run([sys.executable, str(copy), "--save-every", "1", "--num-prompts", "4", "--num-rounds", "3",
                           "--max-new-tokens", "16", "--eval-problems", "2", "--eval-samples", "1"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --save-every 1: never served") and "run.end_round" in last, out.stderr[-2000:]
+    assert last.startswith("error: --save-every 1: never served") and "if args.save_every" in last, out.stderr[-2000:]
     assert "round 2/3" not in out.stdout  # stopped when round 2 was logged, its line not printed
 
 
@@ -349,22 +354,18 @@ def test_the_console_line_shows_what_was_measured_and_the_clipped_fraction():
     """The round's console line: no `kl nan` where no reference model exists (the SmolLM2 presets), and the fraction
     of steps whose gradient was clipped (1.0 in every round of the README's SmolLM2 run, and nobody saw it)."""
     import math
-    import time
     from types import SimpleNamespace
 
     from fastrl import distributed
-    from fastrl.run import TOTALS, Run
+    from fastrl.run import Run
 
     lines = []
     run = object.__new__(Run)  # the round's log alone: no sampler, no process
     run.args = SimpleNamespace(save_every=0, eval_every=0, snapshot_every=0)
-    run._rounds_logged = run._rounds_ended = 0
-    run._pushed = False
-    run.totals, run._clock, run.sampler, run.update_probe, run._warned_push = dict(TOTALS), time.perf_counter(), \
-        None, None, []
+    run._served, run._first_round = dict(save_every=0, snapshot_every=0, eval_every=0), None
     run.logger, run.unit, run.rounds = distributed.NullLogger(), "round", 3
     run._progress = SimpleNamespace(update=lambda *a, **k: None, write=lines.append)
-    run.log(1, 2, 8, {"charts/reward": 0.25, "charts/accuracy": 0.5, "charts/kl": math.nan, "losses/entropy": 0.7,
-                      "losses/grad_clipped_fraction": 1.0, "time/generate_seconds": 1.5, "time/train_seconds": 2.0})
+    run.log(2, {"charts/reward": 0.25, "charts/accuracy": 0.5, "charts/kl": math.nan, "losses/entropy": 0.7,
+                "losses/grad_clipped_fraction": 1.0, "time/generate_seconds": 1.5, "time/train_seconds": 2.0}, round=1)
     assert lines == ["round 1/3 step 2: reward 0.250 accuracy 0.500 entropy 0.700 clipped 1.000 generate 1.50s "
                      "train 2.00s"]
