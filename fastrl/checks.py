@@ -133,36 +133,36 @@ def optional_modules(args, hub_tasks) -> dict[str, tuple[str, str]]:
     return needed
 
 
-def check_model(args, script: str, hub_tasks, resolve_model) -> tuple[str, float | None]:
+def check_model(args, workload, hub_tasks, resolve_model) -> tuple[str, float | None]:
     """Before the sampler starts, from the model's files alone: the packages the run needs (optional_modules, given
     hub_tasks: tasks.HUB_TASKS), the model's path (resolve_model(--model, --task): common.resolve_model), and that it
     can serve the flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a
     template (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming
-    the flag. Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). script: rloo,
-    dpo, pipeline or ppo. A flag the plan needs that a stripped copy lacks stops it here, on any machine
+    the flag. Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). workload: the
+    script's memory_plan.Workload. A flag the plan needs that a stripped copy lacks stops it here, on any machine
     (with_defaults)."""
     import importlib.util
 
     from fastrl import memory_plan as plan_memory
 
     # (what a copy dropped: planned without it, or one line on a CPU too)
-    args = plan_memory.with_defaults(script, args)
+    args = plan_memory.with_defaults(workload, args)
     for module, (flag, message) in optional_modules(args, hub_tasks).items():  # e.g. a Hub --task without datasets
         check_args(importlib.util.find_spec(module) is not None, flag, message)
     model_path = resolve_model(args.model, getattr(args, "task", "countdown"))
     check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     check_chat_template(model_path, getattr(args, "chat_template", False))
-    return model_path, memory_plan(args, model_path, script)
+    return model_path, memory_plan(args, model_path, workload)
 
 
-def memory_plan(args, model_path: str, script: str) -> float | None:
+def memory_plan(args, model_path: str, workload) -> float | None:
     """On a GPU, before any weight loads: the run's memory plan from the model's config alone (memory_plan.py
     has its contract), printed in one line, `memory plan: learner ~X GB + sampler Y GB + transfer Z GB + headroom H GB
     (CUDA contexts C + the sampler's push clones P + fragmentation F) of N GB`.
     Returns the sampler's share of its GPU (--sampler-gpu-memory, sized by the plan when not given); a plan
     that does not fit stops the run in one line naming the flags that would. On CPU (and under torchrun, whose
     sharded learner it does not model) it prints nothing and returns --sampler-gpu-memory as given.
-    script: rloo, dpo, pipeline or ppo."""
+    workload: the script's memory_plan.Workload."""
     if not torch.cuda.is_available() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return getattr(args, "sampler_gpu_memory", None)
     from transformers import AutoConfig
@@ -172,7 +172,7 @@ def memory_plan(args, model_path: str, script: str) -> float | None:
     reward = 0
     if getattr(args, "reward_model", None):
         reward = plan_memory.reward_model_bytes(load_hf(AutoConfig, args.reward_model, flag="--reward-model"))
-    plan = plan_memory.plan(script, args, plan_memory.shape_of(load_hf(AutoConfig, model_path)),
+    plan = plan_memory.plan(workload, args, plan_memory.shape_of(load_hf(AutoConfig, model_path)),
                             torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory,
                             torch.cuda.device_count(), reward)
     if not plan.fits:

@@ -3,11 +3,11 @@ keeps one learner step within the memory this machine has, from the model's conf
 a GPU run from the card. A machine too small for the run stops it in one line naming the flag that fits.
 
 Contract:
-- plan(args, model_path, method) -> int: the --micro-batch-tokens the run uses when its learner is on the CPU.
-  args: the script's parsed flags (memory_plan.with_defaults fills what a stripped copy lacks); method: rloo, dpo,
-  pipeline or ppo. args.micro_batch_tokens None (not given): planned, the largest budget of CPU_BUDGETS whose
-  learner fits the memory available beside the sampler. Given: kept as it is, and checked. Either way a learner
-  that does not fit raises SystemExit with one line:
+- plan(args, model_path, workload) -> int: the --micro-batch-tokens the run uses when its learner is on the CPU.
+  args: the script's parsed flags (memory_plan.with_defaults fills what a stripped copy lacks); workload: the
+  script's memory_plan.Workload (GROUPS, PAIRS, STREAM, ACTOR_CRITIC). args.micro_batch_tokens None (not given):
+  planned, the largest budget of CPU_BUDGETS whose learner fits the memory available beside the sampler. Given: kept
+  as it is, and checked. Either way a learner that does not fit raises SystemExit with one line:
       error: --micro-batch-tokens 8192: the learner needs ~17.6 GB beside the sampler's ~3.2 GB, this machine has
              12.0 GB available; --micro-batch-tokens 1024 fits
       error: --model smollm2: needs ~6.1 GB (the learner ~2.9 GB at one sequence a micro-batch, the sampler ~3.2 GB),
@@ -85,19 +85,19 @@ def available_bytes() -> float:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def learner_resident_bytes(method: str, args, shape: memory_plan.Shape, budget: int,
+def learner_resident_bytes(w: memory_plan.Workload, args, shape: memory_plan.Shape, budget: int,
                            reward_model_bytes: int = 0) -> float:
     """The learner's peak resident memory at --micro-batch-tokens `budget`: RUNTIME_BYTES + memory_plan.learner_bytes
     (the models with gradients and Adam, one micro-batch's activations and logits; worst case: every sequence at
     max_prompt_tokens + max_new_tokens). args: the script's flags (what a stripped copy lacks: memory_plan.OPTIONAL)."""
-    a = memory_plan.with_defaults(method, args)
+    a = memory_plan.with_defaults(w, args)
     a.micro_batch_tokens = budget
-    step, _ = memory_plan.script_step(method, a, shape, reward_model_bytes)
-    return RUNTIME_BYTES + push_resident_bytes(method, a, shape) + memory_plan.learner_bytes(
+    step, _ = w.step(a, shape, reward_model_bytes)
+    return RUNTIME_BYTES + push_resident_bytes(w, a, shape) + memory_plan.learner_bytes(
         shape, step, getattr(a, "dtype", "float32"), bool(a.autocast_bf16), bool(a.gradient_checkpointing))
 
 
-def push_resident_bytes(method: str, args, shape: memory_plan.Shape) -> float:
+def push_resident_bytes(w: memory_plan.Workload, args, shape: memory_plan.Shape) -> float:
     """What the weight push keeps in the learner beside its model, in copies of the weights in the sampler's dtype.
     A sampler on this machine (shm_transfer): none while the learner trains in the shared buffer itself (a sampler
     of the learner's dtype, pushes from the caller, nothing rounded), else one: the buffer a cast fills, or PipelineRL's
@@ -107,7 +107,7 @@ def push_resident_bytes(method: str, args, shape: memory_plan.Shape) -> float:
     learner = getattr(args, "dtype", "float32")
     sampler = getattr(args, "sampler_dtype", "auto")
     sampler = "float32" if sampler == "auto" else sampler  # "auto" on a CPU (vllm_sampler.resolve_dtype)
-    background = memory_plan.pushes_in_background(method, args)
+    background = w.background(args)
     rounded = getattr(args, "push_round_to", "sampler") != "sampler"  # a cast into an fp32 sampler: the engine copies
     if getattr(args, "sampler_url", None):
         copies = 1 + background
@@ -127,41 +127,43 @@ def sampler_resident_bytes(args, shape: memory_plan.Shape) -> float:
     return SAMPLER_RUNTIME_BYTES + shape.params * weight_bytes + SAMPLER_KV_CACHE_BYTES
 
 
-def fitting_budget(method: str, args, shape: memory_plan.Shape, room: float, reward_model_bytes: int = 0) -> int | None:
+def fitting_budget(w: memory_plan.Workload, args, shape: memory_plan.Shape, room: float,
+                   reward_model_bytes: int = 0) -> int | None:
     """The largest of CPU_BUDGETS whose learner fits `room` bytes; None when not even the smallest does."""
     for budget in CPU_BUDGETS:
-        if learner_resident_bytes(method, args, shape, budget, reward_model_bytes) <= room:
+        if learner_resident_bytes(w, args, shape, budget, reward_model_bytes) <= room:
             return budget
     return None
 
 
-def budget_for(method: str, args, shape: memory_plan.Shape, available: float, reward_model_bytes: int = 0) -> int:
+def budget_for(w: memory_plan.Workload, args, shape: memory_plan.Shape, available: float,
+               reward_model_bytes: int = 0) -> int:
     """plan()'s arithmetic on numbers: the budget for `args` (micro_batch_tokens None: planned) on a machine with
     `available` bytes, or SystemExit with the one line (module docstring)."""
-    args = memory_plan.with_defaults(method, args)
+    args = memory_plan.with_defaults(w, args)
     given = args.micro_batch_tokens
     sampler = sampler_resident_bytes(args, shape)
     room = available - sampler
     beside = f" beside the sampler's ~{sampler / GB:.1f} GB" if sampler else ""
     if given is not None:
-        need = learner_resident_bytes(method, args, shape, given, reward_model_bytes)
+        need = learner_resident_bytes(w, args, shape, given, reward_model_bytes)
         if need <= room:
             return given
-        fits = fitting_budget(method, args, shape, room, reward_model_bytes)
+        fits = fitting_budget(w, args, shape, room, reward_model_bytes)
         hint = f"; --micro-batch-tokens {fits} fits" if fits else "; no --micro-batch-tokens fits (a smaller --model)"
         raise SystemExit(f"error: --micro-batch-tokens {given}: the learner needs ~{need / GB:.1f} GB{beside}, "
                          f"this machine has {available / GB:.1f} GB available{hint}")
-    fits = fitting_budget(method, args, shape, room, reward_model_bytes)
+    fits = fitting_budget(w, args, shape, room, reward_model_bytes)
     if fits is not None:
         return fits
-    least = learner_resident_bytes(method, args, shape, 1, reward_model_bytes)  # one sequence (a DPO pair) at a time
+    least = learner_resident_bytes(w, args, shape, 1, reward_model_bytes)  # one sequence (a DPO pair) at a time
     parts = f"the learner ~{least / GB:.1f} GB at one sequence a micro-batch"
     parts += f", the sampler ~{sampler / GB:.1f} GB" if sampler else ""
     raise SystemExit(f"error: --model {getattr(args, 'model', '')}: needs ~{(least + sampler) / GB:.1f} GB ({parts}), "
                      f"this machine has {available / GB:.1f} GB available")
 
 
-def plan(args, model_path: str, method: str, available: float | None = None) -> int:
+def plan(args, model_path: str, w: memory_plan.Workload, available: float | None = None) -> int:
     """The --micro-batch-tokens of a run whose learner is on the CPU, before any weight loads (module docstring):
     args.micro_batch_tokens when given and it fits, else the largest of CPU_BUDGETS that fits; SystemExit with one
     line naming the flag that fits when nothing does. available: bytes (default: available_bytes() now)."""
@@ -173,7 +175,7 @@ def plan(args, model_path: str, method: str, available: float | None = None) -> 
     reward = 0
     if getattr(args, "reward_model", None):
         reward = memory_plan.reward_model_bytes(load_hf(AutoConfig, args.reward_model, flag="--reward-model"))
-    return budget_for(method, args, shape, available_bytes() if available is None else available, reward)
+    return budget_for(w, args, shape, available_bytes() if available is None else available, reward)
 
 
 def release_freed_memory() -> bool:

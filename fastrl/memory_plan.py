@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 GB = 1e9
 # a CUDA context per process: the driver's state and the kernels loaded (lazily, since CUDA 11.7): a bare PyTorch
@@ -81,10 +82,6 @@ HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p"
 SAVED_LOGPROB_BYTES, SAVED_CHUNK_BYTES = 512 * 2**20, 32 * 2**20
 HEAD_CHUNKS_KEPT = {"forward": 6, "backward": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# what the plan reads from a script's Args: a copy must keep these fields (docs/methods.md, "What a copy must keep") ...
-NEEDED = {"rloo": ("num_prompts", "group_size"), "dpo": ("num_prompts", "group_size"),
-          "pipeline": ("train_batch_size",),
-          "ppo": ("batch_size",)}
 # ... and may drop these: a copy without one is planned as the scripts run without it (no reference model, no nucleus,
 # no
 # micro-batch cap, no over-commit, the learner in fp32 without autocast or checkpointing, the sampler placed by `auto`)
@@ -92,8 +89,6 @@ OPTIONAL = dict(placement="auto", sampler_dtype="auto", sampler_gpu_memory=None,
                 autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=8192, top_p=1.0, kl_coef=0.0,
                 micro_batch_size=None, gen_batch_size=None, mode="pipeline", steps_per_rl_step=1, background_push=False,
                 inter=False, delta=0, delta_max=0, num_minibatches=1)
-# the batch flag fixes halves
-BATCH_FLAG = {"rloo": "num_prompts", "dpo": "num_prompts", "pipeline": "train_batch_size", "ppo": "batch_size"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,52 +209,82 @@ def rows_per_micro_batch(n: int, seq_len: int, max_tokens: int, rows_per_item: i
     return items * rows_per_item
 
 
-def script_step(script: str, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
-    """A script's learner step at its flags (worst case: every sequence at full length), and the number of
-    sequences its sampler decodes at once (for the KV cache). script: rloo, dpo, pipeline or ppo."""
-    T = args.max_prompt_tokens + args.max_new_tokens
-    P = s.params
-    if script == "rloo":
-        n = args.num_prompts * args.group_size
-        rows = rows_per_micro_batch(n, T, args.micro_batch_tokens)
-        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p,
-                    completion_len=args.max_new_tokens), n
-    if script == "dpo":
-        n = getattr(args, "prompts_per_round", args.num_prompts) * args.group_size  # a round: --num-minibatches steps
-        pairs = args.num_prompts  # a step: one pair per prompt of its minibatch
-        rows = rows_per_micro_batch(2 * pairs, T, args.micro_batch_tokens, rows_per_item=2)
-        return Step(rows, T, (P,), (P,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows),
-                    top_p=args.top_p, completion_len=args.max_new_tokens), n
-    if script == "pipeline":
-        n = args.train_batch_size
-        rows = rows_per_micro_batch(n, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
-        in_flight = args.gen_batch_size or (n if args.mode == "pipeline" else n * args.steps_per_rl_step)
-        return Step(rows, T, (P,), (P,) if args.kl_coef else (), micro_batches=math.ceil(n / rows), top_p=args.top_p,
-                    completion_len=args.max_new_tokens), in_flight
-    if script == "ppo":
-        # over-committed, Delta at its bound
-        n = args.batch_size + (max(args.delta, args.delta_max) if args.inter else 0)
-        minibatch = args.batch_size // args.num_minibatches
-        rows = rows_per_micro_batch(minibatch, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
-        # the critic and the reference (and a reward model) each keep a KV cache per sequence while they prefill
-        # the streamed chunks; the kv dtype is the forward's (bf16 under autocast)
-        kv_bytes = 2 if args.autocast_bf16 else DTYPE_BYTES[args.dtype]
-        per_sequence = (2 + (1 if reward_model_bytes else 0)) * T * s.layers * 2 * s.kv_dim * kv_bytes
-        return Step(rows, T, (P, s.critic_params), (P,), reward_model_bytes, n * per_sequence,
-                    (n - args.batch_size) * per_sequence,
-                    backward_models=2, micro_batches=math.ceil(minibatch / rows), top_p=args.top_p,
-                    completion_len=args.max_new_tokens), n
-    raise ValueError(f"unknown script {script!r}")
+def _groups_step(w: Workload, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
+    """P prompts x G samples, every sequence in one optimizer step (the reference with --kl-coef)."""
+    T, n = args.max_prompt_tokens + args.max_new_tokens, getattr(args, w.batch) * getattr(args, w.group)
+    rows = rows_per_micro_batch(n, T, args.micro_batch_tokens)
+    return Step(rows, T, (s.params,), (s.params,) if args.kl_coef else (), micro_batches=math.ceil(n / rows),
+                top_p=args.top_p, completion_len=args.max_new_tokens), n
+
+
+def _pairs_step(w: Workload, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
+    """A round of --num-minibatches x P prompts x G samples; a step: one pair (2 rows together) per prompt of its
+    minibatch, against the reference (and a reward model)."""
+    T, pairs = args.max_prompt_tokens + args.max_new_tokens, getattr(args, w.batch)
+    n = pairs * getattr(args, "num_minibatches", 1) * getattr(args, w.group)
+    rows = rows_per_micro_batch(2 * pairs, T, args.micro_batch_tokens, rows_per_item=2)
+    return Step(rows, T, (s.params,), (s.params,), reward_model_bytes, micro_batches=math.ceil(2 * pairs / rows),
+                top_p=args.top_p, completion_len=args.max_new_tokens), n
+
+
+def _stream_step(w: Workload, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
+    """B sequences a step, H in flight (--gen-batch-size; B, or B x G in conventional mode)."""
+    T, n = args.max_prompt_tokens + args.max_new_tokens, getattr(args, w.batch)
+    rows = rows_per_micro_batch(n, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
+    in_flight = args.gen_batch_size or (n if args.mode == "pipeline" else n * args.steps_per_rl_step)
+    return Step(rows, T, (s.params,), (s.params,) if args.kl_coef else (), micro_batches=math.ceil(n / rows),
+                top_p=args.top_p, completion_len=args.max_new_tokens), in_flight
+
+
+def _actor_critic_step(w: Workload, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
+    """B + Delta sequences over-committed (Delta at its bound), a minibatch a step; actor and critic trained, the
+    critic and the reference (and a reward model) each keeping a KV cache per sequence while they prefill the
+    streamed chunks, in the forward's dtype (bf16 under autocast)."""
+    T, batch = args.max_prompt_tokens + args.max_new_tokens, getattr(args, w.batch)
+    n = batch + (max(args.delta, args.delta_max) if args.inter else 0)
+    minibatch = batch // args.num_minibatches
+    rows = rows_per_micro_batch(minibatch, T, args.micro_batch_tokens, max_rows=args.micro_batch_size)
+    kv_bytes = 2 if args.autocast_bf16 else DTYPE_BYTES[args.dtype]
+    per_sequence = (2 + (1 if reward_model_bytes else 0)) * T * s.layers * 2 * s.kv_dim * kv_bytes
+    return Step(rows, T, (s.params, s.critic_params), (s.params,), reward_model_bytes, n * per_sequence,
+                (n - batch) * per_sequence, backward_models=2, micro_batches=math.ceil(minibatch / rows),
+                top_p=args.top_p, completion_len=args.max_new_tokens), n
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the plan reads of a script, as shapes and the names of its flags, never which script it is: its learner
+    step at given flags (`step_at`: (workload, args, Shape, reward model bytes) -> (Step, the sequences its sampler
+    decodes at once)), the flag that is its batch (the one a refusal halves) and the one that is its group. A copy
+    that renames its batch flag passes dataclasses.replace(memory_plan.GROUPS, batch="its_name")."""
+
+    step_at: Callable
+    batch: str
+    group: str | None = None
+    whole_groups: bool = False  # the batch counts sequences in whole groups (a refusal halves it to a multiple)
+    background: Callable = lambda args: False  # whether a push keeps a snapshot of the weights (from a thread)
+
+    def step(self, args, s: Shape, reward_model_bytes: int = 0) -> tuple[Step, int]:
+        """The learner's step at these flags (worst case: every sequence at full length) and the number of sequences
+        the sampler decodes at once (for the KV cache)."""
+        return self.step_at(self, args, s, reward_model_bytes)
+
+    def needed(self) -> tuple[str, ...]:
+        """The Args fields the plan cannot do without: the sequence length and the batch (and group)."""
+        return ("max_prompt_tokens", "max_new_tokens", self.batch, *([self.group] if self.group else []))
+
+
+# the scripts' workloads: RLOO's (and examples/reinforce.py's), online DPO's, PipelineRL's, PPO's
+GROUPS = Workload(_groups_step, batch="num_prompts", group="group_size")
+PAIRS = Workload(_pairs_step, batch="num_prompts", group="group_size")
+STREAM = Workload(_stream_step, batch="train_batch_size", whole_groups=True,
+                  background=lambda args: args.mode == "pipeline" and bool(args.background_push))
+ACTOR_CRITIC = Workload(_actor_critic_step, batch="batch_size")
 
 
 # --------------------------------------------------------------------------------------
 # The push and the sampler
 # --------------------------------------------------------------------------------------
-
-
-def pushes_in_background(script: str, args) -> bool:
-    """Whether the script's pushes keep a snapshot of the weights: PipelineRL's --background-push, in pipeline mode."""
-    return script == "pipeline" and args.mode == "pipeline" and bool(args.background_push)
 
 
 def transfer_bytes(s: Shape, sampler_dtype: str, placement: str, background: bool,
@@ -374,22 +399,18 @@ class Plan:
     headroom: Headroom | None = None  # what the plan assumed beyond the three (contexts, push clones, fragmentation)
 
 
-def needed_flags(script: str) -> tuple[str, ...]:
-    """The Args fields the plan cannot do without: the sequence length and the script's batch (NEEDED)."""
-    return ("max_prompt_tokens", "max_new_tokens", *NEEDED[script])
-
-
-def with_defaults(script: str, args):
+def with_defaults(w: Workload, args):
     """A copy of `args` with every field the plan reads: a script copied and stripped of a flag it does not use is
     planned without it (OPTIONAL), rather than failing with AttributeError on its first GPU start; a field it cannot do
-    without (needed_flags) missing stops the run in one line. `defaulted` names those filled in (fixes never names
+    without (Workload.needed) missing stops the run in one line. `defaulted` names those filled in (fixes never names
     them)."""
     import copy
 
-    missing = [name for name in needed_flags(script) if not hasattr(args, name)]
+    missing = [name for name in w.needed() if not hasattr(args, name)]
     if missing:
         raise SystemExit(f"error: {', '.join('--' + n.replace('_', '-') for n in missing)}: the script's Args has no "
-                         "such field, which the memory plan needs (docs/methods.md: what a copy must keep)")
+                         "such field, which the memory plan needs (renamed: name it in Run's workload, "
+                         "dataclasses.replace(workload, batch=...); docs/methods.md: what a copy must keep)")
     args = copy.copy(args)
     args.defaulted = tuple(name for name in OPTIONAL if not hasattr(args, name))
     for name in args.defaulted:
@@ -397,22 +418,22 @@ def with_defaults(script: str, args):
     return args
 
 
-def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_bytes: int = 0) -> Plan:
+def plan(w: Workload, args, s: Shape, total: float, gpus: int = 1, reward_model_bytes: int = 0) -> Plan:
     """The plan for a script's parsed flags on GPUs of `total` bytes each. args: the script's Args with its
     defaults filled (placement, sampler_dtype, sampler_gpu_memory, dtype, autocast_bf16, gradient_checkpointing,
     micro_batch_tokens, the batch flags); placement "auto" is resolved from `gpus` as vllm_sampler does. The
     sampler's share is args.sampler_gpu_memory when given, else sized here (sampler_share). When it does not
     fit, `line` is the refusal, naming flag changes that would fit (fixes). A field the plan reads that args lacks
     (a stripped copy of a script): with_defaults."""
-    args = with_defaults(script, args)
+    args = with_defaults(w, args)
     placement = args.placement if args.placement != "auto" else ("separate" if gpus >= 2 else "colocate")
     if getattr(args, "sampler_url", None):
         placement = "remote"
-    learner, sampler, transfer, share, fits, room, sampler_room = _place(script, args, s, total, placement,
+    learner, sampler, transfer, share, fits, room, sampler_room = _place(w, args, s, total, placement,
                                                                          reward_model_bytes)
     if not fits:
-        found = fixes(script, args, s, total, placement, reward_model_bytes, gpus)
-        found = found or [no_fix(script, args, s, total, placement, reward_model_bytes)]
+        found = fixes(w, args, s, total, placement, reward_model_bytes, gpus)
+        found = found or [no_fix(w, args, s, total, placement, reward_model_bytes)]
         line = refusal(learner, sampler, transfer, total, found, room)
         return Plan(learner, sampler, transfer, total, share, line, False, room)
     if placement == "colocate":
@@ -426,14 +447,14 @@ def plan(script: str, args, s: Shape, total: float, gpus: int = 1, reward_model_
     return Plan(learner, sampler, transfer, total, share, line, True, room)
 
 
-def _place(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int):
+def _place(w: Workload, args, s: Shape, total: float, placement: str, reward_model_bytes: int):
     """(learner, sampler, transfer bytes, the sampler's share, whether it fits, the learner GPU's Headroom, what the
     sampler's own GPU holds beyond its share) for the flags at a placement."""
     sampler_dtype = (args.sampler_dtype if args.sampler_dtype != "auto"
                      else ("float32" if placement == "cpu" else "bfloat16"))
     dtype = getattr(args, "dtype", "float32")
-    background = pushes_in_background(script, args)
-    step, sequences = script_step(script, args, s, reward_model_bytes)
+    background = w.background(args)
+    step, sequences = w.step(args, s, reward_model_bytes)
     learner = learner_bytes(s, step, dtype, bool(args.autocast_bf16), bool(args.gradient_checkpointing))
     need = sampler_need_bytes(s, sequences, step.seq_len, sampler_dtype)
     transfer = transfer_bytes(s, sampler_dtype, placement, background, dtype)
@@ -470,7 +491,7 @@ def _has(args, name: str) -> bool:
     return name not in getattr(args, "defaulted", ())
 
 
-def _candidates(script: str, args) -> list[dict]:
+def _candidates(w: Workload, args) -> list[dict]:
     """The flag changes fixes tries, in order: the memory settings (checkpointing, then bf16 autocast), then with a
     halved --micro-batch-tokens (down to 1024); then, with the last of those, a smaller batch (halved, down to one
     prompt or PipelineRL's group), shorter responses (--max-new-tokens halved, down to 32), and both. The last is the
@@ -481,8 +502,8 @@ def _candidates(script: str, args) -> list[dict]:
                if _has(args, "micro_batch_tokens") and args.micro_batch_tokens // 2**i >= 1024]
     candidates = [dict(list(memory.items())[:i]) for i in range(1, len(memory) + 1)]
     candidates += [memory | {"micro_batch_tokens": b} for b in budgets]
-    batch, size = BATCH_FLAG[script], getattr(args, BATCH_FLAG[script])
-    group = getattr(args, "group_size", 1) if script == "pipeline" else 1  # PipelineRL's B is whole groups
+    batch, size = w.batch, getattr(args, w.batch)
+    group = getattr(args, "group_size", 1) if w.whole_groups else 1  # (PipelineRL's B is whole groups)
     batches = sorted({b for b in [size // 2**i for i in range(1, 6)] + [group] if group <= b < size and b % group == 0},
                      reverse=True)
     lengths = [t for t in (args.max_new_tokens // 2**i for i in range(1, 6)) if t >= 32]
@@ -491,17 +512,17 @@ def _candidates(script: str, args) -> list[dict]:
     return candidates + [smallest | {batch: b, "max_new_tokens": t} for t in lengths for b in batches]
 
 
-def _place_with(script: str, args, changes: dict, s: Shape, total: float, placement: str, reward_model_bytes: int):
+def _place_with(w: Workload, args, changes: dict, s: Shape, total: float, placement: str, reward_model_bytes: int):
     """_place for the flags with `changes` made."""
     import copy
 
     a = copy.copy(args)
     for name, value in changes.items():
         setattr(a, name, value)
-    return _place(script, a, s, total, placement, reward_model_bytes)
+    return _place(w, a, s, total, placement, reward_model_bytes)
 
 
-def fixes(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0,
+def fixes(w: Workload, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0,
           gpus: int = 1) -> list[str]:
     """Flag changes that make the plan fit, each alternative in one string: a sampler share the plan sizes itself
     instead of the one given, the first of _candidates that fits and trains the same run, a sampler on a second GPU
@@ -509,14 +530,14 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
     responses that fits, naming what it gives up. Each is tried through the plan: none is named that does not fit.
     Never --dtype bfloat16: Adam steps at the papers' learning rates (1e-6 to 3e-6) round away on most bf16 weights."""
     def fits(changes: dict, where: str = placement) -> bool:
-        return _place_with(script, args, changes, s, total, where, reward_model_bytes)[4]
+        return _place_with(w, args, changes, s, total, where, reward_model_bytes)[4]
 
     found = []
     if (placement == "colocate" and _has(args, "sampler_gpu_memory") and args.sampler_gpu_memory is not None
             and fits({"sampler_gpu_memory": None})):
         found.append("leave --sampler-gpu-memory out (the plan sizes it)")
-    candidates = _candidates(script, args)
-    given_up = lambda changes: [what for name, what in ((BATCH_FLAG[script], "a smaller batch"),  # noqa: E731
+    candidates = _candidates(w, args)
+    given_up = lambda changes: [what for name, what in ((w.batch, "a smaller batch"),  # noqa: E731
                                                         ("max_new_tokens", "shorter responses")) if name in changes]
     same_run = next((c for c in candidates if c and not given_up(c) and fits(c)), None)
     if same_run:
@@ -531,18 +552,18 @@ def fixes(script: str, args, s: Shape, total: float, placement: str, reward_mode
     return found
 
 
-def no_fix(script: str, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0) -> str:
+def no_fix(w: Workload, args, s: Shape, total: float, placement: str, reward_model_bytes: int = 0) -> str:
     """The refusal's advice when no flag change fits: a smaller model or a larger GPU, with what the smallest run tried
     (_candidates' last) needs on the learner's GPU and what the models alone hold there at any batch: the trained
     models' weights, gradients and Adam moments, the frozen models (and a colocated sampler's weights)."""
-    candidates = _candidates(script, args)
+    candidates = _candidates(w, args)
     smallest = candidates[-1] if candidates else {}
-    learner, sampler, transfer, _, _, room, _ = _place_with(script, args, smallest, s, total, placement,
+    learner, sampler, transfer, _, _, room, _ = _place_with(w, args, smallest, s, total, placement,
                                                             reward_model_bytes)
     colocated = placement == "colocate"
-    step, _ = script_step(script, args, s, reward_model_bytes)
-    w = DTYPE_BYTES[getattr(args, "dtype", "float32")]
-    models = 4 * sum(step.trained) * w + sum(step.frozen) * w + step.frozen_bytes
+    step, _ = w.step(args, s, reward_model_bytes)
+    weight = DTYPE_BYTES[getattr(args, "dtype", "float32")]
+    models = 4 * sum(step.trained) * weight + sum(step.frozen) * weight + step.frozen_bytes
     if colocated:  # ("auto": bf16 on a GPU)
         models += s.params * DTYPE_BYTES.get(args.sampler_dtype, 2)
     run = " ".join(_flag(name, value) for name, value in smallest.items())

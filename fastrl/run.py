@@ -2,7 +2,7 @@
 scripts share. A script's main() reads
 
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)
-    run = Run(args, "rloo", tasks.HUB_TASKS, common.resolve_model)  # flags, torchrun, memory check, sampler's start
+    run = Run(args, memory_plan.GROUPS, tasks.HUB_TASKS, common.resolve_model)  # flags, torchrun, memory, sampler
     with run:                                    # the sampler and torchrun close however the block ends
         sampler = run.sampler                    # the sampler client: generate, wait, push (fastrl.sampler_client)
         policy = run.learner_model(load(...))    # the model whose weights the sampler gets
@@ -175,12 +175,13 @@ class Resumed:
 
 class Run:
     """One training run's setup and teardown (module docstring). Construction checks the flags (one line naming a bad
-    one, before any process starts), joins torchrun, checks the model against the flags (on a CPU, the memory plan)
-    and starts the sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
+    one, before any process starts), joins torchrun, checks the model against the flags and, on a CPU, the memory
+    plan for the script's `workload` (memory_plan.Workload: its shapes and its batch flag's name) and starts the
+    sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
     length and what one pass of it is, for a loop that is not over --num-rounds (PipelineRL's: --num-steps optimizer
     steps); `sampler_settings`: more of the sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs)."""
 
-    def __init__(self, args, method: str, hub_tasks, resolve_model: Callable[[str, str], str],
+    def __init__(self, args, workload, hub_tasks, resolve_model: Callable[[str, str], str],
                  overlapped: bool = False, rounds: int | None = None, unit: str = "round",
                  sampler_settings: dict | None = None):
         vllm_sampler.quiet_libraries(args.verbose)
@@ -189,9 +190,9 @@ class Run:
         self.name = runlog.run_name(args.exp_name, args.seed, args.resume)
         self.dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
         self.is_main, self.device = self.dist.is_main, self.dist.device  # (rank 0: the sampler, the console)
-        self.model_path, sampler_gpu_memory = checks.check_model(args, method, hub_tasks, resolve_model)
+        self.model_path, sampler_gpu_memory = checks.check_model(args, workload, hub_tasks, resolve_model)
         if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit this machine, or one line says so
-            distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, method), self.dist)
+            distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, workload), self.dist)
             cpu_memory.release_freed_memory()  # resident memory follows the live tensors (before any weight loads)
         engine = None
         if self.dist.is_main:

@@ -238,3 +238,13 @@ def run_stripped_copy(name: str, source: str, flags: list[str]):
     assert (run_dir / "summary.md").is_file() and not (run_dir / "checkpoint.pt").exists()
     assert "Traceback" not in out.stderr and "leaked" not in out.stderr
     return out
+
+
+def _workloads():
+    from fastrl import memory_plan
+
+    return {"rloo": memory_plan.GROUPS, "dpo": memory_plan.PAIRS, "pipeline": memory_plan.STREAM,
+            "ppo": memory_plan.ACTOR_CRITIC}
+
+
+WORKLOADS = _workloads()  # each script's memory_plan.Workload, by the tests' short names for the scripts

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from fastrl import checks, cpu_memory, memory_plan, util
+from conftest import WORKLOADS as W  # each script's memory_plan.Workload, by its short name
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -47,19 +48,19 @@ def preset_args(method: str):
 
 
 def test_a_big_machine_gets_the_cpu_knee_and_a_smaller_one_less():
-    assert cpu_memory.budget_for("rloo", rloo_args(), SMOLLM2, 24 * GB) == cpu_memory.CPU_BUDGETS[0]
-    small = cpu_memory.budget_for("rloo", rloo_args(), SMOLLM2, 7 * GB)
+    assert cpu_memory.budget_for(W["rloo"], rloo_args(), SMOLLM2, 24 * GB) == cpu_memory.CPU_BUDGETS[0]
+    small = cpu_memory.budget_for(W["rloo"], rloo_args(), SMOLLM2, 7 * GB)
     assert small < cpu_memory.CPU_BUDGETS[0]
     room = 7 * GB - cpu_memory.sampler_resident_bytes(rloo_args(), SMOLLM2)
-    assert cpu_memory.learner_resident_bytes("rloo", rloo_args(), SMOLLM2, small) <= room
+    assert cpu_memory.learner_resident_bytes(W["rloo"], rloo_args(), SMOLLM2, small) <= room
     larger = cpu_memory.CPU_BUDGETS[cpu_memory.CPU_BUDGETS.index(small) - 1]
-    assert cpu_memory.learner_resident_bytes("rloo", rloo_args(), SMOLLM2, larger) > room  # the largest that fits
+    assert cpu_memory.learner_resident_bytes(W["rloo"], rloo_args(), SMOLLM2, larger) > room  # the largest that fits
 
 
 def test_a_given_budget_is_kept_when_it_fits_and_refused_in_one_line_naming_one_that_fits():
-    assert cpu_memory.budget_for("rloo", rloo_args(micro_batch_tokens=8192), SMOLLM2, 64 * GB) == 8192
+    assert cpu_memory.budget_for(W["rloo"], rloo_args(micro_batch_tokens=8192), SMOLLM2, 64 * GB) == 8192
     with pytest.raises(SystemExit) as refused:
-        cpu_memory.budget_for("rloo", rloo_args(micro_batch_tokens=8192), SMOLLM2, 12 * GB)
+        cpu_memory.budget_for(W["rloo"], rloo_args(micro_batch_tokens=8192), SMOLLM2, 12 * GB)
     line = str(refused.value)
     assert line.startswith("error: --micro-batch-tokens 8192: the learner needs ~") and "\n" not in line
     assert "this machine has 12.0 GB available; --micro-batch-tokens 1024 fits" in line
@@ -67,11 +68,11 @@ def test_a_given_budget_is_kept_when_it_fits_and_refused_in_one_line_naming_one_
 
 def test_a_machine_too_small_for_one_sequence_is_refused_naming_the_model():
     with pytest.raises(SystemExit) as refused:
-        cpu_memory.budget_for("rloo", rloo_args(), SMOLLM2, 4 * GB)
+        cpu_memory.budget_for(W["rloo"], rloo_args(), SMOLLM2, 4 * GB)
     line = str(refused.value)
     assert line.startswith("error: --model smollm2: needs ~") and "this machine has 4.0 GB available" in line
     # a remote sampler (--sampler-url) takes nothing here
-    assert cpu_memory.budget_for("rloo", rloo_args(sampler_url=("http://x:8000",)), SMOLLM2, 4 * GB) >= 64
+    assert cpu_memory.budget_for(W["rloo"], rloo_args(sampler_url=("http://x:8000",)), SMOLLM2, 4 * GB) >= 64
 
 
 def test_the_push_adds_a_copy_of_the_weights_only_where_the_learner_cannot_train_in_the_shared_buffer():
@@ -79,26 +80,26 @@ def test_the_push_adds_a_copy_of_the_weights_only_where_the_learner_cannot_train
     a bf16 sampler's cast buffer and PipelineRL's background snapshot each hold one copy in the sampler's dtype (fp32
     SmolLM2: 538 MB, what its --background-push run measured above its step); a server's gloo buffers one more."""
     def pipeline(**changes):
-        return memory_plan.with_defaults("pipeline", SimpleNamespace(**(dict(
+        return memory_plan.with_defaults(W["pipeline"], SimpleNamespace(**(dict(
             max_prompt_tokens=128, max_new_tokens=64, train_batch_size=32, group_size=8, micro_batch_tokens=640,
             mode="pipeline", background_push=False, sampler_dtype="auto") | changes)))
 
     weights = SMOLLM2.params * 4
-    assert cpu_memory.push_resident_bytes("pipeline", pipeline(), SMOLLM2) == 0
-    assert cpu_memory.push_resident_bytes("rloo", rloo_args(), SMOLLM2) == 0
-    assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True), SMOLLM2) == weights
-    assert cpu_memory.push_resident_bytes("pipeline", pipeline(mode="conventional", background_push=True),
+    assert cpu_memory.push_resident_bytes(W["pipeline"], pipeline(), SMOLLM2) == 0
+    assert cpu_memory.push_resident_bytes(W["rloo"], rloo_args(), SMOLLM2) == 0
+    assert cpu_memory.push_resident_bytes(W["pipeline"], pipeline(background_push=True), SMOLLM2) == weights
+    assert cpu_memory.push_resident_bytes(W["pipeline"], pipeline(mode="conventional", background_push=True),
                                           SMOLLM2) == 0  # Conventional RL pushes between its RL steps
-    assert cpu_memory.push_resident_bytes("rloo", rloo_args(sampler_dtype="bfloat16"), SMOLLM2) == weights / 2
-    assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True, sampler_dtype="bfloat16"),
+    assert cpu_memory.push_resident_bytes(W["rloo"], rloo_args(sampler_dtype="bfloat16"), SMOLLM2) == weights / 2
+    assert cpu_memory.push_resident_bytes(W["pipeline"], pipeline(background_push=True, sampler_dtype="bfloat16"),
                                           SMOLLM2) == weights / 2  # the snapshot is kept in the sampler's dtype
-    assert cpu_memory.push_resident_bytes("pipeline", pipeline(background_push=True, sampler_url=("http://x:8000",)),
+    assert cpu_memory.push_resident_bytes(W["pipeline"], pipeline(background_push=True, sampler_url=("http://x:8000",)),
                                           SMOLLM2) == 2 * weights
     # bf16's rounding into an fp32 sampler: the cast's buffer; error feedback: its bf16 residual on top
-    assert cpu_memory.push_resident_bytes("rloo", rloo_args(push_round_to="bfloat16"), SMOLLM2) == weights
-    assert cpu_memory.push_resident_bytes("rloo", rloo_args(sampler_dtype="bfloat16", push_rounding="error-feedback"),
-                                          SMOLLM2) == weights
-    planned = [cpu_memory.learner_resident_bytes("pipeline", pipeline(background_push=b), SMOLLM2, 640)
+    assert cpu_memory.push_resident_bytes(W["rloo"], rloo_args(push_round_to="bfloat16"), SMOLLM2) == weights
+    assert cpu_memory.push_resident_bytes(W["rloo"], rloo_args(sampler_dtype="bfloat16",
+                                                               push_rounding="error-feedback"), SMOLLM2) == weights
+    planned = [cpu_memory.learner_resident_bytes(W["pipeline"], pipeline(background_push=b), SMOLLM2, 640)
                for b in (False, True)]
     assert planned[1] - planned[0] == weights
 
@@ -107,10 +108,10 @@ def test_the_push_adds_a_copy_of_the_weights_only_where_the_learner_cannot_train
 def test_each_smollm2_preset_is_planned_under_the_goal(method):
     """Each preset's --micro-batch-tokens fits this 24 GB machine beside its sampler, its learner within PLANNED."""
     args = preset_args(method)
-    budget = cpu_memory.budget_for(method, args, SMOLLM2, 24 * GB)
+    budget = cpu_memory.budget_for(W[method], args, SMOLLM2, 24 * GB)
     assert budget == args.micro_batch_tokens == {"dpo": 384}.get(method, 512)
-    planned = memory_plan.with_defaults(method, args)
-    assert cpu_memory.learner_resident_bytes(method, planned, SMOLLM2, budget) <= PLANNED[method]
+    planned = memory_plan.with_defaults(W[method], args)
+    assert cpu_memory.learner_resident_bytes(W[method], planned, SMOLLM2, budget) <= PLANNED[method]
 
 
 def test_release_freed_memory_applies_on_glibc(monkeypatch):
@@ -185,7 +186,7 @@ def test_one_learner_step_at_the_smollm2_presets_shape_peaks_under_the_goal(meth
     assert result["released"] and result["micro_batches"] >= 2 and result["autocast"] == (precision == "bf16")
     args = preset_args(method)
     args.max_prompt_tokens, args.autocast_bf16 = 48, result["autocast"]
-    planned = cpu_memory.learner_resident_bytes(method, memory_plan.with_defaults(method, args), SMOLLM2,
+    planned = cpu_memory.learner_resident_bytes(W[method], memory_plan.with_defaults(W[method], args), SMOLLM2,
                                                 args.micro_batch_tokens)
     peak = result["peak_mib"] * 2**20
     assert 0.8 * planned <= peak <= 1.1 * planned, (result, planned / 2**20)

@@ -18,6 +18,7 @@ import torch
 
 import common
 from fastrl import launch, runlog, util
+from conftest import WORKLOADS as W  # each script's memory_plan.Workload, by its short name
 import tasks
 from fastrl import vllm_sampler
 from fastrl import weight_sync
@@ -662,7 +663,7 @@ def test_gpu_memory_plan_estimates_a_real_learner_step(autocast, checkpointing):
                            micro_batch_tokens=8192, kl_coef=0.01,
                            top_p=0.95, autocast_bf16=autocast, gradient_checkpointing=checkpointing, dtype="float32")
     shape = memory_plan.shape_of(config)
-    step, _ = memory_plan.script_step("rloo", args, shape)
+    step, _ = W["rloo"].step(args, shape)
     estimate = memory_plan.learner_bytes(shape, step, "float32", autocast, checkpointing)
     assert abs(estimate / measured - 1) <= 0.15, (estimate / 1e9, measured / 1e9)
     assert measured <= estimate * (1 + memory_plan.FRAGMENTATION), (estimate / 1e9, measured / 1e9)

@@ -20,6 +20,7 @@ from transformers import AutoModelForSequenceClassification
 
 import common
 from fastrl import checks, util
+from conftest import WORKLOADS as W  # each script's memory_plan.Workload, by its short name
 from fastrl.vllm_sampler import Completion
 import online_dpo_async as dpo
 import ppo_oppo as po
@@ -243,7 +244,7 @@ GB = 1e9
 
 
 def _paper_args(script: str, prompt: int, response: int, autocast: bool, checkpointing: bool, **kw):
-    """The flags memory_plan.script_step reads, at benchmarks/memory.py's settings for each script."""
+    """The flags a memory_plan.Workload reads, at benchmarks/memory.py's settings for each script."""
     base = dict(max_prompt_tokens=prompt, max_new_tokens=response, micro_batch_tokens=8192, autocast_bf16=autocast,
                 gradient_checkpointing=checkpointing, dtype="float32", placement="colocate", sampler_dtype="auto",
                 sampler_gpu_memory=None, sampler_url=None)
@@ -276,7 +277,7 @@ def test_plan_estimates_the_measured_learner_step_within_15_percent(script, prom
                               math_attention=not autocast)["peak"]
     args = _paper_args(script, prompt, response, autocast, checkpointing,
                        **({"num_prompts": kw["pairs"]} if "pairs" in kw else {}))
-    step, _ = memory_plan.script_step(script, args, memory_plan.shape_of(config))
+    step, _ = W[script].step(args, memory_plan.shape_of(config))
     estimate = memory_plan.learner_bytes(memory_plan.shape_of(config), step, "float32", autocast, checkpointing)
     assert abs(estimate / measured - 1) <= 0.15, (estimate / GB, measured / GB)
 
@@ -339,7 +340,7 @@ def test_headroom_budgets_contexts_push_clones_and_fragmentation():
     alone = memory_plan.headroom(QWEN, 11.6e9, 0.5e9, "bfloat16", "separate")
     assert alone.contexts == 1 and alone.push_clones == 0  # the sampler's context and buffers are on its own GPU
     # the calibration: the H100's 12.0 GB is within the estimate's half of the margin; the other half is the allocator's
-    rloo = memory_plan.learner_bytes(QWEN, memory_plan.script_step("rloo", _paper_args("rloo", 256, 512, True, True),
+    rloo = memory_plan.learner_bytes(QWEN, W["rloo"].step(_paper_args("rloo", 256, 512, True, True),
                                                                    QWEN)[0], "float32", True, True)
     assert f"{rloo / GB:.1f}" == "11.6"
     assert (12.0e9 <= rloo * (1 + memory_plan.FRAGMENTATION / 2)
@@ -352,16 +353,16 @@ def test_rloo_on_a_24_gb_card_fits_with_each_budget_itemised():
     batch's KV cache and its overhead; the line says each part. The old sizing (0.43: 1.5 GB of headroom for all of
     it) given by hand is refused, naming the fix, which is the same run with the share the plan sizes."""
     args = _paper_args("rloo", 256, 512, True, True)
-    p = memory_plan.plan("rloo", args, QWEN, 24 * GB)
+    p = memory_plan.plan(W["rloo"], args, QWEN, 24 * GB)
     assert p.fits and p.share == 0.37, p.line
     assert p.line == ("memory plan: learner ~11.6 GB + sampler 8.9 GB + transfer 0.5 GB + headroom 2.8 GB "
                       "(CUDA contexts 1.0 + the sampler's push clones 0.5 + fragmentation 1.2) of 24 GB")
     room = p.headroom
     assert room == memory_plan.headroom(QWEN, p.learner, p.transfer, "bfloat16", "colocate")
     assert p.learner + p.transfer + p.sampler + room.bytes <= 24 * GB
-    step, sequences = memory_plan.script_step("rloo", args, QWEN)
+    step, sequences = W["rloo"].step(args, QWEN)
     assert p.sampler >= memory_plan.sampler_need_bytes(QWEN, sequences, step.seq_len, "bfloat16")
-    old = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.43), QWEN, 24 * GB)
+    old = memory_plan.plan(W["rloo"], _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.43), QWEN, 24 * GB)
     assert not old.fits and old.line.endswith("to fit: leave --sampler-gpu-memory out (the plan sizes it)"), old.line
     assert ("\n" not in old.line
             and "headroom 2.8 GB (CUDA contexts 1.0 + the sampler's push clones 0.5 + fragmentation 1.2)" in old.line)
@@ -373,14 +374,15 @@ def test_a_card_too_small_for_rloo_beside_its_sampler_is_refused_with_only_fixes
     passes: the step grows), so one GPU gets only a smaller run that fits, named as one; a second GPU gets --placement
     separate alone, and that plan fits."""
     args = _paper_args("rloo", 256, 512, True, True)
-    p = memory_plan.plan("rloo", args, QWEN, 16 * GB)
+    p = memory_plan.plan(W["rloo"], args, QWEN, 16 * GB)
     assert not p.fits and "CUDA contexts 1.0 + the sampler's push clones 0.5 + fragmentation" in p.line, p.line
     # no flag trains this run in less, but a smaller one fits, and is named as such
     assert p.line.endswith("to fit: --micro-batch-tokens 1024 --num-prompts 1 --max-new-tokens 256 (a smaller batch "
                            "and shorter responses)"), p.line
-    p = memory_plan.plan("rloo", args, QWEN, 16 * GB, gpus=2)
+    p = memory_plan.plan(W["rloo"], args, QWEN, 16 * GB, gpus=2)
     assert p.line.endswith("; to fit: --placement separate (the sampler on a second GPU)"), p.line
-    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 16 * GB, gpus=2)
+    p = memory_plan.plan(W["rloo"], _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 16 * GB,
+                         gpus=2)
     assert p.fits and ("(CUDA context 0.5 + fragmentation 1.2) of 16 GB; "
                        "sampler 13.6 GB + its CUDA context and push buffers 1.9 GB" in p.line)
 
@@ -417,14 +419,14 @@ def test_ppo_on_24_gb_names_no_change_that_does_not_fit():
     18.8 GB)."""
     args = _paper_args("ppo", 512, 1024, True, True)
     for change, learner_gb in [(dict(batch_size=1), 18.5), (dict(max_new_tokens=64), 22.5)]:
-        p = memory_plan.plan("ppo", SimpleNamespace(**vars(args) | change), QWEN, 24 * GB)
+        p = memory_plan.plan(W["ppo"], SimpleNamespace(**vars(args) | change), QWEN, 24 * GB)
         assert not p.fits and round(p.learner / GB, 1) == learner_gb, (change, p.learner / GB)
-    p = memory_plan.plan("ppo", args, QWEN, 24 * GB)
+    p = memory_plan.plan(W["ppo"], args, QWEN, 24 * GB)
     assert not p.fits and p.line.endswith(f"to fit: {PPO_24_GB_NO_FIX}"), p.line
     models = 4 * 4 * (QWEN.params + QWEN.critic_params) + 4 * QWEN.params + 2 * QWEN.params
     assert models / GB == pytest.approx(18.8, abs=0.05)
     smallest = SimpleNamespace(**vars(args) | dict(micro_batch_tokens=1024, batch_size=1, max_new_tokens=32))
-    smallest = memory_plan.plan("ppo", smallest, QWEN, 24 * GB)
+    smallest = memory_plan.plan(W["ppo"], smallest, QWEN, 24 * GB)
     assert not smallest.fits and "= 24.6 GB does not fit" in smallest.line
 
 
@@ -438,11 +440,11 @@ def test_every_fix_named_fits_when_applied():
                                                (True, True, {"sampler_gpu_memory": 0.8})]:
             for total_gb, gpus in [(8, 1), (12, 1), (16, 1), (16, 2), (24, 1), (32, 1), (40, 1)]:
                 args = _paper_args(script, prompt, response, autocast, checkpointing, **extra)
-                for fix in memory_plan.fixes(script, args, QWEN, total_gb * GB, "colocate", gpus=gpus):
+                for fix in memory_plan.fixes(W[script], args, QWEN, total_gb * GB, "colocate", gpus=gpus):
                     changed = SimpleNamespace(**vars(_with_fix(args, fix)) | {"sampler_gpu_memory": None})
                     if fix.startswith("--placement separate"):
                         changed.placement = "separate"
-                    plan = memory_plan.plan(script, changed, QWEN, total_gb * GB, gpus=gpus)
+                    plan = memory_plan.plan(W[script], changed, QWEN, total_gb * GB, gpus=gpus)
                     assert plan.fits, (script, total_gb, fix)
                     named += 1
     assert named > 20
@@ -457,7 +459,7 @@ def test_plan_for_each_script_at_its_memory_defaults(script, total_gb):
     bf16 weights (the learner alone leaves no room for a sampler, so a second GPU is not named)."""
     prompt, response = dict(rloo=(256, 512), dpo=(512, 512), pipeline=(512, 1024), ppo=(512, 1024))[script]
     args = _paper_args(script, prompt, response, True, True)
-    p = memory_plan.plan(script, args, QWEN, total_gb * GB)
+    p = memory_plan.plan(W[script], args, QWEN, total_gb * GB)
     if (script, total_gb) == ("ppo", 24):
         # fp32 actor + critic with Adam leave no room on 24 GB; bf16 weights would fit but not train at lr 3e-6
         assert not p.fits and p.line.endswith(f"to fit: {PPO_24_GB_NO_FIX}"), p.line
@@ -467,7 +469,7 @@ def test_plan_for_each_script_at_its_memory_defaults(script, total_gb):
     assert p.line.startswith("memory plan: learner ~") and p.line.endswith(f"of {total_gb} GB")
     assert memory_plan.MIN_SHARE <= p.share <= memory_plan.MAX_SHARE
     assert p.learner + p.transfer + p.sampler + p.headroom.bytes <= total_gb * GB
-    step, _ = memory_plan.script_step(script, args, QWEN)
+    step, _ = W[script].step(args, QWEN)
     assert p.learner == memory_plan.learner_bytes(QWEN, step, "float32", True, True)
 
 
@@ -475,7 +477,7 @@ def test_plan_refuses_in_one_line_naming_the_flags_that_fit():
     """PPO in fp32 without checkpointing (~90 GB) on a 24 GB card: refused, naming the memory flags that fit;
     a given share that leaves the learner too little is named, with a second GPU."""
     args = _paper_args("ppo", 512, 1024, False, False)
-    p = memory_plan.plan("ppo", args, QWEN, 24 * GB)
+    p = memory_plan.plan(W["ppo"], args, QWEN, 24 * GB)
     assert not p.fits and p.share is None
     assert p.line.startswith("error: memory plan: learner ~") and "does not fit the GPU's 24 GB" in p.line
     # never --dtype bfloat16; the memory flags alone do not fit, nor a smaller batch or shorter responses with them
@@ -483,19 +485,19 @@ def test_plan_refuses_in_one_line_naming_the_flags_that_fit():
                            "--micro-batch-tokens 1024 --batch-size 1 --max-new-tokens 32 needs ~24.6 GB; the models "
                            "alone (weights, gradients and Adam moments; the sampler's weights) ~18.8 GB)"), p.line
     # 40 GB: checkpointing alone
-    p = memory_plan.plan("ppo", args, QWEN, 40 * GB)
+    p = memory_plan.plan(W["ppo"], args, QWEN, 40 * GB)
     assert not p.fits and p.line.endswith("to fit: --gradient-checkpointing"), p.line
     # RLOO with the memory defaults but --sampler-gpu-memory 0.8 on 24 GB: leave it out, or a second GPU where there
     # is one
-    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8,
+    p = memory_plan.plan(W["rloo"], _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8,
                                              placement="colocate"), QWEN, 24 * GB)
     assert not p.fits
     assert "leave --sampler-gpu-memory out" in p.line and "--placement separate" not in p.line  # one GPU: refused there
-    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8,
+    p = memory_plan.plan(W["rloo"], _paper_args("rloo", 256, 512, True, True, sampler_gpu_memory=0.8,
                                              placement="colocate"), QWEN, 24 * GB, gpus=2)
     assert "leave --sampler-gpu-memory out" in p.line and "--placement separate" in p.line
     # separate: the learner's GPU holds the learner and the transfer, the sampler its default 0.85 of the next
-    p = memory_plan.plan("rloo", _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 24 * GB)
+    p = memory_plan.plan(W["rloo"], _paper_args("rloo", 256, 512, True, True, placement="separate"), QWEN, 24 * GB)
     assert p.fits and p.share == 0.85 and "own GPU" in p.line
 
 
@@ -514,7 +516,7 @@ def test_transfer_is_the_packed_buffer_and_a_background_snapshot():
 def test_memory_plan_on_cpu_prints_nothing_and_changes_nothing(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = _paper_args("rloo", 256, 512, False, False, sampler_gpu_memory=0.5)
-    assert checks.memory_plan(args, "/nonexistent", "rloo") == 0.5
+    assert checks.memory_plan(args, "/nonexistent", W["rloo"]) == 0.5
     assert capsys.readouterr().out == ""
 
 
@@ -530,7 +532,7 @@ def _suggested_command_lines() -> dict[str, set[str]]:
         for autocast, checkpointing, extra in [(False, False, {}), (True, False, {}), (False, True, {}),
                                                (True, True, {}), (True, True, {"sampler_gpu_memory": 0.8})]:
             for total_gb in (8, 12, 24, 40):
-                for fix in memory_plan.fixes(script, _paper_args(script, prompt, response, autocast, checkpointing,
+                for fix in memory_plan.fixes(W[script], _paper_args(script, prompt, response, autocast, checkpointing,
                                                                  **extra),
                                              QWEN, total_gb * GB, "colocate", gpus=2):
                     if not fix.startswith("leave "):
@@ -582,7 +584,7 @@ def test_docs_memory_table_is_the_plan_the_code_prints():
         if len(cells) == 3 and cells[0] in names and cells[1].count("`") == 2:
             script = names[cells[0]]
             for cell, total_gb in zip(cells[1:], (24, 80)):
-                line = memory_plan.plan(script, _paper_args(script, *sizes[script], True, True), QWEN,
+                line = memory_plan.plan(W[script], _paper_args(script, *sizes[script], True, True), QWEN,
                                         total_gb * GB).line
                 assert cell.split("`")[1] in line and line.endswith(cell.split("`")[1]), (script, total_gb, line)
                 checked += 1

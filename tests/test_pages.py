@@ -113,3 +113,15 @@ def test_the_round_calls_the_sampler_with_its_sampling_parameters_in_view(script
     if script != "pipeline_rl.py":  # (PipelineRL's loop is over optimizer steps: `step % args.eval_every`)
         assert "if args.eval_every and rounds_done % args.eval_every == 0" in source
     assert "run.save(" in source and "args.save_every" in source
+
+
+def test_shared_code_never_asks_which_script_it_serves():
+    """Issue 60: `Run(args, "rloo", ...)` passed a name that fastrl/memory_plan.py branched on (its NEEDED and
+    BATCH_FLAG tables, script_step), so a copy with a renamed batch flag broke in a file its author never opened. Now a
+    script passes its workload (memory_plan.Workload: shapes and its flags' names): no string in fastrl/ names a
+    script or a method (tests/test_student_copy.py runs a copy of each script with its batch flag renamed)."""
+    names = {"rloo", "dpo", "ppo", "grpo", "rloo_kreuse", "online_dpo_async", "pipeline_rl", "ppo_oppo"}
+    for path in sorted((ROOT / "fastrl").glob("*.py")):
+        found = [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in names]
+        assert not found, (path.name, found)

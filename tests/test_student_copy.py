@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import WORKLOADS as W  # each script's memory_plan.Workload, by its short name
 
 import tasks
 
@@ -191,7 +192,7 @@ def stripped_copy(script: str, without: str):
 def optional_flags(script: str) -> list[str]:
     module = importlib.import_module(SCRIPTS[script])
     return [f.name for f in dataclasses.fields(module.Args) if f.name not in ("model",
-                                                                              *memory_plan.needed_flags(script))]
+                                                                              *W[script].needed())]
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
@@ -201,7 +202,7 @@ def test_a_copy_without_any_one_optional_flag_plans_and_checks(script, monkeypat
     line or its one-line refusal) and the checks before the sampler starts (check_run_flags, check_model) still run."""
     for name in optional_flags(script):
         args = stripped_copy(script, name)
-        plan = memory_plan.plan(script, args, QWEN, 80e9)
+        plan = memory_plan.plan(W[script], args, QWEN, 80e9)
         assert (plan.line.startswith(("memory plan: ", "error: memory plan: "))
                 and "\n" not in plan.line), (name, plan.line)
         if name not in ("sampler_url",):  # (not about the flags: a copy's plan names only flags it has)
@@ -212,16 +213,16 @@ def test_a_copy_without_any_one_optional_flag_plans_and_checks(script, monkeypat
             args.task = "countdown"  # (the paper's countdown-hub needs the datasets package, which CPU setups lack)
         if hasattr(args, "max_prompt_tokens"):
             args.max_prompt_tokens, args.max_new_tokens = 32, 32
-        checks.check_model(args, script, tasks.HUB_TASKS, common.resolve_model)
+        checks.check_model(args, W[script], tasks.HUB_TASKS, common.resolve_model)
 
 
 @pytest.mark.parametrize("script", list(SCRIPTS))
 def test_a_copy_without_a_flag_the_plan_needs_stops_in_one_line_on_cpu_too(script):
-    for name in memory_plan.needed_flags(script):
+    for name in W[script].needed():
         args = stripped_copy(script, name)
         args.model = checks.TINY
         with pytest.raises(SystemExit, match=f"^error: --{name.replace('_', '-')}: ") as stopped:
-            checks.check_model(args, script, tasks.HUB_TASKS, common.resolve_model)
+            checks.check_model(args, W[script], tasks.HUB_TASKS, common.resolve_model)
         assert "\n" not in str(stopped.value)
 
 
@@ -306,13 +307,15 @@ def test_methods_md_says_which_script_to_start_from_and_what_a_copy_must_keep():
     table = _section(methods, "Which script to start from")
     for change in ("REINFORCE", "GRPO", "new policy-gradient loss", "new preference loss", "new reward"):
         row = next(line for line in table.splitlines() if change in line)
-        for script in re.findall(r"`(\w+\.py)`", row):
-            module = importlib.import_module(script[:-3])
+        for script in re.findall(r"`([\w/]+\.py)`", row):
+            if str((ROOT / script).parent) not in sys.path:  # (examples/reinforce.py: its folder importable)
+                sys.path.append(str((ROOT / script).parent))
+            module = importlib.import_module(Path(script).stem)
             for name in re.findall(r"`(\w+)`", row.split("|")[3]):
                 assert hasattr(module, name), (change, script, name)
     keep = _section(methods, "What a copy must keep")
     for script in SCRIPTS:
-        for name in memory_plan.needed_flags(script):
+        for name in W[script].needed():
             assert f"--{name.replace('_', '-')}" in keep, name
     for call in ("sampler.push(policy, step)", "sampler.check_version", "with run:", "Run(args", "run.warn_no_learning",
                  "__main__"):
@@ -369,3 +372,42 @@ def test_the_console_line_shows_what_was_measured_and_the_clipped_fraction():
                 "losses/grad_clipped_fraction": 1.0, "time/generate_seconds": 1.5, "time/train_seconds": 2.0}, round=1)
     assert lines == ["round 1/3 step 2: reward 0.250 accuracy 0.500 entropy 0.700 clipped 1.000 generate 1.50s "
                      "train 2.00s"]
+
+
+# --------------------------------------------------------------------------------------
+# Issue 60: shared code never asks which script it serves
+
+
+# each script's batch flag, the name a copy gives it, its workload, and a one-round run's flags
+RENAMED = {
+    "rloo_kreuse": ("num_prompts", "prompts_per_batch", "GROUPS",
+                    ["--prompts-per-batch", "4", "--group-size", "2", "--num-rounds", "1"]),
+    "online_dpo_async": ("num_prompts", "prompts_per_batch", "PAIRS",
+                         ["--prompts-per-batch", "4", "--group-size", "2", "--num-rounds", "1", "--sync"]),
+    "pipeline_rl": ("train_batch_size", "sequences_per_step", "STREAM",
+                    ["--sequences-per-step", "8", "--group-size", "2", "--num-steps", "1", "--mode", "conventional",
+                     "--steps-per-rl-step", "1"]),
+    "ppo_oppo": ("batch_size", "sequences_per_round", "ACTOR_CRITIC",
+                 ["--sequences-per-round", "8", "--num-rounds", "1", "--no-intra", "--no-inter"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(RENAMED))
+def test_a_copy_that_renames_its_batch_flag_runs(script, tmp_path):
+    """Issue 60: the memory plan knew each script by name (`Run(args, "rloo", ...)`, its NEEDED and BATCH_FLAG
+    tables), so a copy that renamed its batch flag broke in a file its author never opened. Now the script hands Run
+    its workload (memory_plan.Workload: shapes and the names of its flags): the copy renames the flag everywhere in its
+    own file, names it in its workload, and runs a round, evaluates and stops cleanly."""
+    old, new, workload, flags = RENAMED[script]
+    source = re.sub(rf"\b{old}\b", new, (ROOT / f"{script}.py").read_text())
+    assert f"memory_plan.{workload}," in source
+    source = source.replace(f"memory_plan.{workload},",
+                            f"__import__('dataclasses').replace(memory_plan.{workload}, batch={new!r}),")
+    copy = tmp_path / f"{script}_renamed.py"
+    copy.write_text(source)
+    out = subprocess.run([sys.executable, str(copy), *flags, "--max-new-tokens", "8",
+                          "--eval-problems", "2", "--eval-samples", "1", "--exp-name", "renamed"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and (next((tmp_path / "runs").glob("renamed__*")) / "summary.md").is_file()
