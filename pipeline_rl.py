@@ -1,10 +1,11 @@
 """PipelineRL with in-flight weight updates (Algorithm 2), and Conventional RL (Algorithm 1) for the paper's comparison.
 Paper: Piché et al., "PipelineRL: Faster On-policy RL for Long Sequence Generation", arXiv:2509.19128.
 
-PipelineRL: the actor keeps H sequences in flight; finished groups queue for the trainer, new prompts take their place.
-After every optimizer step the learner pushes its weights in flight: running sequences pause, take them and go on (on
-their stale KV cache, or re-prefilled: --recompute-kv). The loss: REINFORCE with a per-prompt mean baseline weighted by
-min(c, pi/mu), mu the sampler's own logprobs (Eq. 4-5); below --ess-threshold a step is skipped for fresh data.
+What it adds to examples/reinforce.py: in-flight weight pushes and the lag they give. The actor keeps H sequences in
+flight; finished groups queue for the trainer, new prompts take their place. After every optimizer step the learner
+pushes its weights in flight: running sequences pause, take them and go on (on their stale KV cache, or re-prefilled:
+--recompute-kv), so a sequence mixes policy versions; REINFORCE's loss is weighted by min(c, pi/mu), mu the sampler's
+own logprobs (Eq. 4-5), and below --ess-threshold a step is skipped for fresh data.
 Conventional RL (--mode conventional --steps-per-rl-step G): B*G sequences from one policy, shuffled into G batches,
 G steps, then the push. --max-lag 0 gives PipelineRL the batches of Conventional RL with G = 1.
 

@@ -125,3 +125,13 @@ def test_shared_code_never_asks_which_script_it_serves():
         found = [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in names]
         assert not found, (path.name, found)
+
+
+@pytest.mark.parametrize("script", [s for s in BUDGETS if s != "examples/reinforce.py"])
+def test_each_method_says_what_it_adds_to_the_first_script(script):
+    """Issue 60: a student reads examples/reinforce.py first; each method script's docstring says in a few lines what
+    it adds to it (K steps and their weights, the one-step-off overlap, in-flight pushes and lag, the critic and OPPO's
+    streaming), and the first script names each method script."""
+    doc = ast.get_docstring(ast.parse((ROOT / script).read_text()))
+    assert "What it adds to examples/reinforce.py:" in doc
+    assert f"- {script}: " in ast.get_docstring(ast.parse((ROOT / "examples" / "reinforce.py").read_text()))
