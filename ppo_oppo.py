@@ -646,7 +646,7 @@ def main():
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
                 run.save(step, rounds_done, overlap.data_position, totals,
-                         None if args.inter else sampler.rng_state(), tokenizer,  # (no inter: nothing in flight)
+                         None if args.inter else sampler.rng_state(), tokenizer,  # (no inter: the next round's)
                          delta=overlap.delta, chunk=overlap.chunk, reward_history=overlap.reward_history,
                          carried_keys=[r.key for r in oppo.inflight.values()])
         if sampler.engine is not None:

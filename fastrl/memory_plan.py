@@ -82,9 +82,9 @@ HEAD_CHUNKS = {"forward": 4, "forward top-p": 8, "backward": 7, "backward top-p"
 SAVED_LOGPROB_BYTES, SAVED_CHUNK_BYTES = 512 * 2**20, 32 * 2**20
 HEAD_CHUNKS_KEPT = {"forward": 6, "backward": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# ... and may drop these: a copy without one is planned as the scripts run without it (no reference model, no nucleus,
-# no
-# micro-batch cap, no over-commit, the learner in fp32 without autocast or checkpointing, the sampler placed by `auto`)
+# the flags a copy may drop (it must keep Workload.needed()): planned as the scripts run without them (no reference
+# model, no nucleus, no micro-batch cap, no over-commit, the learner in fp32 without autocast or checkpointing, the
+# sampler placed by `auto`)
 OPTIONAL = dict(placement="auto", sampler_dtype="auto", sampler_gpu_memory=None, sampler_url=None, dtype="float32",
                 autocast_bf16=False, gradient_checkpointing=False, micro_batch_tokens=8192, top_p=1.0, kl_coef=0.0,
                 micro_batch_size=None, gen_batch_size=None, mode="pipeline", steps_per_rl_step=1, background_push=False,

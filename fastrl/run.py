@@ -175,9 +175,9 @@ class Resumed:
 
 class Run:
     """One training run's setup and teardown (module docstring). Construction checks the flags (one line naming a bad
-    one, before any process starts), joins torchrun, checks the model against the flags and, on a CPU, the memory
-    plan for the script's `workload` (memory_plan.Workload: its shapes and its batch flag's name) and starts the
-    sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
+    one, before any process starts), joins torchrun, checks the model against the flags and the memory plan for the
+    script's `workload` (memory_plan.Workload: its shapes and its batch flag's name; a GPU's, or a CPU learner's) and
+    starts the sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
     length and what one pass of it is, for a loop that is not over --num-rounds (PipelineRL's: --num-steps optimizer
     steps); `sampler_settings`: more of the sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs)."""
 
@@ -250,7 +250,7 @@ class Run:
         """Before the loop: the run directory (runs/<name>/), --resume's checkpoint (the weights of `checkpointed`,
         every model the optimizer steps, or the policy; Adam, RNGs, the counters and the method's `extra` entries,
         returned in Resumed.extra), the sampler's weight sync (it starts from the learner's weights;
-        `background_push`: pushes from a thread) and the progress bar. save() writes what this call was given."""
+        `background_push`: pushes from a thread). save() writes what this call was given."""
         args, dist = self.args, self.dist
         self._policy, self._saved = policy, (policy if checkpointed is None else checkpointed, optimizer)
         if dist.is_main:
@@ -270,7 +270,6 @@ class Run:
                                    background_push=background_push, rounding=args.push_rounding, seed=args.seed,
                                    probe=self.update_probe,
                                    round_to=None if args.push_round_to == "sampler" else torch.bfloat16)
-        self._progress = util.Progress(self.rounds, "train", unit=self.unit, initial=start.round, show=dist.is_main)
         return start
 
     def log(self, step: int, metrics: dict, round: int | None = None, show: tuple = ()) -> dict:
@@ -279,10 +278,12 @@ class Run:
         entropy, the fraction of steps whose gradient was clipped and seconds, then the `show` metrics, each only where
         it was measured (no NaN: no KL without a reference model); any other row (an evaluation) is printed whole."""
         if round is None:
-            self._served["eval_every"] += self._first_round is not None and any(k.startswith("eval/") for k in metrics)
+            self._served["eval_every"] += self._first_round is not None  # (every rank: {} off rank 0)
             self.logger.log(step, metrics)
             return metrics
-        self._first_round = round - 1 if self._first_round is None else self._first_round
+        if self._first_round is None:  # the progress bar from the first round this process runs (after a resume's)
+            self._first_round = round - 1
+            self._progress = util.Progress(self.rounds, "train", unit=self.unit, initial=round - 1, show=self.is_main)
         self._check_served(round)
         self.logger.log(step, metrics, echo=False)
         measured = [k for k in CONSOLE + tuple(show) if k in metrics and math.isfinite(float(metrics[k]))]
@@ -292,6 +293,8 @@ class Run:
         self._progress.write(f"{self.unit} {round}/{self.rounds} step {step}: " + " ".join(
             f"{name[:-len('_seconds')]} {value:.2f}s" if name.endswith("_seconds") else f"{name} {value:.3f}"
             for name, value in shown))
+        if round >= self.rounds:  # the last round: the bar ends before the end's evaluation draws its own
+            self._progress.close()
         return metrics
 
     def _check_served(self, round: int) -> None:
@@ -309,7 +312,7 @@ class Run:
         """<run>/snapshots/<step>.pt: the policy's weights at `step` (the last push's, or gathered now) with the run's
         wall time, for benchmarks/learning_speed.py (--snapshot-every)."""
         self.sampler.gather(self._policy, step)
-        self._served["snapshot_every"] += 1
+        self._served["snapshot_every"] += self._first_round is not None  # (not the start's)
         if self.dist.is_main:
             self.logger.snapshot(step, self.sampler.weights)
 

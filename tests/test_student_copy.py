@@ -365,7 +365,7 @@ def test_the_console_line_shows_what_was_measured_and_the_clipped_fraction():
     lines = []
     run = object.__new__(Run)  # the round's log alone: no sampler, no process
     run.args = SimpleNamespace(save_every=0, eval_every=0, snapshot_every=0)
-    run._served, run._first_round = dict(save_every=0, snapshot_every=0, eval_every=0), None
+    run._served, run._first_round = dict(save_every=0, snapshot_every=0, eval_every=0), 0  # (its bar: below)
     run.logger, run.unit, run.rounds = distributed.NullLogger(), "round", 3
     run._progress = SimpleNamespace(update=lambda *a, **k: None, write=lines.append)
     run.log(2, {"charts/reward": 0.25, "charts/accuracy": 0.5, "charts/kl": math.nan, "losses/entropy": 0.7,
@@ -411,3 +411,26 @@ def test_a_copy_that_renames_its_batch_flag_runs(script, tmp_path):
                          capture_output=True, text=True, timeout=600, env=os.environ | {"PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "Traceback" not in out.stderr and (next((tmp_path / "runs").glob("renamed__*")) / "summary.md").is_file()
+
+
+def test_an_evaluation_off_rank_0_serves_eval_every_too():
+    """Under torchrun only rank 0 evaluates (tasks.evaluator gives {} elsewhere); every rank logs the row. The check
+    that a copy serves --eval-every counted only rows with pass@k in them, so rank 1 stopped at round 3 of
+    `--eval-every 2` while rank 0 waited for it in the next collective. Now any row logged after a round counts."""
+    from types import SimpleNamespace
+
+    from fastrl import distributed
+    from fastrl.run import Run
+
+    run = object.__new__(Run)
+    run.args = SimpleNamespace(save_every=0, eval_every=2, snapshot_every=0)
+    run._served, run._first_round = dict(save_every=0, snapshot_every=0, eval_every=0), 0
+    run.logger, run.unit, run.rounds = distributed.NullLogger(), "round", 6
+    run._progress = SimpleNamespace(update=lambda *a, **k: None, write=lambda line: None, close=lambda: None)
+    for round in range(1, 7):
+        run.log(round, {"charts/reward": 0.5}, round=round)  # rank 1's view: its evaluations are {}
+        if round % 2 == 0 and round < 6:
+            run.log(round, {})
+    run._served["eval_every"] = 0  # and a copy without the line still stops, on every rank alike
+    with pytest.raises(SystemExit, match="--eval-every 2: never served"):
+        run.log(7, {"charts/reward": 0.5}, round=7)
