@@ -269,7 +269,7 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
     def stop(*a, **k):
         raise _Loaded
 
-    monkeypatch.setattr(Run, "begin", stop)  # right after the models load, before anything runs
+    monkeypatch.setattr(Run, "resume", stop)  # right after the models load, before anything runs
     monkeypatch.setattr(sys, "argv", ["rloo_kreuse.py", "--model", "tiny", *flags])
     with pytest.raises(_Loaded):
         rloo.main()
