@@ -220,18 +220,13 @@ SAVED_CHUNK_BYTES = 32 * 2**20
 
 def token_logprobs(model, input_ids, attention_mask, completion_mask, temperature: float = 1.0, top_p: float = 1.0,
                    top_k: int = 0, with_entropy: bool = False, chunk_bytes: int = LOGIT_CHUNK_BYTES):
-    """Per-token log pi(y_t | x, y_<t) of the completion tokens under `model`, in fp32, under the
-    sampler's processing (temperature, top-k, top-p: see sampling_logits). This is the logprob
-    contract: at the sampler's weights these equal the sampler's `processed_logprobs` (~1e-6 in
-    fp32), so every ratio a method forms compares distributions of the same kind. Returns
-    [batch, len-1] tensors aligned with input_ids[:, 1:], zero off the completion, plus the
-    per-token entropy of the same distribution when asked.
-
-    Memory: the backbone runs once; the vocabulary projection, softmax and entropy run on the
-    completion's positions only (a prompt's logits are never used), over chunks of at most
-    `chunk_bytes` of fp32 logits each, each keeping only its fp32 log-probabilities for the backward
-    (VocabularyLogprobs); when those exceed SAVED_LOGPROB_BYTES each chunk is instead recomputed in the
-    backward pass (activation checkpointing), so no [B, T, V] copy is ever alive beyond one chunk."""
+    """The logprob contract: per-token fp32 log pi(y_t | x, y_<t) of the completion tokens under the sampler's
+    processing (temperature, top-k, top-p; equal to the sampler's own at its weights), [batch, len-1] aligned with
+    input_ids[:, 1:], zero off the completion; with `with_entropy` also that distribution's entropy per token."""
+    # Memory: the backbone runs once; the vocabulary projection, softmax and entropy run on the completion's positions
+    # only, over chunks of at most `chunk_bytes` of fp32 logits, each keeping only its fp32 log-probabilities for the
+    # backward (VocabularyLogprobs); above SAVED_LOGPROB_BYTES each chunk is recomputed in the backward instead
+    # (activation checkpointing), so no [B, T, V] copy is ever alive beyond one chunk.
     targets = input_ids[:, 1:]
     mask = completion_mask[:, 1:].float()
     decoder, head = _backbone_and_head(model)
@@ -338,19 +333,17 @@ class MicroBatch:
 
 def micro_batch_plan(lengths: list[int], max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None,
                      dist=None) -> list[MicroBatch]:
-    """The micro-batches this process runs for one optimizer step: micro_batches' packing within `max_tokens` (and
-    `max_rows`) as MicroBatch(items, width, weight). Under torchrun each rank gets its share, the same number on every
-    rank: a rank short of one gets a stand-in of weight 0 (the same forward and backward, so that the ranks' collectives
-    match; scale its loss share by the weight and it changes nothing). One process: all of them, weight 1."""
+    """The micro-batches this process runs for one optimizer step, MicroBatch(items, width, weight): the items packed
+    within `max_tokens` padded tokens (and `max_rows`); under torchrun this rank's share, where a stand-in of weight 0
+    keeps the ranks' collectives matched (scale its loss by the weight and it changes nothing)."""
     plan = distributed.my_micro_batches(micro_batches(lengths, max_tokens, rows_per_item, max_rows), dist)
     return [MicroBatch(items, max(lengths[i] for i in items), weight) for items, weight in plan]
 
 
 def add_outputs(outputs: dict, mb: MicroBatch, mb_outputs: dict, num_items: int) -> dict:
-    """Adds one micro-batch's outputs into the step's `outputs` (in place; also returned): a tensor with one value per
-    item ([len(mb.items)]) lands at the micro-batch's items of a [num_items] tensor; anything else (a number, a 0-d or a
-    batch-shaped tensor) is summed. Scaled by mb.weight: a torchrun stand-in adds nothing. distributed.all_sum of the
-    result gives every rank the whole batch's."""
+    """Add one micro-batch's outputs into the step's `outputs` (in place; also returned), times mb.weight: a tensor of
+    one value per item lands at its items of a [num_items] tensor, anything else is summed. run.all_sum of the result:
+    the whole batch's, on every rank."""
     for name, value in mb_outputs.items():
         if torch.is_tensor(value) and value.dim() == 1:
             laid_out = outputs.setdefault(name, torch.zeros(num_items, dtype=value.dtype, device=value.device))
@@ -392,18 +385,10 @@ def throughput(totals: dict, step: int) -> dict:
             "charts/nonfinite_skipped": totals["nonfinite_skipped"]}
 
 
-def lags(samples, version: int) -> dict:
-    """charts/lag_min|mean|max: the learner's policy `version` minus the version that sampled each token."""
-    lags = [version - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
-    return {"charts/lag_min": min(lags), "charts/lag_mean": float(np.mean(lags)), "charts/lag_max": max(lags)}
-
-
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """charts/kl in every script: KL(pi || pi_ref) of the sampled responses, estimated with k3 = r - log r - 1
-    (r = pi_ref / pi: unbiased for samples from pi, never negative up to rounding) per token and summed over each
-    response ([N]; the scripts log its mean over the batch). logp: the sampling policy's token logprobs (the
-    script's pi_old: the learner's recomputation or the sampler's), ref_logp: the reference's, mask: the response
-    tokens ([N, T])."""
+    """charts/kl in every script: KL(pi || pi_ref) of each sampled response ([N]), k3 = r - log r - 1 per token (r =
+    pi_ref / pi: unbiased for samples from pi, never negative) summed over its `mask`; logp: the sampling policy's
+    token logprobs ([N, T]), ref_logp: the reference's."""
     log_ratio = (ref_logp - logp) * mask
     return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
 
@@ -467,11 +452,9 @@ MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good a
 
 def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str,
                          cap: float):
-    """Truncated importance weights min(pi / mu, cap) of tokens that the behaviour policy mu drew ([N, T] logprobs;
-    mask: 1 on the response tokens), per `token` ([N, T], zero off the mask) or per `sequence` ([N]: the product of its
-    tokens' ratios); cap = math.inf gives the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT, so a far
-    off-policy sample gets a huge weight, never inf. Returns (weights, stats): the largest untruncated ratio and the
-    fraction truncated, over the response tokens (per token) or the sequences (per sequence)."""
+    """(min(pi / mu, cap) per `token` [N, T] or per `sequence` [N], mu the behaviour policy; stats: the largest
+    untruncated ratio and the fraction truncated) from [N, T] logprobs over `mask`'s response tokens; cap math.inf:
+    the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT: a far off-policy weight is huge, never inf."""
     if level == "sequence":
         ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
         considered = torch.ones_like(ratio, dtype=torch.bool)
@@ -533,7 +516,6 @@ def request_overrides(keys: list[int], args, rng) -> list[dict]:
     """Each request's sampling overrides (Sampler.submit's per_prompt), keys: its problem's index: --request-seeds, a
     seed per problem (Sampler.submit adds the request id); --long-tail, the benchmark workload's forced length
     (ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs), drawn from `rng`."""
-    import numpy as np
 
     per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
     if args.long_tail:

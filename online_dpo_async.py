@@ -224,14 +224,14 @@ def pair_lengths(lengths: list[int], chosen_rows, rejected_rows) -> list[int]:
     return [max(lengths[c], lengths[r]) for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
 
 
-def dpo_micro_batch(policy, batch: Batch, mb: common.MicroBatch, chosen_rows, rejected_rows, args: Args,
+def dpo_micro_batch(policy, batch: Batch, mb, chosen_rows, rejected_rows, args: Args,
                     logprob_diff: bool = False):
     """The DPO loss of one micro-batch of whole pairs (mb.items index chosen_rows / rejected_rows, rows of the batch),
     cut to its width. Returns (its pairs' mean loss, its number of pairs, outputs): "margins" = beta h [its pairs] and,
     with `logprob_diff`, "diff_sum" and "diff_tokens": the summed |learner - sampler| on its tokens, and their count."""
     k, width = len(mb.items), mb.width
     rows = torch.cat([chosen_rows[mb.items], rejected_rows[mb.items]])  # the chosen k, then their rejected k
-    with common.autocast(batch.input_ids.device, args.autocast_bf16):  # weights and Adam stay in --dtype
+    with torch.autocast(batch.input_ids.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # Adam: --dtype
         token_logp = common.token_logprobs(policy, batch.input_ids[rows, :width], batch.attention_mask[rows, :width],
                                            batch.completion_mask[rows, :width], temperature=args.temperature,
                                            top_p=args.top_p)
@@ -281,12 +281,10 @@ def main():
                                                          greedy=args.eval_decoding == "greedy")
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
         eval_start = run.log(start.step, evaluate())  # pass@k at the start
-        sampler.set_rng_state(start.sampler_rng)  # (after the start's evaluation, which drew from them)
         step, totals, mismatch_expected = start.step, start.totals, checks.tis_applies(args)
         if args.snapshot_every and start.round == 0:
             run.snapshot(step)  # time 0 of the learning curve
         train_problems = tasks.ShuffledTrainProblems(task, tokenizer, args, start.data_position)
-        sampler_rng = sampler.rng_state() if args.sync else None  # --sync: resumed, it samples as an uninterrupted run
 
         def sample_round():  # the next prompts, G responses each, sampled as batch.logprobs(..., args) assumes
             problems, prompts, skipped = train_problems.take(args.prompts_per_round)
@@ -302,13 +300,12 @@ def main():
             generate_seconds = generated_in - (time.time() - finished_at)  # sent to finished (not to collected)
             if round_index == start.round:  # what the sampler really sees (e.g. the chat template) and answers
                 print(f"example: {tokenizer.decode(samples[0].prompt_token_ids)!r} -> {samples[0].text!r}")
-            sampler.check_version(samples, step, max_lag=args.staleness * args.num_minibatches)  # async: a round behind
-            more, sampler_wait, round_start_step = round_index + 1 < args.num_rounds, math.nan, step
+            lags = sampler.check_version(samples, step, max_lag=args.staleness * args.num_minibatches)  # async: behind
+            more, sampler_wait = round_index + 1 < args.num_rounds, math.nan
             if args.staleness and more:  # async: GENERATE with theta_t while we TRAIN on theta_{t-1}'s samples
                 sampler_wait = time.time() - finished_at  # the sampler idled since it finished this round
                 pending.append(sample_round())
-            train_start = time.perf_counter()
-            sampler.set_learner_threads()  # every core with --sync; one while the next round generates
+            train_start = time.perf_counter()  # (on CPU: the learner has every core, or one beside the next round)
             fresh = all(s.version_min == s.version_max == step for s in samples)  # the learner holds their weights
 
             # ALGO LOGIC: rewards (a completion cut at --max-new-tokens penalised), pairs, pi_ref's sequence logprobs
@@ -361,7 +358,7 @@ def main():
             # ---- push: applied once the round in flight (async) is done with the old weights, so none mixes two ----
             pushed = sampler.push(policy, step, when_idle=True)
             if not args.staleness and more:  # sync: the next round samples with the weights just pushed
-                sampler_rng, sampler_wait = sampler.rng_state(), time.time() - finished_at  # nothing generating now
+                sampler_wait = time.time() - finished_at
                 pending.append(sample_round())
             totals["episodes"] += len(samples)
             totals["generate_seconds"] += generate_seconds
@@ -379,7 +376,7 @@ def main():
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
                 "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()),
-                "charts/skipped_long_prompts": skipped, **common.lags(samples, round_start_step),
+                "charts/skipped_long_prompts": skipped, **lags,
                 "charts/kl": common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item(),  # k3 to pi_0
                 "charts/learning_rate": learning_rate, "losses/loss": float(np.mean(losses or [math.nan])),
                 "losses/dpo_accuracy": float(np.mean(accuracies or [math.nan])),
@@ -403,7 +400,7 @@ def main():
             if last or (args.save_every and rounds_done % args.save_every == 0):
                 # the data position of the first round not trained on: a round in flight is generated again on resume
                 run.save(step, rounds_done, train_problems.position - len(pending) * args.prompts_per_round, totals,
-                         sampler.rng_state() if args.sync and not more else sampler_rng, tokenizer)
+                         tokenizer)
         eval_end = run.log(step, evaluate())  # pass@k at the end
     run.report("Online DPO: the paper's synchronous vs asynchronous comparison for this run; held-out pass@k",
                {"mode": "sync" if args.sync else "async", "N": str(args.num_minibatches),

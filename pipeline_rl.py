@@ -184,17 +184,17 @@ class Batch(common.Batch):  # B sequences on the learner (padded rows, mask, the
     total: int = 1  # what the loss divides by: the sequences, or the response tokens (--loss-norm token)
 
 
-def micro_batch_loss(policy, ref_policy, batch: Batch, mb: common.MicroBatch, args: Args):
+def micro_batch_loss(policy, ref_policy, batch: Batch, mb, args: Args):
     """truncated_is_loss on a micro-batch's rows (the logprob contract). Returns (loss, size in the loss's units,
     outputs): pg, kl_penalty, the untruncated pi/mu in the batch's layout, k3 KL per row, |pi - mu| on fresh rows."""
     rows, cut, width = mb.items, slice(0, mb.width - 1), mb.width
     inputs = (batch.input_ids[rows, :width], batch.attention_mask[rows, :width], batch.completion_mask[rows, :width])
     mask, mu = batch.mask[rows, cut], batch.sampler_logp[rows, cut]  # mu: the behaviour policy's, the sampler's
-    with common.autocast(batch.input_ids.device, args.autocast_bf16):
+    with torch.autocast(batch.input_ids.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # Adam: --dtype
         logp = common.token_logprobs(policy, *inputs, temperature=args.temperature, top_p=args.top_p)
-    with torch.no_grad(), common.autocast(batch.input_ids.device, args.autocast_bf16):
-        ref_logp = (logp.detach() if ref_policy is None else
-                    common.token_logprobs(ref_policy, *inputs, temperature=args.temperature, top_p=args.top_p))
+        with torch.no_grad():
+            ref_logp = (logp.detach() if ref_policy is None else
+                        common.token_logprobs(ref_policy, *inputs, temperature=args.temperature, top_p=args.top_p))
     loss, pg, kl = truncated_is_loss(logp, mu, ref_logp, mask, batch.advantages[rows], tis_cap=args.tis_cap,
                                      kl_coef=args.kl_coef, loss_norm=args.loss_norm)
     size = len(rows) if args.loss_norm == "sequence" else mask.sum().item()
@@ -378,6 +378,7 @@ def main():
             samples = [c for _, group in groups for c in group]
             rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             correct = [task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]
+            lags = sampler.check_version(samples, step, max_lag=step if args.max_lag is None else args.max_lag)
             sampler.set_learner_threads()  # every core in Conventional RL's training; one beside the pipeline's
             # ALGO LOGIC: the per-prompt mean baseline; the truncated-IS loss (Eq. 5) summed over the micro-batches
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
@@ -397,7 +398,7 @@ def main():
             # ALGO LOGIC: the ESS guard (Algorithm 2, lines 20-23), then one clipped step at the scheduled rate
             by_length = sorted(range(len(samples)), key=batch.lengths.__getitem__)  # the sums' order, to the last bit
             batch_ess = ess(out["weights"][by_length], batch.mask[by_length])
-            grad_norm, trained = math.nan, False
+            grad_norm, trained, tis_weights = math.nan, False, out["weights"][batch.mask.bool()]
             if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
                 grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 grad_norm = grad_norm.item()
@@ -412,7 +413,6 @@ def main():
                 actor.on_policy_only = low_ess
             run.warn_no_learning(batch.advantages, "every advantage is 0 (each prompt's rewards tie)")
             run.warn_no_learning(trained, "no optimizer step (the ESS guard or a non-finite loss skipped it)")
-            lags, tis_weights = common.lags(samples, step), out["weights"][batch.mask.bool()]
             step += trained
             train_seconds = time.perf_counter() - train_start
 

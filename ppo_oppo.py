@@ -415,7 +415,7 @@ class OPPOBuffer:
     def score(self, rollouts: list[Rollout]) -> None:
         """Prefill what the downstream models have not seen yet of these sequences."""
         for name, model in self.downstream.items():
-            with common.autocast(next(model.parameters()).device, self.args.autocast_bf16):
+            with torch.autocast(next(model.parameters()).device.type, torch.bfloat16, enabled=self.args.autocast_bf16):
                 prefill(name, model, rollouts, self.args.temperature, self.args.micro_batch_size, self.args.top_p)
 
     def scores(self, batch: list[Rollout], run: Run, eos_penalty: float):
@@ -451,14 +451,14 @@ class Batch(common.Batch):
     fresh: torch.Tensor | None = None
 
 
-def ppo_micro_batch(policy, critic, batch: Batch, mb: common.MicroBatch, minibatch: list[int], args: Args,
+def ppo_micro_batch(policy, critic, batch: Batch, mb, minibatch: list[int], args: Args,
                     logprob_diff: bool = False):
     """A micro-batch's PPO loss (Eq. 2 + vf_coef x value loss; mb.items index `minibatch`), its response tokens and
     the stats' token sums (`logprob_diff`: |learner - sampler| on the fresh tokens)."""
     rows, width = [minibatch[i] for i in mb.items], mb.width
     ids, attn, cmask = (x[rows, :width] for x in (batch.input_ids, batch.attention_mask, batch.completion_mask))
     cut = lambda x: None if x is None else x[rows, :width - 1]
-    with common.autocast(ids.device, args.autocast_bf16):  # weights and Adam stay in --dtype
+    with torch.autocast(ids.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # Adam stays in --dtype
         logp, entropy = common.token_logprobs(policy, ids, attn, cmask, with_entropy=True,
                                               temperature=args.temperature, top_p=args.top_p)
         entropy = entropy.detach()  # only logged: else the backward's recomputation of each chunk keeps it alive
@@ -548,7 +548,7 @@ def main():
             task_scores, scores, no_eos, ref_logp, values = oppo.scores(batch, run, eos_penalty)  # Stage 3 (the rest)
             train_start, samples = time.perf_counter(), [r.final for r in batch]
             run.warn_no_learning(scores - scores.mean(), "every sequence of the batch scores the same")
-            sampler.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: the learner's
+            lags = sampler.check_version(samples, step, max_lag=step if args.inter else 0)  # plain PPO, intra: 0
             mask, sampler_logp, fresh = common.sampler_rows(samples, step)
             data = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
             old_logp, tis_weights, tis_stats = sampler_logp, None, {}  # same precision: the sampler's are the learner's
@@ -623,7 +623,7 @@ def main():
                 "charts/explained_variance": (1 - (returns - values)[mask > 0].var() / returns[mask > 0].var()).item(),
                 "charts/logprob_diff": logprob_diff, "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
-                **common.lags(samples, round_start_step),
+                **lags,
                 "charts/skipped_long_prompts": totals["skipped_prompts"], "charts/learning_rate": learning_rate,
                 **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()},
                 "losses/grad_norm": mean(joint), "losses/grad_clipped_fraction": mean(joint > args.max_grad_norm),
@@ -645,8 +645,7 @@ def main():
             if args.eval_every and rounds_done % args.eval_every == 0 and not last:
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
-                run.save(step, rounds_done, overlap.data_position, totals,
-                         None if args.inter else sampler.rng_state(), tokenizer,  # (no inter: the next round's)
+                run.save(step, rounds_done, overlap.data_position, totals, tokenizer,
                          delta=overlap.delta, chunk=overlap.chunk, reward_history=overlap.reward_history,
                          carried_keys=[r.key for r in oppo.inflight.values()])
         if sampler.engine is not None:

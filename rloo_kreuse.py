@@ -204,12 +204,12 @@ class Batch(common.Batch):
     tis_on: bool = False  # --tis: the truncated IS weights from old_logp and the sampler's
 
 
-def micro_batch_loss(policy, batch: Batch, mb: common.MicroBatch, args: Args, logprob_diff: bool = False):
+def micro_batch_loss(policy, batch: Batch, mb, args: Args, logprob_diff: bool = False):
     """rloo_loss (Eq. 4) on a micro-batch's rows cut to their width, processed as the sampler's (the logprob contract).
     Returns (its mean loss, its rows, outputs): the importance weights per row, the loss terms as their share of the
     batch mean, with `logprob_diff` the sum of |learner - sampler| logprobs over its completion tokens."""
     rows, width = mb.items, mb.width
-    with common.autocast(batch.input_ids.device, args.autocast_bf16):  # weights and Adam stay in --dtype
+    with torch.autocast(batch.input_ids.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # Adam: --dtype
         logp, entropy = common.token_logprobs(policy, batch.input_ids[rows, :width], batch.attention_mask[rows, :width],
                                               batch.completion_mask[rows, :width], temperature=args.temperature,
                                               top_p=args.top_p, with_entropy=True)
@@ -255,8 +255,7 @@ def main():
         sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)  # its Table 4
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
         eval_start = run.log(start.step, evaluate())  # pass@k at the start
-        sampler.set_rng_state(start.sampler_rng)  # (after the start's evaluation, which drew from them)
-        step, totals, sampler_rng = start.step, start.totals, start.sampler_rng
+        step, totals = start.step, start.totals
         if args.snapshot_every and start.round == 0:
             run.snapshot(step)  # time 0 of the learning curve
         train_problems = tasks.TrainProblems(task, tokenizer, args, start.data_position)
@@ -270,16 +269,14 @@ def main():
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start, (problems, skipped, request) = time.perf_counter(), pending
             samples, generated_in = sampler.wait(request)
-            sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # on-policy, or a round behind
-            sampler_rng = sampler_rng if args.overlap else sampler.rng_state()  # nothing generating: the next round's
+            lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # or a round behind
             generate_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             data_position = train_problems.position  # the first problem not trained on: a checkpoint resumes there
             if args.overlap and round_index + 1 < args.num_rounds:
                 pending = sample_round()  # generated while we update
 
             # ALGO LOGIC: rewards, pi_theta0 and pi_ref of the sampled tokens
-            train_start = time.perf_counter()
-            sampler.set_learner_threads()  # every core in a synchronous round; one while the next generates
+            train_start = time.perf_counter()  # (on CPU: the learner has every core, or one beside the next round)
             rewards = torch.tensor([task.reward(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
@@ -295,7 +292,7 @@ def main():
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
-            iw_means, ess_values, grad_norms, round_start_step, logprob_diff = [], [], [], step, math.nan
+            iw_means, ess_values, grad_norms, logprob_diff = [], [], [], math.nan
             for k_step in range(args.k):
                 # k1 of the current policy (pi_theta0 at k-step 1 on fresh weights): a no-grad forward per later k-step
                 reuse = (fresh and k_step == 0) or not k1_shaped
@@ -349,9 +346,9 @@ def main():
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-                "charts/skipped_long_prompts": skipped, **common.lags(samples, round_start_step),
+                "charts/skipped_long_prompts": skipped, **lags,
                 # charts/kl, the same in every script: k3 of the sampled responses, whatever the penalty's estimator
-                "charts/kl": (common.sampled_kl(batch.old_logp, batch.ref_logp, batch.mask).mean().item()
+                "charts/kl": (kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item()
                               if ref_policy is not None else math.nan),
                 "charts/advantage_std": batch.advantages.std().item(),
                 "charts/ess": min(ess_values, default=math.nan),
@@ -375,7 +372,7 @@ def main():
             if args.eval_every and rounds_done % args.eval_every == 0 and not last:
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
-                run.save(step, rounds_done, data_position, totals, sampler_rng, tokenizer)
+                run.save(step, rounds_done, data_position, totals, tokenizer)
         eval_end = run.log(step, evaluate())  # pass@k at the end
     run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4", {"K": str(args.k)},
                totals, step, eval_start, eval_end)

@@ -66,7 +66,6 @@ def main():
         sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)
         start = run.resume(policy, optimizer)  # the run directory; on --resume a checkpoint's weights, Adam, counters
         eval_start = run.log(start.step, evaluate())  # held-out pass@k at the start
-        sampler.set_rng_state(start.sampler_rng)  # (after the evaluation, which drew from them)
         step, totals, clock = start.step, start.totals, time.perf_counter() - start.totals["wall_seconds"]
         train_problems = tasks.TrainProblems(task, tokenizer, args, start.data_position)
         for round_index in range(start.round, args.num_rounds):
@@ -76,8 +75,7 @@ def main():
                                        max_tokens=args.max_new_tokens)
             samples, generate_seconds = sampler.wait(request)  # prompt by prompt, group_size responses each
             sampler.check_version(samples, step)  # stop unless the last push's weights sampled every token
-            train_start = time.perf_counter()
-            sampler.set_learner_threads()  # (on CPU: every core while the sampler idles)
+            train_start = time.perf_counter()  # (on CPU: the learner has every core while the sampler idles)
             # ALGO LOGIC: rewards, advantages, the loss -A * sum_t log pi(y_t | x, y_<t), one step
             problem_of = [problems[i // args.group_size] for i in range(len(samples))]
             rewards = torch.tensor([task.reward(s.text, p) for s, p in zip(samples, problem_of)])
@@ -87,7 +85,7 @@ def main():
             loss = 0.0  # the batch mean, a micro-batch at a time: each one's share backpropagated, the gradients add up
             for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, dist=run.dist):
                 cut = lambda x: x[mb.items, :mb.width]  # its rows, as wide as its longest
-                with common.autocast(run.device, args.autocast_bf16):  # log pi as the sampler processed it
+                with torch.autocast(run.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # as sampled
                     logp = common.token_logprobs(policy, cut(batch.input_ids), cut(batch.attention_mask),
                                                  cut(batch.completion_mask), temperature=args.temperature,
                                                  top_p=args.top_p)
@@ -120,8 +118,8 @@ def main():
             rounds_done, last = round_index + 1, round_index + 1 == args.num_rounds
             if args.eval_every and rounds_done % args.eval_every == 0 and not last:
                 run.log(step, evaluate())
-            if last or (args.save_every and rounds_done % args.save_every == 0):  # (the sampler idle: its RNG now)
-                run.save(step, rounds_done, train_problems.position, totals, sampler.rng_state(), tokenizer)
+            if last or (args.save_every and rounds_done % args.save_every == 0):
+                run.save(step, rounds_done, train_problems.position, totals, tokenizer)
         eval_end = run.log(step, evaluate())  # held-out pass@k at the end
     run.report("REINFORCE with a mean baseline", {}, totals, step, eval_start, eval_end)
 

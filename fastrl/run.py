@@ -162,7 +162,8 @@ class RunArgs:
 @dataclasses.dataclass
 class Resumed:
     """Where the loop starts (Run.resume): its first round, the optimizer step, the data position, the sampler's
-    generators, the run's counters (TOTALS and the method's own) and the method's checkpoint entries, as a checkpoint
+    generators (the client's first generate() restores them; a loop streaming through its engine, itself), the run's
+    counters (TOTALS and the method's own) and the method's checkpoint entries, as a checkpoint
     left them; a new run's: 0, 0, 0, None, TOTALS, {}."""
 
     round: int = 0
@@ -265,6 +266,7 @@ class Run:
             print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
             start = Resumed(state["round"], state["step"], state["data_position"], state.get("sampler_rng"),
                             start.totals | state["totals"], {k: state[k] for k in extra})
+            self.sampler.rng_to_restore = start.sampler_rng  # (at its first generate(), after the start's evaluation)
         if dist.is_main:
             launch.connect_weights(self.sampler.engine, self.sampler.weights, version=start.step,
                                    background_push=background_push, rounding=args.push_rounding, seed=args.seed,
@@ -273,10 +275,9 @@ class Run:
         return start
 
     def log(self, step: int, metrics: dict, round: int | None = None, show: tuple = ()) -> dict:
-        """Write `metrics` at optimizer step `step` (metrics.jsonl, TensorBoard; rank 0) and return them. A round's
-        row (`round`: rounds done) also moves the progress bar and prints one console line: the reward, accuracy, KL,
-        entropy, the fraction of steps whose gradient was clipped and seconds, then the `show` metrics, each only where
-        it was measured (no NaN: no KL without a reference model); any other row (an evaluation) is printed whole."""
+        """Write `metrics` at optimizer step `step` (metrics.jsonl, TensorBoard; rank 0) and return them. A round's row
+        (`round`: rounds done) also moves the progress bar and prints one line, CONSOLE's metrics then `show`'s, those
+        measured (no NaN); any other row (an evaluation) is printed whole."""
         if round is None:
             self._served["eval_every"] += self._first_round is not None  # (every rank: {} off rank 0)
             self.logger.log(step, metrics)
@@ -316,19 +317,18 @@ class Run:
         if self.dist.is_main:
             self.logger.snapshot(step, self.sampler.weights)
 
-    def save(self, step: int, round: int, data_position: int, totals: dict, sampler_rng=None, tokenizer=None,
-             **extra) -> None:
-        """<run>/checkpoint.pt (what resume() was given: the weights, Adam; the RNGs, `totals`, the method's `extra`
-        entries, plain data; --keep-checkpoints) and <run>/model/ (a Hugging Face directory of the policy); every rank
-        calls it, rank 0 writes. `data_position`: the first problem not trained on yet; `sampler_rng`: the sampler's
-        generators for the round after `round`."""
+    def save(self, step: int, round: int, data_position: int, totals: dict, tokenizer=None, **extra) -> None:
+        """Write <run>/checkpoint.pt (what resume() was given, the RNGs, `totals`, `data_position`: the first problem
+        not trained on, the method's `extra` entries; --keep-checkpoints) and <run>/model/ (the policy as a Hugging Face
+        directory). Every rank calls it; rank 0 writes."""
+        # the sampler's generators: as they were before the first round not trained on (SamplerClient.checkpoint_rng)
         trained, optimizer = self._saved
         self.sampler.gather(self._policy, step)
         self._served["save_every"] += 1
         path = self.logger.dir / "checkpoint.pt" if self.dist.is_main else None
         runlog.save_checkpoint(path, trained, optimizer, step, data_position, dist=self.dist,
                                hf_model=self.sampler.weights, tokenizer=tokenizer, round=round, totals=totals,
-                               sampler_rng=sampler_rng, keep=self.args.keep_checkpoints, **extra)
+                               sampler_rng=self.sampler.checkpoint_rng(), keep=self.args.keep_checkpoints, **extra)
 
     def report(self, title: str, columns: dict, totals: dict, step: int, eval_start: dict, eval_end: dict) -> None:
         """After the with block (the sampler closed): the summary printed and written to <run>/summary.md: its table

@@ -3,13 +3,18 @@ sampling parameters; wait for them; push the learner's weights as policy version
 
     request = sampler.generate(prompts, n=8, temperature=0.8, top_p=0.95, max_tokens=32)
     samples, seconds = sampler.wait(request)       # a vllm_sampler.Completion per sample, the prompts in order
-    sampler.check_version(samples, step)           # stop unless they were sampled by the learner's weights
+    lags = sampler.check_version(samples, step)    # stop unless they were sampled by the learner's weights
     pushed = sampler.push(policy, step)            # {"time/push_seconds": ..., "charts/push_*": ...}
 
 The sampling parameters are the logprob contract: the learner's `batch.logprobs(..., args)` applies the same
 temperature and top_p. Every rank makes every call, in the same order (under torchrun); only rank 0 holds the engine
 (`engine`: vllm_sampler.Sampler, or remote_sampler.RemoteSampler for --sampler-url; None elsewhere): what wait()
-returns reaches every rank, and at a push every rank gathers its shard into rank 0's full copy, which rank 0 sends."""
+returns reaches every rank, and at a push every rank gathers its shard into rank 0's full copy, which rank 0 sends.
+
+What a loop would otherwise write around these calls, they do themselves: on CPU, generate() and wait() give the
+learner every core while the sampler idles and one while it generates beside it (launch.learner_threads); and the
+client keeps the sampler's generators as they were before each request, so that a checkpoint (Run.save) holds what
+a resumed run's first generate() restores: a resumed synchronous run samples as the uninterrupted one did."""
 
 from __future__ import annotations
 
@@ -34,22 +39,35 @@ class SamplerClient:
         self.weights = None  # rank 0's full copy of the policy: what a push sends (Run.learner_model sets it)
         self.weights_version = None  # the policy version `weights` holds now
         self._warned: list = []  # the push precision warning, once
+        self._rng_before: list = []  # per request not waited on yet, oldest first: the generators before it was sent
+        self.rng_to_restore = None  # a checkpoint's generators, restored at the first generate() (Run.resume)
 
     def generate(self, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
                  **more) -> Request:
         """Start sampling `n` completions of each prompt (token ids); returns at once with what wait() takes."""
+        if self.rng_to_restore is not None:  # (after the start's evaluation, which drew from the generators)
+            self.set_rng_state(self.rng_to_restore)
+            self.rng_to_restore = None
+        self._rng_before.append(None if self._pending_elsewhere() else self.rng_state())  # (only while none generates)
         ids = None if self.engine is None else self.engine.submit(prompts, n=n, temperature=temperature, top_p=top_p,
                                                                   max_tokens=max_tokens, **more)
+        launch.learner_threads(self.engine)  # (on CPU: one core beside the generating sampler)
         return Request(ids, time.perf_counter())
 
     def wait(self, request: Request) -> tuple[list, float]:
         """(the request's completions in prompt order, seconds since it was sent), on every rank."""
         done = (lambda: (self.engine.wait_for(request.ids), time.perf_counter() - request.sent_at))
-        return distributed.broadcast(done() if self.dist.is_main else None, self.dist)
+        samples_and_seconds = distributed.broadcast(done() if self.dist.is_main else None, self.dist)
+        self._rng_before.pop(0)
+        launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)
+        return samples_and_seconds
 
-    def check_version(self, samples, version: int, max_lag: int = 0) -> None:
-        """Stop in one line unless every token was sampled by a policy version within `max_lag` of `version`."""
+    def check_version(self, samples, version: int, max_lag: int = 0) -> dict:
+        """Stop in one line unless every token was sampled by a policy version within `max_lag` of `version`; returns
+        charts/lag_min|mean|max, `version` minus the version that sampled each token."""
         checks.check_sampler_version(samples, version, max_lag=max_lag)
+        lags = [version - v for s in samples for v, start, end in s.versions for _ in range(end - start)] or [0]
+        return {"charts/lag_min": min(lags), "charts/lag_mean": sum(lags) / len(lags), "charts/lag_max": max(lags)}
 
     def push(self, policy, version: int, when_idle: bool = False, recompute_kv: bool = False,
              background: bool = False) -> dict:
@@ -75,8 +93,19 @@ class SamplerClient:
 
     def rng_state(self):
         """The sampler's generators now, what its next request draws from (None for a remote sampler or off rank
-        0): a checkpoint keeps them so that a resumed synchronous run samples as an uninterrupted one."""
+        0); only while nothing generates."""
         return self.engine.rng_state() if hasattr(self.engine, "rng_state") else None
+
+    def checkpoint_rng(self):
+        """What a checkpoint keeps of the generators: as they were before the oldest request not waited on yet (None
+        if it was sent while another generated), or now when nothing generates (None while a script's own stream
+        through `engine` does: no state a resumed run could sample the same from)."""
+        if self._rng_before:
+            return self._rng_before[0]
+        return None if self._pending_elsewhere() else self.rng_state()
+
+    def _pending_elsewhere(self) -> bool:
+        return bool(getattr(self.engine, "pending", None))
 
     def set_rng_state(self, state) -> None:
         """Restore rng_state()'s generators (None: leave them)."""
@@ -84,5 +113,6 @@ class SamplerClient:
             self.engine.set_rng_state(state)
 
     def set_learner_threads(self) -> None:
-        """On CPU: every core for the learner while the sampler idles, one while it generates beside it."""
+        """On CPU: every core for the learner while the sampler idles, one while it generates beside it (what
+        generate() and wait() do; for a loop that streams through `engine` itself)."""
         launch.learner_threads(self.engine)

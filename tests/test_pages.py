@@ -115,6 +115,61 @@ def test_the_round_calls_the_sampler_with_its_sampling_parameters_in_view(script
     assert "run.save(" in source and "args.save_every" in source
 
 
+# Issue 60 asks for at most 25 project names a script and 10 distinct project calls in its round; these are where the
+# scripts stand (not met: what is left is in the issue's note), kept from growing. (names, round calls)
+NAME_BUDGETS = {"rloo_kreuse.py": (39, 15), "online_dpo_async.py": (42, 16), "pipeline_rl.py": (46, 14),
+                "ppo_oppo.py": (54, 19), "examples/reinforce.py": (29, 11)}
+PROJECT_MODULES = {"common", "tasks", "fastrl"}
+
+
+def project_names(path: Path) -> tuple[set, set]:
+    """(the project names `path` uses, those its round calls): a name a reader must look up in another file of the
+    project, i.e. what the script imports from it, a project module's attributes (`common.add_outputs`), and the
+    attributes of the run and its sampler client (`run.save`, `sampler.push`)."""
+    tree = ast.parse(path.read_text())
+    modules, imported = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name.split(".")[0] in PROJECT_MODULES}
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PROJECT_MODULES:
+            (modules if node.module == "fastrl" else imported).update(a.asname or a.name for a in node.names)
+    receivers = modules | {"run", "sampler"}
+    attribute = lambda n: isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in receivers
+    names = imported | {f"{n.value.id}.{n.attr}" for n in ast.walk(tree) if attribute(n)}
+    calls = {f"{c.func.value.id}.{c.func.attr}" if attribute(c.func) else c.func.id
+             for c in ast.walk(round_loop(path)) if isinstance(c, ast.Call)
+             and (attribute(c.func) or isinstance(c.func, ast.Name) and c.func.id in imported)}
+    return names, calls
+
+
+def test_the_name_counter_counts_imports_module_attributes_and_the_run(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import os\nimport common\nfrom common import ess\nfrom fastrl import checks\n"
+                      "def main():\n    checks.parse_args(1)\n    x = os.getcwd()\n    for i in range(3):\n"
+                      "        run.log(ess(i), common.throughput(x))\n        y = run.device\n")
+    names, calls = project_names(script)
+    assert names == {"ess", "checks.parse_args", "run.log", "common.throughput", "run.device"}
+    assert calls == {"run.log", "ess", "common.throughput"}
+
+
+@pytest.mark.parametrize("script", NAME_BUDGETS)
+def test_the_script_asks_few_names_of_its_reader(script):
+    """Issue 60: the project names a script uses and the calls its round makes into the project (project_names),
+    within NAME_BUDGETS; each round call's contract is a docstring of at most 3 lines."""
+    import common
+    import tasks
+    from fastrl import run, sampler_client
+
+    names, calls = project_names(ROOT / script)
+    assert len(names) <= NAME_BUDGETS[script][0], (len(names), sorted(names))
+    assert len(calls) <= NAME_BUDGETS[script][1], (len(calls), sorted(calls))
+    owners = {"run": run.Run, "sampler": sampler_client.SamplerClient, "common": common, "tasks": tasks}
+    for call in calls:
+        owner, name = call.split(".") if "." in call else ("common", call)
+        doc = getattr(owners[owner], name).__doc__ or ""
+        assert len(doc.strip().splitlines()) <= 3, f"{call}'s docstring is {len(doc.strip().splitlines())} lines"
+
+
 def test_shared_code_never_asks_which_script_it_serves():
     """Issue 60: `Run(args, "rloo", ...)` passed a name that fastrl/memory_plan.py branched on (its NEEDED and
     BATCH_FLAG tables, script_step), so a copy with a renamed batch flag broke in a file its author never opened. Now a

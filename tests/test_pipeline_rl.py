@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import common
-from fastrl import checks, launch, runlog, util, vllm_sampler, weight_sync
+from fastrl import checks, distributed, launch, runlog, util, vllm_sampler, weight_sync
+from fastrl.sampler_client import SamplerClient
 import tasks
 import pipeline_rl as prl
 from conftest import run_stripped_copy, scratch_dir, strip_to_method, without_after_round
@@ -112,9 +113,14 @@ def test_truncated_is_weights_and_their_stats_by_hand():
 
 
 def test_token_lags_follow_version_spans():
-    """common.lags, main()'s charts/lag_min|mean|max: per token, 5 - [3, 3, 4, 4, 4] = [2, 2, 1, 1, 1]."""
+    """sampler.check_version's charts/lag_min|mean|max: per token, 5 - [3, 3, 4, 4, 4] = [2, 2, 1, 1, 1]; a lag
+    beyond max_lag stops the run."""
     c = vllm_sampler.Completion("0", [1], [5, 6, 7, 8, 9], [0.0] * 5, "stop", versions=[(3, 0, 2), (4, 2, 5)])
-    assert common.lags([c], 5) == {"charts/lag_min": 1, "charts/lag_mean": pytest.approx(1.4), "charts/lag_max": 2}
+    sampler = SamplerClient(None, distributed.init())
+    assert sampler.check_version([c], 5, max_lag=2) == {"charts/lag_min": 1, "charts/lag_mean": pytest.approx(1.4),
+                                                        "charts/lag_max": 2}
+    with pytest.raises(SystemExit, match=r"versions 4..5"):
+        sampler.check_version([c], 5, max_lag=1)
 
 
 def _perturbed(model, scale=0.05, seed=0):
