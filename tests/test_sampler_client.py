@@ -1,0 +1,97 @@
+"""fastrl/sampler_client.py's bookkeeping, on an engine that records what it is asked (the real sampler's runs: the
+resume tests of each script, e.g. test_online_dpo_async.py::test_sync_resume_is_exact)."""
+
+import os
+
+import pytest
+import torch
+
+from fastrl import distributed, launch
+from fastrl.sampler_client import SamplerClient
+
+
+class Engine:
+    """What SamplerClient uses of vllm_sampler.Sampler: requests stay `pending` until finish() says they are done; the
+    generators are a counter that every request advances."""
+
+    def __init__(self):
+        self.pending, self.paused, self.draws, self.restored = set(), False, 0, []
+
+    def submit(self, prompts, **sampling):
+        ids = [f"{self.draws}-{i}" for i in range(len(prompts))]
+        self.pending.update(ids)
+        self.draws += 1
+        return ids
+
+    def finish(self):
+        self.pending.clear()
+
+    def wait_for(self, ids):
+        self.pending.difference_update(ids)
+        return [f"completion of {i}" for i in ids]
+
+    def rng_state(self):
+        assert not self.pending, "the generators are read only while nothing generates"
+        return self.draws
+
+    def set_rng_state(self, state):
+        self.draws = state
+        self.restored.append(state)
+
+
+def client():
+    engine = Engine()
+    return engine, SamplerClient(engine, distributed.init())
+
+
+def test_a_checkpoint_keeps_the_generators_before_the_first_round_not_waited_on():
+    engine, sampler = client()
+    assert sampler.checkpoint_rng() == 0  # nothing sent: now
+    first = sampler.generate([[1]], n=2, temperature=1.0, top_p=1.0, max_tokens=4)
+    assert sampler.checkpoint_rng() == 0  # the round in flight is sampled again on resume: from before it
+    second = sampler.generate([[2]], n=2, temperature=1.0, top_p=1.0, max_tokens=4)  # sent while `first` generates
+    samples, _ = sampler.wait(first)
+    assert samples == ["completion of 0-0"]
+    assert sampler.checkpoint_rng() is None  # before `second` is unknown: it was sent while another generated
+    sampler.wait(second)
+    assert sampler.checkpoint_rng() == 2  # nothing in flight: now
+    engine.finish()
+    sampler.generate([[3]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)  # (the next round, the others done)
+    assert sampler.checkpoint_rng() == 2
+
+
+def test_a_stream_through_the_engine_itself_is_no_state_to_resume_from():
+    engine, sampler = client()
+    engine.submit([[1]])  # (PipelineRL's actor, OPPO's buffer)
+    assert sampler.checkpoint_rng() is None
+    engine.finish()
+    assert sampler.checkpoint_rng() == 1
+
+
+def test_a_resumed_run_restores_the_generators_at_its_first_generate_not_before():
+    engine, sampler = client()
+    sampler.rng_to_restore = 7  # (Run.resume: the checkpoint's)
+    engine.submit([[0]])  # the start's evaluation draws first
+    engine.finish()
+    assert engine.restored == []
+    request = sampler.generate([[1]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    assert engine.restored == [7] and request.ids == ["7-0"]
+    sampler.wait(request)
+    sampler.generate([[2]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    assert engine.restored == [7]  # once
+
+
+def test_the_learner_has_one_core_while_the_sampler_generates_and_every_core_after(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # (conftest's fixed budget, which learner_threads keeps)
+    if torch.cuda.is_available() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("launch.learner_threads changes nothing here (a GPU or one core)")
+    engine, sampler = client()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        request = sampler.generate([[1]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+        assert torch.get_num_threads() == 1
+        sampler.wait(request)
+        assert torch.get_num_threads() == len(os.sched_getaffinity(0)) == launch.learner_threads(engine)
+    finally:
+        torch.set_num_threads(before)
