@@ -35,6 +35,8 @@ def test_the_script_is_a_page(script):
     path = ROOT / script
     lines = len(path.read_text().splitlines())
     assert lines <= BUDGETS[script], f"{script}: {lines} lines, budget {BUDGETS[script]}"
+    wide = sum(len(line) > 100 for line in path.read_text().splitlines())
+    assert wide < lines / 2, f"{script}: {wide} of {lines} lines over 100 columns (issue 60: most under 100)"
     loop = round_loop(path)
     round_lines = loop.end_lineno - loop.lineno + 1
     assert round_lines <= ROUND_BUDGET, f"{script}: the round is {round_lines} lines, budget {ROUND_BUDGET}"
