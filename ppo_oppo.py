@@ -510,8 +510,8 @@ def main():
     ratio = lambda total, count: total / count if count else math.nan
     grads = lambda model: [p.grad for p in model.parameters() if p.grad is not None]
     with run:  # the sampler closes however this ends
-        distributed.from_main(lambda: checks.check_args(not (args.intra and run.dist.enabled), "--intra", "runs on "
-                              "one process only (rank 0 prefills while it polls): add --no-intra"), run.dist)
+        run.from_main(checks.check_args, not (args.intra and run.dist.enabled), "--intra", "runs on one process only "
+                      "(rank 0 prefills while it polls): add --no-intra")
         distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", run.dist)
         tokenizer, task = tasks.load(args, run.model_path)
         policy, downstream, learner, optimizer = load_models(args, run, tokenizer)

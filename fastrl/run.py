@@ -342,8 +342,9 @@ class Run:
         self.logger.close()
 
     def from_main(self, fn: Callable, *fn_args):
-        """fn(*fn_args) on rank 0 (the sampler's side), its result handed to every rank."""
-        return distributed.broadcast(fn(*fn_args) if self.dist.is_main else None, self.dist)
+        """fn(*fn_args) on rank 0 (the sampler's side), its result handed to every rank; a one-line error (SystemExit)
+        there stops every rank."""
+        return distributed.from_main(lambda: fn(*fn_args), self.dist)
 
     def all_sum(self, x):
         """Under torchrun: the sum over every rank (tensors, numbers, or dicts of them); else x."""
