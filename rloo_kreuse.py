@@ -22,7 +22,7 @@ import torch
 
 import common
 import tasks
-from common import MAX_LOG_WEIGHT, truncated_is_weights  # (shared with pipeline_rl, ppo_oppo)
+from common import MAX_LOG_WEIGHT, ess, truncated_is_weights  # (shared with pipeline_rl, ppo_oppo)
 from fastrl import checks, memory_plan
 from fastrl.run import Run, RunArgs
 
@@ -329,7 +329,7 @@ def main():
                 step += 1
                 grad_norms.append(grad_norm.item())
                 iw_means.append(out["w"].mean().item())
-                ess_values.append((out["w"].sum() ** 2 / (len(out["w"]) * (out["w"] ** 2).sum())).item())  # Kish's ESS
+                ess_values.append(ess(out["w"]))
             tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level,
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
