@@ -378,7 +378,7 @@ def main():
             samples = [c for _, group in groups for c in group]
             rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
             correct = [task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]
-            lags = sampler.check_version(samples, step, max_lag=step if args.max_lag is None else args.max_lag)
+            lags = sampler.check_version(samples, step, max_lag=step)  # (the actor drops what --max-lag refuses)
             sampler.set_learner_threads()  # every core in Conventional RL's training; one beside the pipeline's
             # ALGO LOGIC: the per-prompt mean baseline; the truncated-IS loss (Eq. 5) summed over the micro-batches
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
