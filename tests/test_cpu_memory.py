@@ -114,6 +114,27 @@ def test_each_smollm2_preset_is_planned_under_the_goal(method):
     assert cpu_memory.learner_resident_bytes(W[method], planned, SMOLLM2, budget) <= PLANNED[method]
 
 
+@pytest.mark.slow
+def test_a_run_the_machine_cannot_hold_stops_in_one_line_and_leaves_no_sampler(monkeypatch, tiny_path):
+    """Run starts the sampler first (its engine builds while the plan imports transformers' modelling code) and plans
+    the learner from the memory available before the sampler took any; when nothing fits, the line comes and the
+    sampler's process is gone."""
+    import rloo_kreuse as rk
+    from fastrl import vllm_sampler
+    from fastrl.run import Run
+    import common
+    import tasks
+
+    monkeypatch.setattr(cpu_memory, "available_bytes", lambda: 0.05 * GB)
+    args = checks.parse_args(rk.Args, ["--model", "tiny", "--num-rounds", "1"], paper=rk.PAPER)
+    with pytest.raises(SystemExit) as refused:
+        Run(args, memory_plan.GROUPS, tasks.HUB_TASKS, common.resolve_model)
+    line = str(refused.value)
+    assert line.startswith("error: --micro-batch-tokens 8192: the learner needs ~") and "\n" not in line
+    assert "this machine has 0.1 GB available" in line
+    assert not vllm_sampler._LIVE_SAMPLERS
+
+
 def test_release_freed_memory_applies_on_glibc(monkeypatch):
     import platform
 
