@@ -334,8 +334,8 @@ class MicroBatch:
 def micro_batch_plan(lengths: list[int], max_tokens: int, rows_per_item: int = 1, max_rows: int | None = None,
                      dist=None) -> list[MicroBatch]:
     """The micro-batches this process runs for one optimizer step, MicroBatch(items, width, weight): the items packed
-    within `max_tokens` padded tokens (and `max_rows`); under torchrun this rank's share, where a stand-in of weight 0
-    keeps the ranks' collectives matched (scale its loss by the weight and it changes nothing)."""
+    within `max_tokens` padded tokens (and `max_rows`), all of weight 1; under torchrun this rank's share, as many on
+    every rank, a rank short of one given a stand-in of weight 0 (scale its loss by the weight: it changes nothing)."""
     plan = distributed.my_micro_batches(micro_batches(lengths, max_tokens, rows_per_item, max_rows), dist)
     return [MicroBatch(items, max(lengths[i] for i in items), weight) for items, weight in plan]
 
@@ -386,9 +386,9 @@ def throughput(totals: dict, step: int) -> dict:
 
 
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """charts/kl in every script: KL(pi || pi_ref) of each sampled response ([N]), k3 = r - log r - 1 per token (r =
-    pi_ref / pi: unbiased for samples from pi, never negative) summed over its `mask`; logp: the sampling policy's
-    token logprobs ([N, T]), ref_logp: the reference's."""
+    """charts/kl: KL(pi || pi_ref) of each sampled response ([N]), k3 = r - log r - 1 per token (r = pi_ref / pi:
+    unbiased for samples from pi, never negative) summed over its `mask`; logp: the sampling policy's token logprobs
+    ([N, T]), ref_logp: the reference's. (rloo_kreuse.py's kl_penalty(..., "k3") is the same.)"""
     log_ratio = (ref_logp - logp) * mask
     return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
 
@@ -452,9 +452,9 @@ MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good a
 
 def truncated_is_weights(logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, level: str,
                          cap: float):
-    """(min(pi / mu, cap) per `token` [N, T] or per `sequence` [N], mu the behaviour policy; stats: the largest
-    untruncated ratio and the fraction truncated) from [N, T] logprobs over `mask`'s response tokens; cap math.inf:
-    the untruncated ratios. The log-ratio is capped at MAX_LOG_WEIGHT: a far off-policy weight is huge, never inf."""
+    """Truncated importance weights min(pi / mu, cap) from [N, T] logprobs, mu the behaviour policy: per `token` ([N,
+    T], zero off `mask`) or per `sequence` ([N]: its tokens' ratios multiplied); log-ratios capped at MAX_LOG_WEIGHT.
+    Returns (weights, stats): the largest untruncated ratio, the fraction truncated (over those tokens or sequences)."""
     if level == "sequence":
         ratio = torch.exp((logp - behaviour_logp).mul(mask).sum(1).clamp(max=MAX_LOG_WEIGHT))
         considered = torch.ones_like(ratio, dtype=torch.bool)
@@ -516,7 +516,6 @@ def request_overrides(keys: list[int], args, rng) -> list[dict]:
     """Each request's sampling overrides (Sampler.submit's per_prompt), keys: its problem's index: --request-seeds, a
     seed per problem (Sampler.submit adds the request id); --long-tail, the benchmark workload's forced length
     (ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs), drawn from `rng`."""
-
     per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
     if args.long_tail:
         tail = args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(keys)))

@@ -162,7 +162,8 @@ class RunArgs:
 @dataclasses.dataclass
 class Resumed:
     """Where the loop starts (Run.resume): its first round, the optimizer step, the data position, the sampler's
-    generators (the client's first generate() restores them; a loop streaming through its engine, itself), the run's
+    generators (the client's first generate() restores them; a loop streaming through its engine, itself, or never
+    where its requests carry their own seeds, as PipelineRL's), the run's
     counters (TOTALS and the method's own) and the method's checkpoint entries, as a checkpoint
     left them; a new run's: 0, 0, 0, None, TOTALS, {}."""
 
@@ -205,7 +206,7 @@ class Run:
         if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit, or one line says so (as the engine
             try:  # builds: the plan imports transformers' modelling code, seconds the sampler's start need not wait)
                 distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, workload, available), self.dist)
-            except SystemExit:
+            except BaseException:  # (the one-line refusal, or anything else: no sampler is left behind)
                 if engine is not None:
                     engine.close()
                 raise

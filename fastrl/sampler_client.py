@@ -25,10 +25,12 @@ from fastrl import checks, distributed, launch
 
 
 class Request(NamedTuple):
-    """What generate() sent: the engine's request ids (rank 0; None elsewhere) and when."""
+    """What generate() sent: the engine's request ids (rank 0; None elsewhere), when, and the sampler's generators
+    just before (None: sent while another request generated, or no engine here)."""
 
     ids: list | None
     sent_at: float
+    rng_before: object = None
 
 
 class SamplerClient:
@@ -39,26 +41,27 @@ class SamplerClient:
         self.weights = None  # rank 0's full copy of the policy: what a push sends (Run.learner_model sets it)
         self.weights_version = None  # the policy version `weights` holds now
         self._warned: list = []  # the push precision warning, once
-        self._rng_before: list = []  # per request not waited on yet, oldest first: the generators before it was sent
+        self._outstanding: list[Request] = []  # sent and not waited on yet, oldest first
         self.rng_to_restore = None  # a checkpoint's generators, restored at the first generate() (Run.resume)
 
     def generate(self, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
                  **more) -> Request:
         """Start sampling `n` completions of each prompt (token ids); returns at once with what wait() takes."""
-        if self.rng_to_restore is not None:  # (after the start's evaluation, which drew from the generators)
+        idle = not self._pending_elsewhere()  # (the generators are read and set only while nothing generates)
+        if self.rng_to_restore is not None and idle:  # (after the start's evaluation, which drew from them)
             self.set_rng_state(self.rng_to_restore)
-            self.rng_to_restore = None
-        self._rng_before.append(None if self._pending_elsewhere() else self.rng_state())  # (only while none generates)
+        rng = self.rng_state() if idle else None
         ids = None if self.engine is None else self.engine.submit(prompts, n=n, temperature=temperature, top_p=top_p,
                                                                   max_tokens=max_tokens, **more)
         launch.learner_threads(self.engine)  # (on CPU: one core beside the generating sampler)
-        return Request(ids, time.perf_counter())
+        self._outstanding.append(Request(ids, time.perf_counter(), rng))
+        return self._outstanding[-1]
 
     def wait(self, request: Request) -> tuple[list, float]:
         """(the request's completions in prompt order, seconds since it was sent), on every rank."""
         done = (lambda: (self.engine.wait_for(request.ids), time.perf_counter() - request.sent_at))
         samples_and_seconds = distributed.broadcast(done() if self.dist.is_main else None, self.dist)
-        self._rng_before.pop(0)
+        self._outstanding = [r for r in self._outstanding if r is not request]
         launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)
         return samples_and_seconds
 
@@ -100,15 +103,17 @@ class SamplerClient:
         """What a checkpoint keeps of the generators: as they were before the oldest request not waited on yet (None
         if it was sent while another generated), or now when nothing generates (None while a script's own stream
         through `engine` does: no state a resumed run could sample the same from)."""
-        if self._rng_before:
-            return self._rng_before[0]
+        if self._outstanding:
+            return self._outstanding[0].rng_before
         return None if self._pending_elsewhere() else self.rng_state()
 
     def _pending_elsewhere(self) -> bool:
         return bool(getattr(self.engine, "pending", None))
 
     def set_rng_state(self, state) -> None:
-        """Restore rng_state()'s generators (None: leave them)."""
+        """Restore rng_state()'s generators (None: leave them); a checkpoint's that the first generate() would have
+        restored are then forgotten (a loop streaming through `engine` restores them itself)."""
+        self.rng_to_restore = None
         if state is not None and hasattr(self.engine, "set_rng_state"):
             self.engine.set_rng_state(state)
 

@@ -691,7 +691,7 @@ class Sampler(WeightPusher):
         if self.process is None:
             return
         try:
-            if self.process.is_alive():
+            if self.process.is_alive() and self._ready:  # (still starting: it reads no command yet, SIGTERM below)
                 self._send(("shutdown", None, None))
                 self.process.join(5)
         except Exception:

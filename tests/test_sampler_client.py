@@ -60,6 +60,17 @@ def test_a_checkpoint_keeps_the_generators_before_the_first_round_not_waited_on(
     assert sampler.checkpoint_rng() == 2
 
 
+def test_a_round_waited_on_out_of_order_leaves_the_oldest_rounds_generators():
+    engine, sampler = client()
+    first = sampler.generate([[1]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    engine.finish()
+    second = sampler.generate([[2]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)  # sent with nothing generating
+    sampler.wait(second)
+    assert sampler.checkpoint_rng() == 0  # `first`, not waited on: before it
+    sampler.wait(first)
+    assert sampler.checkpoint_rng() == 2
+
+
 def test_a_stream_through_the_engine_itself_is_no_state_to_resume_from():
     engine, sampler = client()
     engine.submit([[1]])  # (PipelineRL's actor, OPPO's buffer)
