@@ -552,7 +552,7 @@ def strip_ppo(source: str) -> str:
     snapshots or evaluation between rounds (the loop's after-round lines), no torchrun calls (the --intra and
     world-size checks, all_sum, full_norm), and one metric besides the seconds."""
     lines = without_after_round(source).splitlines(keepends=True)
-    for start, count in (("        distributed.from_main(", 3),
+    for start, count in (("        run.from_main(checks.check_args", 3),
                          ("                loss, out = run.all_sum((loss, out))", 1)):
         at = next(i for i, line in enumerate(lines) if line.startswith(start))
         del lines[at:at + count]
