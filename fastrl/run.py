@@ -193,7 +193,9 @@ class Run:
         self.dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
         self.is_main, self.device = self.dist.is_main, self.dist.device  # (rank 0: the sampler, the console)
         self.model_path, sampler_gpu_memory = checks.check_model(args, workload, hub_tasks, resolve_model)
-        available = cpu_memory.available_bytes()  # (before the sampler takes any)
+        if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit this machine, or one line says so
+            distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, workload), self.dist)
+            cpu_memory.release_freed_memory()  # resident memory follows the live tensors (before any weight loads)
         engine = None
         if self.dist.is_main:
             engine = launch.start_sampler(
@@ -203,14 +205,6 @@ class Run:
                 threads=launch.sampler_threads(args.sampler_threads, overlapped=overlapped), verbose=args.verbose,
                 wait=False, **(sampler_settings or {}))
         self.sampler = SamplerClient(engine, self.dist)
-        if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit, or one line says so (as the engine
-            try:  # builds: the plan imports transformers' modelling code, seconds the sampler's start need not wait)
-                distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, workload, available), self.dist)
-            except BaseException:  # (the one-line refusal, or anything else: no sampler is left behind)
-                if engine is not None:
-                    engine.close()
-                raise
-            cpu_memory.release_freed_memory()  # resident memory follows the live tensors (before any weight loads)
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
         self.logger = distributed.NullLogger()

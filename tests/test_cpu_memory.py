@@ -116,9 +116,9 @@ def test_each_smollm2_preset_is_planned_under_the_goal(method):
 
 @pytest.mark.slow
 def test_a_run_the_machine_cannot_hold_stops_in_one_line_and_leaves_no_sampler(monkeypatch, tiny_path):
-    """Run starts the sampler first (its engine builds while the plan imports transformers' modelling code) and plans
-    the learner from the memory available before the sampler took any; when nothing fits, the line comes and the
-    sampler's process is gone."""
+    """The CPU memory plan runs before the sampler starts (starting the sampler first, so that its engine built while
+    the plan imported transformers, measured no faster: benchmarks/startup.py 1.02x): when nothing fits, the one line
+    comes and no sampler process is left."""
     import rloo_kreuse as rk
     from fastrl import vllm_sampler
     from fastrl.run import Run
