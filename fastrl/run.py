@@ -163,9 +163,8 @@ class RunArgs:
 class Resumed:
     """Where the loop starts (Run.resume): its first round, the optimizer step, the data position, the sampler's
     generators (the client's first generate() restores them; a loop streaming through its engine, itself, or never
-    where its requests carry their own seeds, as PipelineRL's), the run's
-    counters (TOTALS and the method's own) and the method's checkpoint entries, as a checkpoint
-    left them; a new run's: 0, 0, 0, None, TOTALS, {}."""
+    where its requests carry their own seeds, as PipelineRL's), the run's counters (TOTALS and the method's own) and
+    the method's checkpoint entries, as a checkpoint left them; a new run's: 0, 0, 0, None, TOTALS, {}."""
 
     round: int = 0
     step: int = 0

@@ -47,7 +47,7 @@ class SamplerClient:
     def generate(self, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
                  **more) -> Request:
         """Start sampling `n` completions of each prompt (token ids); returns at once with what wait() takes."""
-        idle = not self._pending_elsewhere()  # (the generators are read and set only while nothing generates)
+        idle = not self._generating()  # (the generators are read and set only while nothing generates)
         if self.rng_to_restore is not None and idle:  # (after the start's evaluation, which drew from them)
             self.set_rng_state(self.rng_to_restore)
         rng = self.rng_state() if idle else None
@@ -105,9 +105,9 @@ class SamplerClient:
         through `engine` does: no state a resumed run could sample the same from)."""
         if self._outstanding:
             return self._outstanding[0].rng_before
-        return None if self._pending_elsewhere() else self.rng_state()
+        return None if self._generating() else self.rng_state()
 
-    def _pending_elsewhere(self) -> bool:
+    def _generating(self) -> bool:
         return bool(getattr(self.engine, "pending", None))
 
     def set_rng_state(self, state) -> None:
