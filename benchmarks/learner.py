@@ -295,7 +295,7 @@ def plan_bytes(model, batch, args) -> tuple[int, int]:
 
 def main():
     args = tyro.cli(Args)
-    cpu_memory.release_freed_memory()  # as the scripts' learner (Run): resident memory follows the live tensors
+    cpu_memory.release_freed_memory(glibc=False)  # as the scripts' learner (Run) on a machine with room for malloc
     torch.set_num_threads(args.threads)
     print(f"command: {' '.join([sys.executable.split('/')[-1], *sys.argv])}")
     print(f"machine: {util.machine_line()}; {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")

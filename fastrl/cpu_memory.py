@@ -3,7 +3,8 @@ keeps one learner step within the memory this machine has, from the model's conf
 a GPU run from the card. A machine too small for the run stops it in one line naming the flag that fits.
 
 Contract:
-- plan(args, model_path, workload) -> int: the --micro-batch-tokens the run uses when its learner is on the CPU.
+- plan(args, model_path, workload) -> Plan(budget, release, why): the --micro-batch-tokens the run uses when its
+  learner is on the CPU, and whether the learner must return freed memory as it goes (release_freed_memory) to fit.
   args: the script's parsed flags (memory_plan.with_defaults fills what a stripped copy lacks); workload: the
   script's memory_plan.Workload (GROUPS, PAIRS, STREAM, ACTOR_CRITIC). args.micro_batch_tokens None (not given):
   planned, the largest budget of CPU_BUDGETS whose learner fits the memory available beside the sampler. Given: kept
@@ -12,10 +13,11 @@ Contract:
              12.0 GB available; --micro-batch-tokens 1024 fits
       error: --model smollm2: needs ~6.1 GB (the learner ~2.9 GB at one sequence a micro-batch, the sampler ~3.2 GB),
              this machine has 4.0 GB available
-- release_freed_memory(): glibc keeps what the learner frees, oneDNN a compiled kernel for every new shape (see below);
-  call it once in the learner process, before the weights load and any child process starts, to have resident memory
-  follow the live tensors. learner_environment_removed(): around starting a child that is not the learner (the
-  sampler), so that it keeps oneDNN's own cache sizes.
+- release_freed_memory(glibc): glibc keeps what the learner frees, oneDNN a compiled kernel for every new shape (see
+  below); call it once in the learner process, before the weights load and any child process starts. oneDNN's caches
+  are always bounded; glibc=True (the plan's release) has resident memory follow the live tensors, at ~1.4x a SmolLM2
+  step's time. learner_environment_removed(): around starting a child that is not the learner (the sampler), so that
+  it keeps oneDNN's own cache sizes.
 - Never imports common, tasks or a script (fastrl's rule); the model's shape comes from its config.json through
   memory_plan.shape_of (a meta-device model: no weights).
 
@@ -27,8 +29,11 @@ on the completion's positions). memory_plan.learner_bytes, written for a GPU,
 predicts the CPU's live tensor bytes within a few percent, so the plan reuses it: resident = RUNTIME_BYTES + those
 bytes. What it does not count is glibc's retention: above a dynamic threshold (up to 32 MiB) malloc serves large
 blocks from its arenas and keeps them when freed, so the learner's resident memory grew ~1 GiB above its live tensors
-over two steps; release_freed_memory() fixes the threshold at MMAP_THRESHOLD, so that every tensor above it is
-returned to the system when freed. Under bf16 autocast a second cause: oneDNN, which computes torch's bf16 matrix
+over two steps at 1024 tokens (0.5-0.7 GiB at the presets' budgets: GLIBC_RETAINED). release_freed_memory(glibc=True)
+fixes the threshold at MMAP_THRESHOLD, so that every tensor above it is returned to the system when freed; but then
+every such allocation faults its pages in anew, and a SmolLM2 step took 1.44x as long (benchmarks/malloc_modes.py), a
+tiny model's 2x. So the plan keeps glibc's own malloc wherever its retention fits, and releases only where it must
+(one line says so). Under bf16 autocast a second cause: oneDNN, which computes torch's bf16 matrix
 products on a CPU, keeps a compiled kernel for every shape it meets (its primitive cache and ideep's LRU cache, 1,024
 entries each), and a learner's micro-batches change shape every step: SmolLM2's resident memory grew ~10 MiB a new
 shape, ~0.5 GB over a run, the bf16 runs' excess over their plan (docs/results.md); ONEDNN_CACHE_ENV bounds both.
@@ -46,6 +51,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+from typing import NamedTuple
 
 from fastrl import memory_plan
 
@@ -64,6 +70,10 @@ RUNTIME_BYTES = 0.8 * GB
 SAMPLER_RUNTIME_BYTES = 2.5 * GB
 SAMPLER_KV_CACHE_BYTES = 256 * 2**20  # vllm_sampler.SamplerConfig.kv_cache_bytes, its CPU default
 MMAP_THRESHOLD = 128 * 1024  # glibc's own initial value, kept fixed (mallopt) instead of rising to 32 MiB
+# what glibc's own malloc keeps above the plan's live bytes, in one micro-batch's kept activations: the presets' steps
+# (tests/test_cpu_memory.py's) peaked 0.99x (RLOO), 1.43x (DPO), 0.85x (PipelineRL) and 0.79x (PPO) of it above the
+# released peak (benchmarks/malloc_modes.py's module docstring); the largest, rounded up
+GLIBC_RETAINED = 1.5
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 # oneDNN's cache sizes in the learner, read at its first bf16 product: a round's shapes (by count, ~20 kernels a shape:
 # its distinct products, forward and backward) stay cached, the kernels of shapes gone are dropped (SmolLM2, 48 shapes
@@ -86,15 +96,19 @@ def available_bytes() -> float:
 
 
 def learner_resident_bytes(w: memory_plan.Workload, args, shape: memory_plan.Shape, budget: int,
-                           reward_model_bytes: int = 0) -> float:
+                           reward_model_bytes: int = 0, released: bool = True) -> float:
     """The learner's peak resident memory at --micro-batch-tokens `budget`: RUNTIME_BYTES + memory_plan.learner_bytes
     (the models with gradients and Adam, one micro-batch's activations and logits; worst case: every sequence at
-    max_prompt_tokens + max_new_tokens). args: the script's flags (what a stripped copy lacks: memory_plan.OPTIONAL)."""
+    max_prompt_tokens + max_new_tokens); released=False: under glibc's own malloc, + GLIBC_RETAINED. args: the
+    script's flags (what a stripped copy lacks: memory_plan.OPTIONAL)."""
     a = memory_plan.with_defaults(w, args)
     a.micro_batch_tokens = budget
     step, _ = w.step(a, shape, reward_model_bytes)
+    dtype, autocast = getattr(a, "dtype", "float32"), bool(a.autocast_bf16)
+    kept = shape.layers * memory_plan.layer_bytes(shape, step.rows, step.seq_len, memory_plan.DTYPE_BYTES[dtype],
+                                                  autocast) * step.backward_models
     return RUNTIME_BYTES + push_resident_bytes(w, a, shape) + memory_plan.learner_bytes(
-        shape, step, getattr(a, "dtype", "float32"), bool(a.autocast_bf16), bool(a.gradient_checkpointing))
+        shape, step, dtype, autocast, bool(a.gradient_checkpointing)) + (0 if released else GLIBC_RETAINED * kept)
 
 
 def push_resident_bytes(w: memory_plan.Workload, args, shape: memory_plan.Shape) -> float:
@@ -163,10 +177,30 @@ def budget_for(w: memory_plan.Workload, args, shape: memory_plan.Shape, availabl
                      f"this machine has {available / GB:.1f} GB available")
 
 
-def plan(args, model_path: str, w: memory_plan.Workload, available: float | None = None) -> int:
+class Plan(NamedTuple):
+    budget: int  # the run's --micro-batch-tokens
+    release: bool  # the learner fits only if it returns freed memory as it goes (release_freed_memory(glibc=True))
+    why: str | None  # when release: the line saying so, for the console
+
+
+def release_needed(w: memory_plan.Workload, args, shape: memory_plan.Shape, budget: int, available: float,
+                   reward_model_bytes: int = 0) -> Plan:
+    """Plan(budget, release, why) for a budget that fits released: release where glibc's retention would not fit."""
+    args = memory_plan.with_defaults(w, args)
+    room = available - sampler_resident_bytes(args, shape)
+    kept = learner_resident_bytes(w, args, shape, budget, reward_model_bytes, released=False)
+    if kept <= room:
+        return Plan(budget, False, None)
+    return Plan(budget, True, f"memory: the learner returns what it frees as it goes (~1.4x a step's time): with "
+                              f"malloc's own retention it would need ~{kept / GB:.1f} GB, {room / GB:.1f} GB are left "
+                              f"beside the sampler")
+
+
+def plan(args, model_path: str, w: memory_plan.Workload, available: float | None = None) -> Plan:
     """The --micro-batch-tokens of a run whose learner is on the CPU, before any weight loads (module docstring):
     args.micro_batch_tokens when given and it fits, else the largest of CPU_BUDGETS that fits; SystemExit with one
-    line naming the flag that fits when nothing does. available: bytes (default: available_bytes() now)."""
+    line naming the flag that fits when nothing does; and whether it fits only releasing freed memory (Plan).
+    available: bytes (default: available_bytes() now)."""
     from transformers import AutoConfig
 
     from fastrl.util import load_hf
@@ -175,18 +209,21 @@ def plan(args, model_path: str, w: memory_plan.Workload, available: float | None
     reward = 0
     if getattr(args, "reward_model", None):
         reward = memory_plan.reward_model_bytes(load_hf(AutoConfig, args.reward_model, flag="--reward-model"))
-    return budget_for(w, args, shape, available_bytes() if available is None else available, reward)
+    available = available_bytes() if available is None else available
+    return release_needed(w, args, shape, budget_for(w, args, shape, available, reward), available, reward)
 
 
-def release_freed_memory() -> bool:
-    """Have glibc return freed tensors to the system (module docstring): fix malloc's mmap threshold at
-    MMAP_THRESHOLD, so that every block above it is mapped on its own and unmapped when freed, instead of the
-    threshold rising to 32 MiB and such blocks staying in malloc's arenas; and bound oneDNN's kernel caches
-    (ONEDNN_CACHE_ENV, where the environment does not set them already). Numbers are unchanged (where memory comes
-    from, not what is computed). Returns whether glibc's part applied (False off glibc)."""
+def release_freed_memory(glibc: bool = True) -> bool:
+    """Bound oneDNN's kernel caches (ONEDNN_CACHE_ENV, where the environment does not set them already); with `glibc`
+    (the plan's release), have glibc return freed tensors to the system (module docstring): fix malloc's mmap
+    threshold at MMAP_THRESHOLD, so that every block above it is mapped on its own and unmapped when freed, instead
+    of the threshold rising to 32 MiB and such blocks staying in malloc's arenas (slower: each is faulted in anew).
+    Numbers are unchanged (where memory comes from, not what is computed). Returns whether glibc's part applied."""
     for name, value in ONEDNN_CACHE_ENV.items():
         if name not in os.environ:
             os.environ[name] = _learner_env[name] = value
+    if not glibc:
+        return False
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

@@ -193,8 +193,10 @@ class Run:
         self.is_main, self.device = self.dist.is_main, self.dist.device  # (rank 0: the sampler, the console)
         self.model_path, sampler_gpu_memory = checks.check_model(args, workload, hub_tasks, resolve_model)
         if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit this machine, or one line says so
-            distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, workload), self.dist)
-            cpu_memory.release_freed_memory()  # resident memory follows the live tensors (before any weight loads)
+            memory = distributed.from_main(lambda: cpu_memory.plan(args, self.model_path, workload), self.dist)
+            if memory.why and self.dist.is_main:
+                print(memory.why)
+            cpu_memory.release_freed_memory(memory.release)  # (before any weight loads)
         engine = None
         if self.dist.is_main:
             engine = launch.start_sampler(
