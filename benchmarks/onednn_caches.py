@@ -24,7 +24,7 @@ import json, os, random, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 from fastrl import cpu_memory
-cpu_memory.release_freed_memory()  # as Run: after torch's import, before the weights load
+cpu_memory.release_freed_memory()  # as Run where memory is tight: after torch's import, before the weights load
 from transformers import AutoModelForCausalLM
 import common
 torch.set_num_threads(2)

@@ -29,7 +29,7 @@ on the completion's positions). memory_plan.learner_bytes, written for a GPU,
 predicts the CPU's live tensor bytes within a few percent, so the plan reuses it: resident = RUNTIME_BYTES + those
 bytes. What it does not count is glibc's retention: above a dynamic threshold (up to 32 MiB) malloc serves large
 blocks from its arenas and keeps them when freed, so the learner's resident memory grew ~1 GiB above its live tensors
-over two steps at 1024 tokens (0.5-0.7 GiB at the presets' budgets: GLIBC_RETAINED). release_freed_memory(glibc=True)
+over two steps at 1024 tokens (0.5-1.0 GiB at the presets' budgets: GLIBC_RETAINED). release_freed_memory(glibc=True)
 fixes the threshold at MMAP_THRESHOLD, so that every tensor above it is returned to the system when freed; but then
 every such allocation faults its pages in anew, and a SmolLM2 step took 1.44x as long (benchmarks/malloc_modes.py), a
 tiny model's 2x. So the plan keeps glibc's own malloc wherever its retention fits, and releases only where it must
@@ -42,7 +42,8 @@ Why the budget is small on a CPU: a CPU's matrix products reach their throughput
 micro-batch buys no speed there, only memory and padding (SmolLM2's fp32 step on an idle machine: 640 tokens 1.01x,
 1024 0.95x the time at 8192; docs/results.md); CPU_BUDGETS starts at that knee, and the --model smollm2 presets take
 640 (DPO 384 beside its frozen reference, PipelineRL and PPO 512) to hold the learner under 4 GB (PPO's three models
-under 8). On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
+under 8) where it returns what it frees; under glibc's own malloc, on a machine with room, it peaks ~0.5-1 GB higher
+(RLOO's step 4.25 GB, PPO's 7.95). On a GPU the budget is the flag's (DEFAULT_GPU_TOKENS when not given).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ SAMPLER_KV_CACHE_BYTES = 256 * 2**20  # vllm_sampler.SamplerConfig.kv_cache_byte
 MMAP_THRESHOLD = 128 * 1024  # glibc's own initial value, kept fixed (mallopt) instead of rising to 32 MiB
 # what glibc's own malloc keeps above the plan's live bytes, in one micro-batch's kept activations: the presets' steps
 # (tests/test_cpu_memory.py's) peaked 0.99x (RLOO), 1.43x (DPO), 0.85x (PipelineRL) and 0.79x (PPO) of it above the
-# released peak (benchmarks/malloc_modes.py's module docstring); the largest, rounded up
+# released peak (docs/results.md, "The learner's malloc on a CPU"); the largest, rounded up
 GLIBC_RETAINED = 1.5
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 # oneDNN's cache sizes in the learner, read at its first bf16 product: a round's shapes (by count, ~20 kernels a shape:
@@ -191,9 +192,12 @@ def release_needed(w: memory_plan.Workload, args, shape: memory_plan.Shape, budg
     kept = learner_resident_bytes(w, args, shape, budget, reward_model_bytes, released=False)
     if kept <= room:
         return Plan(budget, False, None)
-    return Plan(budget, True, f"memory: the learner returns what it frees as it goes (~1.4x a step's time): with "
+    smaller = next((b for b in CPU_BUDGETS if b < budget and learner_resident_bytes(
+        w, args, shape, b, reward_model_bytes, released=False) <= room), None)
+    hint = f"; --micro-batch-tokens {smaller} fits without it" if smaller else ""
+    return Plan(budget, True, f"memory: the learner returns what it frees as it goes (1.4-2x a step's time): with "
                               f"malloc's own retention it would need ~{kept / GB:.1f} GB, {room / GB:.1f} GB are left "
-                              f"beside the sampler")
+                              f"beside the sampler{hint}")
 
 
 def plan(args, model_path: str, w: memory_plan.Workload, available: float | None = None) -> Plan:

@@ -127,6 +127,12 @@ def test_the_learner_returns_freed_memory_only_where_mallocs_retention_would_not
     tight = cpu_memory.release_needed(W["rloo"], args, SMOLLM2, 512, sampler + (need[True] + need[False]) / 2)
     assert tight.release and tight.budget == 512 and "\n" not in tight.why
     assert tight.why.startswith("memory: the learner returns what it frees as it goes") and " GB are left " in tight.why
+    smaller = int(tight.why.rsplit("--micro-batch-tokens ", 1)[1].split()[0])  # (384 tokens cost 1.02x, not 1.4x)
+    room = (need[True] + need[False]) / 2
+    assert tight.why.endswith(" fits without it") and smaller < 512
+    assert cpu_memory.learner_resident_bytes(W["rloo"], args, SMOLLM2, smaller, released=False) <= room
+    larger = cpu_memory.CPU_BUDGETS[cpu_memory.CPU_BUDGETS.index(smaller) - 1]
+    assert larger == 512 or cpu_memory.learner_resident_bytes(W["rloo"], args, SMOLLM2, larger, released=False) > room
     for name, value in cpu_memory.ONEDNN_CACHE_ENV.items():
         monkeypatch.setenv(name, value)  # (this process's environment stays as it was)
     assert cpu_memory.release_freed_memory(glibc=False) is False  # (oneDNN's caches only: no mallopt)
