@@ -190,3 +190,23 @@ def test_smollm2_pushes_after_adam_steps_keep_the_update_only_with_the_remedy():
             pushed(cast, model, version)
             kept[rounding] = cast.last_metrics["charts/push_update_kept"]
         assert kept["nearest"] < checks.PUSH_KEPT_LIMIT < 0.9 < kept["stochastic"] < 1.1, (version, kept)
+
+
+def test_the_final_weights_scorer_casts_as_a_push_into_an_fp32_sampler_sends():
+    """benchmarks/score_weights.py's casts of a run's final weights: fp32 exactly; nearest as `Tensor.to` (what a bf16
+    sampler loading the checkpoint holds); stochastic as a push at that version draws it, each a bf16 neighbour."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from score_weights import cast_weights
+
+    model = one_tensor_model(torch.randn(5000) * 0.02)
+    w = model.w.detach()
+    assert torch.equal(cast_weights(model, "fp32", 1, 20)["w"], w)
+    assert torch.equal(cast_weights(model, "nearest", 1, 20)["w"], w.to(BF16).float())
+    stochastic = cast_weights(model, "stochastic", 1, 20)["w"]
+    assert stochastic.dtype == torch.float32 and torch.equal(stochastic, stochastic.to(BF16).float())
+    assert torch.equal(stochastic, pushed(PushCast(torch.float32, "stochastic", seed=1, round_to=BF16), model, 20)["w"])
+    assert ((stochastic - w).abs() <= spacing(w)).all() and not torch.equal(stochastic, w.to(BF16).float())
+    assert torch.equal(model.w.detach(), w)  # the model's own weights untouched
