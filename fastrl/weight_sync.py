@@ -9,6 +9,7 @@ anywhere).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -399,11 +400,17 @@ class WeightPusher:
 
     def weights_described(self) -> str:
         """Which weights the sampler holds, for a report's pass@k: "the sampler's bfloat16 copy (stochastic rounding)
-        of policy version 12", or the learner's weights as they are."""
+        of policy version 12, which kept 1.00 of the learner's update since the start (15.4% of its weights moved)",
+        the last measured push's UpdateProbe figures; or "the learner's weights of policy version 12, as they are"."""
         cast, version = self._cast, getattr(self, "version", None)
-        held = "the learner's weights as they are" if cast is None or cast.round_to is None else (
-            f"the sampler's {str(cast.round_to).split('.')[-1]} copy ({cast.rounding} rounding)")
-        return held + (f" of policy version {version}" if version is not None else "")
+        of_version = f" of policy version {version}" if version is not None else ""
+        if cast is None or cast.round_to in (None, torch.float32):
+            return f"the learner's weights{of_version}, as they are"
+        kept, moved = (cast.last_metrics.get(k, math.nan) for k in ("charts/push_update_kept",
+                                                                    "charts/push_changed_fraction"))
+        return f"the sampler's {str(cast.round_to).split('.')[-1]} copy ({cast.rounding} rounding){of_version}" + (
+            f", which kept {kept:.2f} of the learner's update since the start ({moved:.1%} of its weights moved)"
+            if math.isfinite(kept) and math.isfinite(moved) else "")
 
     def push_metrics(self) -> dict[str, float]:
         """UpdateProbe's metrics at the last push that was measured (init_weight_sync's `probe`; {} without one)."""

@@ -210,3 +210,18 @@ def test_the_final_weights_scorer_casts_as_a_push_into_an_fp32_sampler_sends():
     assert torch.equal(stochastic, pushed(PushCast(torch.float32, "stochastic", seed=1, round_to=BF16), model, 20)["w"])
     assert ((stochastic - w).abs() <= spacing(w)).all() and not torch.equal(stochastic, w.to(BF16).float())
     assert torch.equal(model.w.detach(), w)  # the model's own weights untouched
+
+
+def test_the_summary_says_which_weights_it_scored_and_what_they_kept():
+    """WeightPusher.weights_described, the summary's "the end scored ..." clause: an fp32 sampler holds the learner's
+    weights as they are; a bf16 copy is named with its rounding and what the last measured push kept."""
+    pusher = object.__new__(weight_sync.WeightPusher)
+    pusher.version = 12
+    pusher._cast = PushCast(torch.float32)
+    assert pusher.weights_described() == "the learner's weights of policy version 12, as they are"
+    pusher._cast = PushCast(BF16, "stochastic", seed=1)
+    assert pusher.weights_described() == "the sampler's bfloat16 copy (stochastic rounding) of policy version 12"
+    pusher._cast.last_metrics = {"charts/push_update_kept": 0.996, "charts/push_changed_fraction": 0.154}
+    assert pusher.weights_described() == ("the sampler's bfloat16 copy (stochastic rounding) of policy version 12, "
+                                          "which kept 1.00 of the learner's update since the start (15.4% of its "
+                                          "weights moved)")

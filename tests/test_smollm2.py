@@ -146,6 +146,9 @@ def test_rloo_k2_bf16_sampler_corrects_the_mismatch_on_a_real_model(smollm2_path
     else:
         assert r["charts/push_changed_fraction"] == 0 and math.isnan(r["charts/push_update_kept"])
     assert "the end scored the sampler's bfloat16 copy (stochastic rounding) of policy version 2" in out.stdout
+    if r["losses/grad_norm"] > 0:  # and how much of the update that copy kept, read at the last push
+        assert (f"which kept {r['charts/push_update_kept']:.2f} of the learner's update since the start "
+                f"({r['charts/push_changed_fraction']:.1%} of its weights moved)") in out.stdout
     assert "warning: the sampler's weights kept" not in out.stdout
 
 
