@@ -212,6 +212,7 @@ class Run:
         self.update_probe = None
         self.memory: dict = {}
         self.scored = ""  # which weights the last pass@k scored (the sampler's copy: its precision, its rounding)
+        self.saved = ""  # what a bf16 server would keep of the saved float32 model (weight_sync.bf16_server_note)
         self._warned: list = []  # the logprob_diff warning, once
         self._no_signal: dict = {}  # warn_no_learning's streaks
         self._served = dict(save_every=0, snapshot_every=0, eval_every=0)  # (log: a flag no line of the loop serves)
@@ -228,6 +229,7 @@ class Run:
         if engine is not None:
             if not failed:
                 self.scored = engine.weights_described() if hasattr(engine, "weights_described") else ""
+                self.saved = weight_sync.bf16_server_note(self.update_probe, self.sampler.weights)
                 self.memory = launch.peak_memory_mib(engine)
             engine.close()
         distributed.close(self.dist)
@@ -340,7 +342,7 @@ class Run:
         row = columns | {"wall (s)": totals["wall_seconds"], "sample (s)": totals["generate_seconds"],
                          "update (s)": totals["train_seconds"],
                          "sample %": f"{100 * totals['generate_seconds'] / wall:.0f}%", "grad steps/s": step / wall}
-        self.logger.report(step, title, row, eval_start, eval_end, self.memory, scored=self.scored)
+        self.logger.report(step, title, row, eval_start, eval_end, self.memory, scored=self.scored, saved=self.saved)
         self.logger.close()
 
     def from_main(self, fn: Callable, *fn_args):

@@ -94,10 +94,10 @@ class RunLogger:
             print(f"[{record['wall']:7.1f}s] step {step}: {shown}")
 
     def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict,
-               scored: str = "") -> str:
+               scored: str = "", saved: str = "") -> str:
         """The end-of-run report, the same shape in every script: this run's line of its paper's
         table (`row`: column -> value), held-out pass@k at the start and the end (`scored`: which weights the end's
-        sampled, e.g. a bf16 sampler's copy), peak memory and the machine.
+        sampled, e.g. a bf16 sampler's copy), peak memory, the machine and `saved` (what a bf16 server keeps of model/).
         Printed, written to <run>/summary.md, and the gain and memory logged as metrics."""
         cell = lambda v: (v if isinstance(v, str) else f"{v:.0f}" if abs(v) >= 100  # noqa: E731
                           else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}")
@@ -115,6 +115,7 @@ class RunLogger:
                  "| end | " + " | ".join(f"{eval_end[k]:.3f}" for k in keys) + " |",
                  "", "peak memory: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in memory.items()),
                  f"machine: {machine_line()}",  # beside every time the run reports
+                 *([f"saved: {saved}"] if saved else []),
                  "", *what_happened(eval_start, eval_end, self.last.get("charts/kl"))]
         text = "\n".join(lines) + "\n"
         print("\n" + text, end="")

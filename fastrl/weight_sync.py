@@ -128,6 +128,16 @@ class UpdateProbe:
                                   learned.square().sum()]).cpu()
         self.count += sampled.numel()
 
+    def cast_metrics(self, model: torch.nn.Module, dtype: torch.dtype) -> dict[str, float]:
+        """metrics() of `model`'s weights cast to `dtype` by rounding to nearest (a server loading them in `dtype`),
+        against the start in `dtype`; this probe's own sums are left as they are."""
+        probe = UpdateProbe.__new__(UpdateProbe)
+        probe.start, probe.sums, probe.count = self.start, torch.zeros(4, dtype=torch.float64), 0
+        probe.set_dtype(dtype)
+        for name, p in model.named_parameters():
+            probe.observe(name, p, p.detach().to(dtype))
+        return probe.metrics()
+
     def metrics(self) -> dict[str, float]:
         (changed, dot, sampled, learned), count = self.sums.tolist(), self.count
         nan = float("nan")
@@ -135,6 +145,23 @@ class UpdateProbe:
                 "charts/push_update_ratio": (sampled / learned) ** 0.5 if learned else nan,
                 "charts/push_update_cosine": dot / (sampled * learned) ** 0.5 if learned and sampled else nan,
                 "charts/push_update_kept": dot / learned if learned else nan}
+
+
+def bf16_server_note(probe: UpdateProbe | None, model: torch.nn.Module) -> str:
+    """For the summary, where the saved model is float32: what a bf16 server loading it keeps of the run's update.
+    vLLM's `auto` dtype downcasts a float32 checkpoint to the platform's first dtype (vllm/config/model.py:2422-2424,
+    "Downcast for float32 models"; bf16 on an Ampere or later GPU, vllm/platforms/cuda.py:256-258), rounding to
+    nearest, which hid much of DPO's SmolLM2 gain (docs/results.md). "" without a probe or for weights not float32."""
+    if probe is None or next(model.parameters()).dtype != torch.float32:
+        return ""
+    m = probe.cast_metrics(model, torch.bfloat16)
+    kept, moved = m["charts/push_update_kept"], m["charts/push_changed_fraction"]
+    if not math.isfinite(kept):
+        return ""
+    return (f"model/ holds float32 weights; a bf16 server (vLLM's `auto` dtype for them) rounds them to nearest, "
+            f"which keeps {kept:.2f} of the run's update ({moved:.1%} of the weights move)"
+            + (": serve them in float32 (`--dtype float32`), or score the cast first (benchmarks/score_weights.py)"
+               if kept < 0.9 else ""))  # (0.9: a tenth of the update lost is worth a line)
 
 
 class PushCast:

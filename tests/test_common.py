@@ -280,14 +280,15 @@ def test_report_prints_the_row_eval_and_memory_and_writes_summary(tmp_path, caps
     try:
         text = logger.report(3, "RLOO K=2", {"K": "2", "wall (s)": 123.456, "grad steps/s": 0.5},
                              {"eval/pass@1": 0.25, "eval/pass@4": 0.5}, {"eval/pass@1": 0.375, "eval/pass@4": 0.625},
-                             {"learner": 512.4, "sampler": 900.0})
+                             {"learner": 512.4, "sampler": 900.0}, saved="model/ holds float32 weights; ...")
     finally:
         logger.close()
     assert "| K | wall (s) | grad steps/s |" in text and "| 2 | 123 | 0.500 |" in text
     assert ("| model | pass@1 | pass@4 |" in text and "| start | 0.250 | 0.500 |" in text
             and "| end | 0.375 | 0.625 |" in text)
     assert "peak memory: learner 512 MiB, sampler 900 MiB" in text
-    assert f"\nmachine: {util.machine_line()}\n" in text and " cores, bf16 " in text  # beside the run's times
+    assert f"\nmachine: {util.machine_line()}\nsaved: model/ holds float32 weights; ...\n" in text  # beside the times
+    assert " cores, bf16 " in text
     assert (logger.dir / "summary.md").read_text() == text and text in capsys.readouterr().out
     last = runlog.read_metrics(logger.dir)[-1]
     assert last["eval/pass@1_gain"] == pytest.approx(0.125) and last["memory/sampler_peak_mib"] == 900.0

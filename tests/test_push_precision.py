@@ -225,3 +225,28 @@ def test_the_summary_says_which_weights_it_scored_and_what_they_kept():
     assert pusher.weights_described() == ("the sampler's bfloat16 copy (stochastic rounding) of policy version 12, "
                                           "which kept 1.00 of the learner's update since the start (15.4% of its "
                                           "weights moved)")
+
+
+def test_the_summary_says_what_a_bf16_server_keeps_of_the_saved_float32_model():
+    """weight_sync.bf16_server_note: vLLM's `auto` dtype serves a float32 checkpoint in bf16, rounded to nearest. Each
+    weight started on a bf16 value and moved by a quarter of its spacing: that copy keeps none of the update; by three
+    quarters: every weight moves a whole spacing, 4/3 of the update (hand-computed)."""
+    start = torch.linspace(0.5, 0.9, 64 * 61 * 2).to(BF16).float()
+    model = one_tensor_model(start)
+    probe = UpdateProbe(model)
+    with torch.no_grad():
+        model.w.add_(spacing(start) / 4)
+    assert probe.cast_metrics(model, BF16)["charts/push_update_kept"] == 0.0
+    assert weight_sync.bf16_server_note(probe, model).startswith(
+        "model/ holds float32 weights; a bf16 server (vLLM's `auto` dtype for them) rounds them to nearest, which "
+        "keeps 0.00 of the run's update (0.0% of the weights move): serve them in float32 (`--dtype float32`)")
+    with torch.no_grad():
+        model.w.copy_(start + spacing(start) * 0.75)
+    metrics = probe.cast_metrics(model, BF16)
+    assert metrics["charts/push_update_kept"] == pytest.approx(4 / 3, rel=1e-6)
+    assert metrics["charts/push_changed_fraction"] == 1.0
+    assert weight_sync.bf16_server_note(probe, model).endswith(
+        "which keeps 1.33 of the run's update (100.0% of the weights move)")  # (no advice where nothing is lost)
+    assert probe.count == 0  # the probe's own push figures untouched
+    assert weight_sync.bf16_server_note(None, model) == ""
+    assert weight_sync.bf16_server_note(probe, one_tensor_model(start.to(BF16))) == ""
