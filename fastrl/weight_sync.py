@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 import time
 
@@ -64,23 +65,37 @@ def packed_buffer_bytes(tensor_bytes: list[int]) -> int:
 
 
 PUSH_ROUNDINGS = ("nearest", "stochastic", "error-feedback")
+SCRATCH_WORDS = 1 << 20  # stochastic_round_bf16's sums, a chunk at a time (4 MiB: in cache)
 PROBE_STRIDE = 61  # UpdateProbe reads every 61st block of 64 weights (prime: no alignment with rows)
 
 
-def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile: int = 1 << 16) -> torch.Tensor:
+def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile: int = 1 << 16,
+                          scratch: torch.Tensor | None = None) -> torch.Tensor:
     """`tensor` (fp32) rounded to bf16 up or down with the probabilities that make the result's mean the input: the
     16 bits a bf16 drops, plus a uniform draw from [0, 2^16), carry into the kept bits exactly that often. One draw
-    of `tile` numbers serves each tile of the tensor (3x a round-to-nearest cast here instead of 9x): every weight
-    still rounds up with probability equal to its dropped fraction, push after push, as each push draws anew.
+    of `tile` numbers serves each tile of the tensor: every weight still rounds up with probability equal to its
+    dropped fraction, push after push, as each push draws anew. The sums are made a chunk at a time in `scratch`
+    (int32, SCRATCH_WORDS of them if not given; kept in cache) and their high halves copied out, instead of whole
+    tensors shifted and narrowed (a push with the probe: 1.64x round to nearest's time, against 1.82x).
     Finite inputs only (a step with a non-finite gradient is skipped before it reaches the weights)."""
     bits = tensor.detach().reshape(-1).float().view(torch.int32)
     n = bits.numel()
+    if n == 0:
+        return tensor.to(torch.bfloat16)
     noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=bits.device)
-    body, summed = n - n % noise.numel(), torch.empty_like(bits)
-    # sign and magnitude: adding to the magnitude's low bits and truncating rounds |x| up or down alike
-    torch.add(bits[:body].view(-1, noise.numel()), noise, out=summed[:body].view(-1, noise.numel()))
-    torch.add(bits[body:], noise[:n - body], out=summed[body:])
-    return summed.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16).view(tensor.shape)
+    tile = noise.numel()
+    if scratch is None or scratch.numel() < tile or scratch.device != bits.device:
+        scratch = torch.empty(max(tile, min(n, SCRATCH_WORDS)), dtype=torch.int32, device=bits.device)
+    out, high = torch.empty(n, dtype=torch.int16, device=bits.device), 1 if sys.byteorder == "little" else 0
+    body, chunk = n - n % tile, scratch.numel() - scratch.numel() % tile
+    for begin in range(0, n, chunk):  # (sign and magnitude: a carry into the magnitude rounds |x| up or down alike)
+        end, sums = min(begin + chunk, body), scratch[: min(chunk, n - begin)]
+        if end > begin:
+            torch.add(bits[begin:end].view(-1, tile), noise, out=sums[: end - begin].view(-1, tile))
+        if end < min(begin + chunk, n):  # the tail shorter than a tile
+            torch.add(bits[body:], noise[: n - body], out=sums[end - begin:])
+        out[begin:begin + sums.numel()] = sums.view(torch.int16).view(-1, 2)[:, high]  # the int32s' top 16 bits
+    return out.view(torch.bfloat16).view(tensor.shape)
 
 
 class UpdateProbe:
@@ -187,6 +202,7 @@ class PushCast:
         self.residual: dict[str, torch.Tensor] = {}
         self.pushing, self.last_metrics, self.version = False, {}, 0
         self._generators: dict = {}
+        self._scratch: dict = {}  # stochastic_round_bf16's buffer per device, reused push after push
         if probe is not None:
             probe.set_dtype(round_to)
 
@@ -214,7 +230,9 @@ class PushCast:
         elif not self.pushing or self.rounding == "nearest":
             sent = tensor.to(self.round_to)
         elif self.rounding == "stochastic":
-            sent = stochastic_round_bf16(tensor, self._generator(tensor.device))
+            if tensor.device not in self._scratch:
+                self._scratch[tensor.device] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
+            sent = stochastic_round_bf16(tensor, self._generator(tensor.device), scratch=self._scratch[tensor.device])
         else:
             # (a new tensor either way: the learner's weights are never written)
             target = tensor.float() + self.residual[name] if name in self.residual else tensor.float().clone()
