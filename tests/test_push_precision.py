@@ -48,6 +48,18 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     assert torch.equal(stochastic_round_bf16(-w, g), -stochastic_round_bf16(w, g.manual_seed(0)))
 
 
+def test_stochastic_rounding_a_chunk_at_a_time_is_the_whole_tensors_sum_and_carry():
+    """The chunked sums (stochastic_round_bf16's scratch) give, bit for bit, the rounding written whole: each weight's
+    bits plus its tile's draw, the top 16 bits kept; over chunks, tiles and a tail shorter than a tile."""
+    w = torch.randn(3 * 1000 + 2 * 64 + 17) * torch.logspace(-20, 20, 3 * 1000 + 2 * 64 + 17)
+    for tile, scratch in [(64, torch.empty(1000, dtype=torch.int32)), (64, None), (5000, None)]:
+        noise = torch.randint(0, 1 << 16, (min(w.numel(), tile),), dtype=torch.int32,
+                              generator=torch.Generator().manual_seed(3))
+        whole = (w.view(torch.int32) + noise.repeat(w.numel() // noise.numel() + 1)[:w.numel()]) >> 16
+        got = stochastic_round_bf16(w, torch.Generator().manual_seed(3), tile=tile, scratch=scratch)
+        assert torch.equal(got.view(torch.int16), whole.to(torch.int16))
+
+
 def test_a_seeded_push_is_bit_reproducible_and_each_version_draws_anew():
     model = one_tensor_model(torch.randn(5000) * 0.02)
     a, b = PushCast(BF16, "stochastic", seed=3), PushCast(BF16, "stochastic", seed=3)
