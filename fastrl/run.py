@@ -105,6 +105,10 @@ class RunArgs:
     keep_checkpoints: int = 1
     """keep the latest N checkpoints (<run>/checkpoints/<step>.pt beside <run>/checkpoint.pt, the latest); 1: only
     the latest"""
+    save_bf16_copy: bool = True
+    """with each checkpoint's model/ of float32 weights, also <run>/model-bf16/: the weights stochastically rounded to
+    bf16 (seeded by --seed and the step), for a bf16 server, whose own cast of model/ rounds to nearest and can drop
+    most of a small-step update (the summary's `saved:` line says what each keeps; docs/results.md)"""
     snapshot_every: int = 0
     """keep the weights every N rounds in <run>/snapshots/, with the wall time, from round 0
     (benchmarks/learning_speed.py evaluates them after the run; 0: never)"""
@@ -229,7 +233,6 @@ class Run:
         if engine is not None:
             if not failed:
                 self.scored = engine.weights_described() if hasattr(engine, "weights_described") else ""
-                self.saved = weight_sync.bf16_server_note(self.update_probe, self.sampler.weights)
                 self.memory = launch.peak_memory_mib(engine)
             engine.close()
         distributed.close(self.dist)
@@ -323,16 +326,20 @@ class Run:
 
     def save(self, step: int, round: int, data_position: int, totals: dict, tokenizer=None, **extra) -> None:
         """Write <run>/checkpoint.pt (what resume() was given, the RNGs, `totals`, `data_position`: the first problem
-        not trained on, the method's `extra` entries; --keep-checkpoints) and <run>/model/ (the policy as a Hugging Face
-        directory). Every rank calls it; rank 0 writes."""
+        not trained on, the method's `extra` entries; --keep-checkpoints), <run>/model/ (the policy as a Hugging Face
+        directory) and model-bf16/ (--save-bf16-copy). Every rank calls it; rank 0 writes."""
         # the sampler's generators: as they were before the first round not trained on (SamplerClient.checkpoint_rng)
         trained, optimizer = self._saved
         self.sampler.gather(self._policy, step)
         self._served["save_every"] += 1
-        path = self.logger.dir / "checkpoint.pt" if self.dist.is_main else None
-        runlog.save_checkpoint(path, trained, optimizer, step, data_position, dist=self.dist,
-                               hf_model=self.sampler.weights, tokenizer=tokenizer, round=round, totals=totals,
+        path, weights = self.logger.dir / "checkpoint.pt" if self.dist.is_main else None, self.sampler.weights
+        bf16 = (weight_sync.bf16_copy(weights, self.args.seed, step) if self.dist.is_main and self.args.save_bf16_copy
+                and next(weights.parameters()).dtype == torch.float32 else None)  # model-bf16/ (--save-bf16-copy)
+        runlog.save_checkpoint(path, trained, optimizer, step, data_position, dist=self.dist, hf_model=weights,
+                               tokenizer=tokenizer, round=round, totals=totals, bf16_state=bf16,
                                sampler_rng=self.sampler.checkpoint_rng(), keep=self.args.keep_checkpoints, **extra)
+        if self.dist.is_main:  # what a bf16 server keeps of what was just saved: the summary's `saved:` line
+            self.saved = weight_sync.bf16_server_note(self.update_probe, weights, bf16)
 
     def report(self, title: str, columns: dict, totals: dict, step: int, eval_start: dict, eval_end: dict) -> None:
         """After the with block (the sampler closed): the summary printed and written to <run>/summary.md: its table

@@ -191,7 +191,8 @@ CHECKPOINT_KEYS = ("model", "optimizer", "step", "data_position", "rng")
 
 
 def save_checkpoint(path: str | Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                    data_position: int, hf_model=None, tokenizer=None, keep: int = 1, dist=None, **extra) -> None:
+                    data_position: int, hf_model=None, tokenizer=None, keep: int = 1, dist=None,
+                    bf16_state: dict | None = None, **extra) -> None:
     """Model, optimizer, step, RNG states and data position, written atomically; only tensors and
     plain data, so that --resume loads it with weights_only=True (no code runs on load). With
     `hf_model` (and its tokenizer), also <dir>/model/: a Hugging Face model directory
@@ -199,9 +200,10 @@ def save_checkpoint(path: str | Path | None, model: torch.nn.Module, optimizer: 
     (--keep-checkpoints) the latest `keep` are also kept as <dir>/checkpoints/<step>.pt (hard links:
     no copy), older ones deleted; any of them resumes a run. Under torchrun (`dist`) every rank calls
     it and rank 0 writes the file one process writes (`path` and `hf_model`, rank 0's unsharded copy,
-    are read on rank 0 only)."""
+    are read on rank 0 only). `bf16_state` (weight_sync.bf16_copy's): also <dir>/model-bf16/, hf_model with it."""
     if dist is not None and dist.enabled:
-        write = lambda m, o: save_checkpoint(path, m, o, step, data_position, hf_model, tokenizer, keep, **extra)  # noqa: E731
+        write = lambda m, o: save_checkpoint(path, m, o, step, data_position, hf_model, tokenizer, keep,  # noqa: E731
+                                             bf16_state=bf16_state, **extra)
         return distributed.save_sharded(model, optimizer, write, dist)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,14 +225,20 @@ def save_checkpoint(path: str | Path | None, model: torch.nn.Module, optimizer: 
             old.unlink()
     if hf_model is not None:
         save_hf_model(path.parent / "model", hf_model, tokenizer)
+    if hf_model is not None and bf16_state is not None:
+        save_hf_model(path.parent / "model-bf16", hf_model, tokenizer, state_dict=bf16_state)
 
 
-def save_hf_model(out_dir: str | Path, model, tokenizer=None) -> None:
-    """`save_pretrained` (safetensors, tokenizer included) into out_dir, replacing it whole."""
+def save_hf_model(out_dir: str | Path, model, tokenizer=None, state_dict: dict | None = None) -> None:
+    """`save_pretrained` (safetensors, tokenizer included) into out_dir, replacing it whole; with `state_dict` (bf16
+    tensors), those instead of the model's, its config's dtype bfloat16."""
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if state_dict is not None:  # (the config is the live model's: its dtype said in the file only)
+            config = json.loads((tmp / "config.json").read_text())
+            (tmp / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if out_dir.exists():  # a directory cannot be replaced by rename: move the old one aside first

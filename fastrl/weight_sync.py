@@ -143,14 +143,15 @@ class UpdateProbe:
                                   learned.square().sum()]).cpu()
         self.count += sampled.numel()
 
-    def cast_metrics(self, model: torch.nn.Module, dtype: torch.dtype) -> dict[str, float]:
-        """metrics() of `model`'s weights cast to `dtype` by rounding to nearest (a server loading them in `dtype`),
-        against the start in `dtype`; this probe's own sums are left as they are."""
+    def cast_metrics(self, model: torch.nn.Module, dtype: torch.dtype, copy: dict | None = None) -> dict[str, float]:
+        """metrics() of `model`'s weights cast to `dtype` by rounding to nearest (a server loading them in `dtype`), or
+        of `copy` (a name -> tensor cast of them: bf16_copy's), against the start in `dtype`; this probe's own sums are
+        left as they are."""
         probe = UpdateProbe.__new__(UpdateProbe)
         probe.start, probe.sums, probe.count = self.start, torch.zeros(4, dtype=torch.float64), 0
         probe.set_dtype(dtype)
         for name, p in model.named_parameters():
-            probe.observe(name, p, p.detach().to(dtype))
+            probe.observe(name, p, p.detach().to(dtype) if copy is None else copy[name])
         return probe.metrics()
 
     def metrics(self) -> dict[str, float]:
@@ -162,21 +163,48 @@ class UpdateProbe:
                 "charts/push_update_kept": dot / learned if learned else nan}
 
 
-def bf16_server_note(probe: UpdateProbe | None, model: torch.nn.Module) -> str:
+def bf16_copy(model: torch.nn.Module, seed: int, step: int) -> dict[str, torch.Tensor]:
+    """`model`'s state dict with its float32 tensors stochastically rounded to bf16 (stochastic_round_bf16, its draws
+    seeded by (`seed`, `step`) as a push's are; tied tensors rounded once): what <run>/model-bf16/ holds (Run.save).
+    Each weight is one of its two bf16 neighbours, the nearer more often: on average the learner's weights."""
+    generators: dict = {}
+    rounded: dict = {}  # (storage, shape): its copy, so that tied weights stay one tensor
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.dtype != torch.float32:
+            out[name] = tensor
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key not in rounded:
+            if tensor.device not in generators:
+                generators[tensor.device] = torch.Generator(device=tensor.device)
+                generators[tensor.device].manual_seed(seed * 1_000_003 + step)
+            rounded[key] = stochastic_round_bf16(tensor, generators[tensor.device])
+        out[name] = rounded[key]
+    return out
+
+
+def bf16_server_note(probe: UpdateProbe | None, model: torch.nn.Module, copy: dict | None = None) -> str:
     """For the summary, where the saved model is float32: what a bf16 server loading it keeps of the run's update.
     vLLM's `auto` dtype downcasts a float32 checkpoint to the platform's first dtype (vllm/config/model.py:2422-2424,
     "Downcast for float32 models"; bf16 on an Ampere or later GPU, vllm/platforms/cuda.py:256-258), rounding to
-    nearest, which hid much of DPO's SmolLM2 gain (docs/results.md). "" without a probe or for weights not float32."""
+    nearest, which hid much of DPO's SmolLM2 gain (docs/results.md); `copy` (bf16_copy's, in model-bf16/): what it
+    keeps instead. "" without a probe or for weights not float32."""
     if probe is None or next(model.parameters()).dtype != torch.float32:
         return ""
     m = probe.cast_metrics(model, torch.bfloat16)
     kept, moved = m["charts/push_update_kept"], m["charts/push_changed_fraction"]
     if not math.isfinite(kept):
         return ""
-    return (f"model/ holds float32 weights; a bf16 server (vLLM's `auto` dtype for them) rounds them to nearest, "
-            f"which keeps {kept:.2f} of the run's update ({moved:.1%} of the weights move)"
-            + (": serve them in float32 (`--dtype float32`), or score the cast first (benchmarks/score_weights.py)"
-               if kept < 0.9 else ""))  # (0.9: a tenth of the update lost is worth a line)
+    note = (f"model/ holds float32 weights; a bf16 server (vLLM's `auto` dtype for them) rounds them to nearest, "
+            f"which keeps {kept:.2f} of the run's update ({moved:.1%} of the weights move)")
+    if copy is None:
+        return note + (": serve them in float32 (`--dtype float32`), or score the cast first "
+                       "(benchmarks/score_weights.py)" if kept < 0.9 else "")  # (0.9: a tenth lost is worth a line)
+    c = probe.cast_metrics(model, torch.bfloat16, copy)
+    return (note + f"; model-bf16/ holds them stochastically rounded, which keeps {c['charts/push_update_kept']:.2f} "
+            f"({c['charts/push_changed_fraction']:.1%} move)"
+            + (": serve model-bf16/ in bf16, or model/ in float32 (`--dtype float32`)" if kept < 0.9 else ""))
 
 
 class PushCast:

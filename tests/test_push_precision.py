@@ -5,7 +5,7 @@ weights, after real Adam steps (docs/results.md, "The push's precision")."""
 import pytest
 import torch
 
-from fastrl import checks, weight_sync
+from fastrl import checks, runlog, weight_sync
 from fastrl.weight_sync import PushCast, UpdateProbe, stochastic_round_bf16
 
 BF16 = torch.bfloat16
@@ -262,3 +262,40 @@ def test_the_summary_says_what_a_bf16_server_keeps_of_the_saved_float32_model():
     assert probe.count == 0  # the probe's own push figures untouched
     assert weight_sync.bf16_server_note(None, model) == ""
     assert weight_sync.bf16_server_note(probe, one_tensor_model(start.to(BF16))) == ""
+
+
+def test_the_bf16_copy_rounds_each_weight_to_a_neighbour_keeps_the_update_and_is_said_in_the_summary(tmp_path):
+    """weight_sync.bf16_copy (<run>/model-bf16/): each weight a quarter of a spacing above its bf16 start rounds up in
+    about a quarter of them, so the copy keeps the whole update on average where rounding to nearest keeps none;
+    seeded by (seed, step); tied tensors stay one; the directory loads in bf16 with exactly those weights."""
+    start = torch.linspace(0.5, 0.9, 64 * 61 * 200).to(BF16).float()
+    model = one_tensor_model(start)
+    model.tied = model.w  # (as an LM head tied to its embedding)
+    probe = UpdateProbe(model)
+    with torch.no_grad():
+        model.w.add_(spacing(start) / 4)
+    copy = weight_sync.bf16_copy(model, seed=1, step=6)
+    assert copy["w"].dtype == BF16 and copy["tied"] is copy["w"]
+    up = copy["w"].float() > start
+    assert torch.equal(copy["w"].float()[~up], start[~up])
+    assert torch.equal(copy["w"].float()[up], (start + spacing(start))[up])
+    assert up.float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert torch.equal(weight_sync.bf16_copy(model, 1, 6)["w"], copy["w"])
+    assert not torch.equal(weight_sync.bf16_copy(model, 1, 7)["w"], copy["w"])
+    kept, moved = (probe.cast_metrics(model, BF16, copy)[k] for k in ("charts/push_update_kept",
+                                                                       "charts/push_changed_fraction"))
+    assert kept == pytest.approx(1.0, abs=0.06) and moved == pytest.approx(0.25, abs=0.02)  # (on the probe's sample)
+    assert weight_sync.bf16_server_note(probe, model, copy).endswith(
+        f"keeps 0.00 of the run's update (0.0% of the weights move); model-bf16/ holds them stochastically rounded, "
+        f"which keeps {kept:.2f} ({moved:.1%} move): serve model-bf16/ "
+        "in bf16, or model/ in float32 (`--dtype float32`)")
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                         num_hidden_layers=1, num_attention_heads=2,
+                                                         tie_word_embeddings=True))
+    runlog.save_hf_model(tmp_path / "model-bf16", llama, state_dict=weight_sync.bf16_copy(llama, 1, 6))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model-bf16")
+    assert next(loaded.parameters()).dtype == BF16
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weight_sync.bf16_copy(llama, 1, 6).items())

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import common
-from fastrl import checks, launch, runlog, util
+from fastrl import checks, launch, runlog, util, weight_sync
 import rloo_kreuse as rloo
 import tasks
 from conftest import scratch_dir
@@ -182,6 +182,13 @@ def test_two_rounds_from_the_command_line_then_resume():
 
     saved = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     assert all(torch.equal(saved.state_dict()[k], v) for k, v in state["model"].items() if k in saved.state_dict())
+    # and model-bf16/ beside it (--save-bf16-copy): those weights stochastically rounded to bf16 as the seed and the
+    # step draw them, which a bf16 server loads as they are; the summary says what each directory keeps of the update
+    copy = AutoModelForCausalLM.from_pretrained(run_dir / "model-bf16")
+    assert next(copy.parameters()).dtype == torch.bfloat16
+    expected = weight_sync.bf16_copy(saved, json.loads((run_dir / "args.json").read_text())["seed"], 6)
+    assert all(torch.equal(copy.state_dict()[k], v) for k, v in expected.items())
+    assert "; model-bf16/ holds them stochastically rounded, which keeps" in (run_dir / "summary.md").read_text()
     with launch.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
         tokenizer = util.load_tokenizer(str(run_dir / "model"))
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
