@@ -189,8 +189,8 @@ def test_two_rounds_from_the_command_line_then_resume():
     expected = weight_sync.bf16_copy(saved, json.loads((run_dir / "args.json").read_text())["seed"], 6)
     assert all(torch.equal(copy.state_dict()[k], v) for k, v in expected.items())
     assert "; model-bf16/ holds them stochastically rounded, which keeps" in (run_dir / "summary.md").read_text()
-    with launch.start_sampler(str(run_dir / "model"), placement="cpu", seed=0) as served:
-        tokenizer = util.load_tokenizer(str(run_dir / "model"))
+    with launch.start_sampler(str(run_dir / "model-bf16"), placement="cpu", seed=0) as served:  # (vLLM loads it)
+        tokenizer = util.load_tokenizer(str(run_dir / "model-bf16"))
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
 
 
