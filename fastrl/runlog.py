@@ -227,6 +227,8 @@ def save_checkpoint(path: str | Path | None, model: torch.nn.Module, optimizer: 
         save_hf_model(path.parent / "model", hf_model, tokenizer)
     if hf_model is not None and bf16_state is not None:
         save_hf_model(path.parent / "model-bf16", hf_model, tokenizer, state_dict=bf16_state)
+    elif hf_model is not None:  # (none this time: an older one would not be these weights)
+        shutil.rmtree(path.parent / "model-bf16", ignore_errors=True)
 
 
 def save_hf_model(out_dir: str | Path, model, tokenizer=None, state_dict: dict | None = None) -> None:
@@ -235,7 +237,8 @@ def save_hf_model(out_dir: str | Path, model, tokenizer=None, state_dict: dict |
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        # (a copy of the dict: save_pretrained pops what it writes from the one it is given)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=None if state_dict is None else dict(state_dict))
         if state_dict is not None:  # (the config is the live model's: its dtype said in the file only)
             config = json.loads((tmp / "config.json").read_text())
             (tmp / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}, indent=2) + "\n")

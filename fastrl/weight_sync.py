@@ -151,7 +151,7 @@ class UpdateProbe:
         probe.start, probe.sums, probe.count = self.start, torch.zeros(4, dtype=torch.float64), 0
         probe.set_dtype(dtype)
         for name, p in model.named_parameters():
-            probe.observe(name, p, p.detach().to(dtype) if copy is None else copy[name])
+            probe.observe(name, p, p.detach().to(dtype) if copy is None else copy[name].to(p.device))
         return probe.metrics()
 
     def metrics(self) -> dict[str, float]:
@@ -166,20 +166,19 @@ class UpdateProbe:
 def bf16_copy(model: torch.nn.Module, seed: int, step: int) -> dict[str, torch.Tensor]:
     """`model`'s state dict with its float32 tensors stochastically rounded to bf16 (stochastic_round_bf16, its draws
     seeded by (`seed`, `step`) as a push's are; tied tensors rounded once): what <run>/model-bf16/ holds (Run.save).
-    Each weight is one of its two bf16 neighbours, the nearer more often: on average the learner's weights."""
-    generators: dict = {}
+    Each weight is one of its two bf16 neighbours, the nearer more often: on average the learner's weights. Rounded
+    on the CPU, a tensor at a time: the same draws whatever the learner's device, and no GPU memory."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    scratch = torch.empty(SCRATCH_WORDS, dtype=torch.int32)
     rounded: dict = {}  # (storage, shape): its copy, so that tied weights stay one tensor
     out = {}
     for name, tensor in model.state_dict().items():
         if tensor.dtype != torch.float32:
-            out[name] = tensor
+            out[name] = tensor.cpu()
             continue
-        key = (tensor.data_ptr(), tuple(tensor.shape))
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape))
         if key not in rounded:
-            if tensor.device not in generators:
-                generators[tensor.device] = torch.Generator(device=tensor.device)
-                generators[tensor.device].manual_seed(seed * 1_000_003 + step)
-            rounded[key] = stochastic_round_bf16(tensor, generators[tensor.device])
+            rounded[key] = stochastic_round_bf16(tensor.cpu(), generator, scratch=scratch)
         out[name] = rounded[key]
     return out
 

@@ -295,7 +295,12 @@ def test_the_bf16_copy_rounds_each_weight_to_a_neighbour_keeps_the_update_and_is
     llama = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
                                                          num_hidden_layers=1, num_attention_heads=2,
                                                          tie_word_embeddings=True))
-    runlog.save_hf_model(tmp_path / "model-bf16", llama, state_dict=weight_sync.bf16_copy(llama, 1, 6))
+    state = weight_sync.bf16_copy(llama, 1, 6)
+    optimizer = torch.optim.Adam(llama.parameters())
+    runlog.save_checkpoint(tmp_path / "checkpoint.pt", llama, optimizer, 6, 0, hf_model=llama, bf16_state=state)
+    assert set(state) == set(llama.state_dict())  # (what the summary then reads: save_pretrained pops its own dict)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model-bf16")
     assert next(loaded.parameters()).dtype == BF16
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weight_sync.bf16_copy(llama, 1, 6).items())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in state.items())
+    runlog.save_checkpoint(tmp_path / "checkpoint.pt", llama, optimizer, 7, 0, hf_model=llama)  # (no copy this time)
+    assert (tmp_path / "model").is_dir() and not (tmp_path / "model-bf16").exists()  # (no stale one beside model/)
