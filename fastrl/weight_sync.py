@@ -69,6 +69,11 @@ SCRATCH_WORDS = 1 << 20  # stochastic_round_bf16's sums, a chunk at a time (4 Mi
 PROBE_STRIDE = 61  # UpdateProbe reads every 61st block of 64 weights (prime: no alignment with rows)
 
 
+def rounding_seed(seed: int, version: int) -> int:
+    """The generator seed of a stochastic rounding at policy version (or step) `version` of a run seeded `seed`."""
+    return seed * 1_000_003 + version
+
+
 def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile: int = 1 << 16,
                           scratch: torch.Tensor | None = None) -> torch.Tensor:
     """`tensor` (fp32) rounded to bf16 up or down with the probabilities that make the result's mean the input: the
@@ -168,7 +173,7 @@ def bf16_copy(model: torch.nn.Module, seed: int, step: int) -> dict[str, torch.T
     seeded by (`seed`, `step`) as a push's are; tied tensors rounded once): what <run>/model-bf16/ holds (Run.save).
     Each weight is one of its two bf16 neighbours, the nearer more often: on average the learner's weights. Rounded
     on the CPU, a tensor at a time: the same draws whatever the learner's device, and no GPU memory."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    generator = torch.Generator().manual_seed(rounding_seed(seed, step))
     scratch = torch.empty(SCRATCH_WORDS, dtype=torch.int32)
     rounded: dict = {}  # (storage, shape): its copy, so that tied weights stay one tensor
     out = {}
@@ -240,7 +245,7 @@ class PushCast:
 
     def begin(self, version: int) -> None:
         for generator in self._generators.values():
-            generator.manual_seed(self.seed * 1_000_003 + version)
+            generator.manual_seed(rounding_seed(self.seed, version))
         self.version, self.pushing = version, True
         if self.probe is not None:
             self.probe.reset()
@@ -274,7 +279,7 @@ class PushCast:
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
-            self._generators[device].manual_seed(self.seed * 1_000_003 + self.version)
+            self._generators[device].manual_seed(rounding_seed(self.seed, self.version))
         return self._generators[device]
 
 
