@@ -21,12 +21,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+SCRATCH_DIRS: list[Path] = []
+
+
 def scratch_dir(prefix: str) -> Path:
-    """A directory for a test module's script runs (never the repository's runs/), removed when the test process
-    ends: a run leaves checkpoints behind, and SmolLM2's are gigabytes (the suite once left 12 GB per run in /tmp)."""
+    """A directory for a test module's script runs (never the repository's runs/), removed when the test session
+    ends (pytest_sessionfinish below): a run leaves checkpoints behind, and SmolLM2's are gigabytes."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    SCRATCH_DIRS.append(path)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # for a run outside pytest's session (collection)
     return path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the scratch directories as the session ends (in each xdist worker), not only at exit: with atexit
+    alone, full runs of the suite left their scratch directories behind (40 GB in /tmp after a few), and a CI run
+    found the disk full."""
+    while SCRATCH_DIRS:
+        shutil.rmtree(SCRATCH_DIRS.pop(), ignore_errors=True)
 
 
 # fixtures that start a sampler, a server or a script's run, shared by several tests
