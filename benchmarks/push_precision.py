@@ -7,6 +7,10 @@ so the ratios are taken in one run; the bytes each sends are counted.
     .venv/bin/python benchmarks/push_precision.py             # 8 repetitions of each arm
     .venv/bin/python benchmarks/push_precision.py --repeats 4
 
+    .venv/bin/python benchmarks/push_precision.py --through-sampler --repeats 6
+        # whole pushes into a bf16 sampler holding SmolLM2 (cast, transfer, the sampler's load), the push rounding
+        # to nearest or stochastically, alternated on one sampler: what the remedy costs a push
+
 A push's time beside these: `time/push_seconds` in a run's metrics (the transfer and the sampler's load)."""
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class Args:
     """repetitions of each arm (in A B B A order)"""
     threads: int = 2
     """torch threads (the learner's on this machine)"""
+    through_sampler: bool = False
+    """time whole pushes into a bf16 sampler (SamplerClient.push_weights) instead of the cast alone"""
 
 
 def main() -> None:
@@ -45,6 +51,8 @@ def main() -> None:
     with torch.no_grad():  # a learner a few steps in: most weights off their bf16 start by ~1e-5
         for p in model.parameters():
             p.add_(torch.randn_like(p), alpha=1e-5)
+    if args.through_sampler:
+        return time_whole_pushes(model, probe, args)
     arms = {"nearest, no probe": weight_sync.PushCast(torch.bfloat16, "nearest"),
             "nearest": weight_sync.PushCast(torch.bfloat16, "nearest", probe=probe),
             "stochastic": weight_sync.PushCast(torch.bfloat16, "stochastic", seed=1, probe=probe),
@@ -69,6 +77,33 @@ def main() -> None:
     for name, values in seconds.items():
         print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | "
               f"{statistics.median(values) / base:.2f} | {sent_bytes[name] / 2**20:.0f} |")
+
+
+def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, args: Args) -> None:
+    """Whole pushes (the cast with its probe, the transfer, the sampler's load) into one bf16 sampler holding SmolLM2,
+    as `--sampler-dtype bfloat16` runs push: round to nearest and stochastic rounding alternate A B B A on the same
+    sampler (the push's PushCast switched between pushes), so the ratio is taken in one process."""
+    seconds: dict[str, list[float]] = {"nearest": [], "stochastic": []}
+    with launch.start_sampler(str(smollm2_path()), placement="cpu", max_model_len=256, dtype="bfloat16",
+                              threads=args.threads) as sampler:
+        launch.connect_weights(sampler, model, rounding="stochastic", seed=1, probe=probe)
+        sampler.push_weights(1)  # warm-up: the transfer's buffers
+        version, order = 2, list(seconds)
+        for repeat in range(args.repeats):
+            for rounding in (order if repeat % 2 == 0 else order[::-1]):
+                sampler._cast.rounding = rounding  # (the engine's PushCast: what init_weight_sync built)
+                seconds[rounding].append(sampler.push_weights(version))
+                version += 1
+    base = statistics.median(seconds["nearest"])
+    print(f"# push_precision --through-sampler: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters "
+          f"into a bf16 sampler, {args.repeats} repetitions a arm, A B B A, {util.machine_line()}")
+    print("| push rounding | median s | min s | max s | x nearest |")
+    print("|---|---|---|---|---|")
+    for name, values in seconds.items():
+        print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} | "
+              f"{statistics.median(values) / base:.3f} |")
+    pairs = [s / n for n, s in zip(seconds["nearest"], seconds["stochastic"])]
+    print(f"stochastic / nearest, per repetition: {', '.join(f'{r:.3f}' for r in pairs)}")
 
 
 if __name__ == "__main__":
