@@ -65,6 +65,7 @@ def packed_buffer_bytes(tensor_bytes: list[int]) -> int:
 
 PUSH_ROUNDINGS = ("nearest", "stochastic", "error-feedback")
 SCRATCH_WORDS = 1 << 20  # stochastic_round_bf16's sums, a chunk at a time (4 MiB: in cache)
+POOL_WORDS = 1 << 20  # NoisePool's draws, shared by a push's tensors (4 MiB)
 PROBE_STRIDE = 61  # UpdateProbe reads every 61st block of 64 weights (prime: no alignment with rows)
 
 
@@ -73,20 +74,22 @@ def rounding_seed(seed: int, version: int) -> int:
     return seed * 1_000_003 + version
 
 
-def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile: int = 1 << 16,
-                          scratch: torch.Tensor | None = None) -> torch.Tensor:
+def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator | None, tile: int = 1 << 16,
+                          scratch: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
     """`tensor` (fp32) rounded to bf16 up or down with the probabilities that make the result's mean the input: the
     16 bits a bf16 drops, plus a uniform draw from [0, 2^16), carry into the kept bits exactly that often. One draw
     of `tile` numbers serves each tile of the tensor: every weight still rounds up with probability equal to its
     dropped fraction, push after push, as each push draws anew. The sums are made a chunk at a time in `scratch`
     (int32, SCRATCH_WORDS of them if not given; kept in cache), their dropped bits cleared, and converted as floats:
-    exactly representable in bf16, so the vectorized conversion (round to nearest) keeps them as they are. Finite
-    inputs only (a step with a non-finite gradient is skipped before it reaches the weights)."""
+    exactly representable in bf16, so the vectorized conversion (round to nearest) keeps them as they are. `noise`:
+    the tile's draws (NoisePool.take's), instead of `tile` drawn here from `generator`. Finite inputs only (a step
+    with a non-finite gradient is skipped before it reaches the weights)."""
     bits = tensor.detach().reshape(-1).float().view(torch.int32)
     n = bits.numel()
     if n == 0:
         return tensor.to(torch.bfloat16)
-    noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=bits.device)
+    if noise is None:
+        noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=bits.device)
     tile = noise.numel()
     if scratch is None or scratch.numel() < tile or scratch.device != bits.device:
         scratch = torch.empty(max(tile, min(n, SCRATCH_WORDS)), dtype=torch.int32, device=bits.device)
@@ -100,6 +103,24 @@ def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator, tile
             torch.add(bits[body:], noise[: n - body], out=sums[end - begin:])
         out[begin:begin + sums.numel()] = sums.bitwise_and_(-1 << 16).view(torch.float32)  # the top 16 bits kept
     return out.view(tensor.shape)
+
+
+class NoisePool:
+    """The uniform draws of one push's (or one save's) stochastic rounding: POOL_WORDS + a tile of numbers in
+    [0, 2^16) drawn once on `device`, each tensor's tile a window of them at an offset drawn on the CPU (no device
+    sync). One draw, not one a tensor: SmolLM2's 272 tensors cast in half the time. Each weight still rounds up with
+    probability equal to its dropped fraction; both generators are seeded by `seed` (rounding_seed)."""
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu", tile: int = 1 << 16):
+        self.offsets, self.tile = torch.Generator().manual_seed(seed), tile
+        draws = torch.Generator(device=device).manual_seed(seed)
+        self.noise = torch.randint(0, 1 << 16, (POOL_WORDS + tile,), dtype=torch.int32, generator=draws, device=device)
+
+    def take(self, n: int) -> torch.Tensor:
+        """The draws for a tensor of `n` elements: a window of min(n, tile) of them, at a random offset."""
+        size = min(n, self.tile)
+        start = int(torch.randint(0, self.noise.numel() - size + 1, (1,), generator=self.offsets))
+        return self.noise[start:start + size]
 
 
 class UpdateProbe:
@@ -172,7 +193,7 @@ def bf16_copy(model: torch.nn.Module, seed: int, step: int) -> dict[str, torch.T
     seeded by (`seed`, `step`) as a push's are; tied tensors rounded once): what <run>/model-bf16/ holds (Run.save).
     Each weight is one of its two bf16 neighbours, the nearer more often: on average the learner's weights. Rounded
     on the CPU, a tensor at a time: the same draws whatever the learner's device, and no GPU memory."""
-    generator = torch.Generator().manual_seed(rounding_seed(seed, step))
+    pool = NoisePool(rounding_seed(seed, step))
     scratch = torch.empty(SCRATCH_WORDS, dtype=torch.int32)
     rounded: dict = {}  # (storage, shape): its copy, so that tied weights stay one tensor
     out = {}
@@ -182,7 +203,7 @@ def bf16_copy(model: torch.nn.Module, seed: int, step: int) -> dict[str, torch.T
             continue
         key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape))
         if key not in rounded:
-            rounded[key] = stochastic_round_bf16(tensor.cpu(), generator, scratch=scratch)
+            rounded[key] = stochastic_round_bf16(tensor.cpu(), None, scratch=scratch, noise=pool.take(tensor.numel()))
         out[name] = rounded[key]
     return out
 
@@ -214,8 +235,8 @@ class PushCast:
     """How a push turns the learner's weights into the sampler's `dtype` (None: sent as they are), by `rounding`:
     - "nearest": round to nearest even, what `Tensor.to` and vLLM's loaders do (a weight moves only once its change
       since the last representable value passes half a spacing, |w|/256 in bf16: small RL steps vanish);
-    - "stochastic": stochastic_round_bf16, its draws seeded by (`seed`, the push's version), so a seeded run and a
-      resumed one round alike; the sampler's copy equals the learner's weights on average, push by push;
+    - "stochastic": stochastic_round_bf16, its draws a NoisePool seeded by (`seed`, the push's version), so a seeded
+      run and a resumed one round alike; the sampler's copy equals the learner's weights on average, push by push;
     - "error-feedback": each cast's residual (in bf16, one more half-size copy of the weights) is added to the next
       push's weights before rounding to nearest, so the sampler's copy averages to the learner's over pushes
       (sigma-delta); the residual starts at zero on --resume.
@@ -232,7 +253,7 @@ class PushCast:
         self.dtype, self.round_to, self.rounding, self.seed, self.probe = dtype, round_to, rounding, seed, probe
         self.residual: dict[str, torch.Tensor] = {}
         self.pushing, self.last_metrics, self.version = False, {}, 0
-        self._generators: dict = {}
+        self._pools: dict = {}  # the push's NoisePool per device
         self._scratch: dict = {}  # stochastic_round_bf16's buffer per device, reused push after push
         if probe is not None:
             probe.set_dtype(round_to)
@@ -243,8 +264,7 @@ class PushCast:
                                                       for d in (self.dtype, self.round_to))
 
     def begin(self, version: int) -> None:
-        for generator in self._generators.values():
-            generator.manual_seed(rounding_seed(self.seed, version))
+        self._pools.clear()  # (each push draws anew)
         self.version, self.pushing = version, True
         if self.probe is not None:
             self.probe.reset()
@@ -263,7 +283,10 @@ class PushCast:
         elif self.rounding == "stochastic":
             if tensor.device not in self._scratch:
                 self._scratch[tensor.device] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
-            sent = stochastic_round_bf16(tensor, self._generator(tensor.device), scratch=self._scratch[tensor.device])
+            if tensor.device not in self._pools:
+                self._pools[tensor.device] = NoisePool(rounding_seed(self.seed, self.version), tensor.device)
+            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[tensor.device],
+                                         noise=self._pools[tensor.device].take(tensor.numel()))
         else:
             # (a new tensor either way: the learner's weights are never written)
             target = tensor.float() + self.residual[name] if name in self.residual else tensor.float().clone()
@@ -275,11 +298,6 @@ class PushCast:
             self.probe.observe(name, tensor, sent)
         return sent
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device)
-            self._generators[device].manual_seed(rounding_seed(self.seed, self.version))
-        return self._generators[device]
 
 
 def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None, cast: PushCast | None = None):

@@ -60,6 +60,34 @@ def test_stochastic_rounding_a_chunk_at_a_time_is_the_whole_tensors_sum_and_carr
         assert torch.equal(got.view(torch.int16), whole.to(torch.int16))
 
 
+def test_a_push_takes_each_tensors_draws_from_one_pool_and_stays_unbiased():
+    """NoisePool: one draw a push, each tensor's tile a window of it at a seeded offset (a short tensor: as many as it
+    has). Through PushCast, many tensors a quarter of a spacing above bf16 values round up a quarter of the time over
+    seeded pushes, each to one of its two neighbours, as a draw of their own would."""
+    pool = weight_sync.NoisePool(seed=5)
+    assert pool.noise.numel() == weight_sync.POOL_WORDS + pool.tile and 0 <= int(pool.noise.min())
+    assert int(pool.noise.max()) < 1 << 16
+    window, short = pool.take(10**6), pool.take(100)
+    assert window.numel() == pool.tile and short.numel() == 100
+    assert window.data_ptr() != short.data_ptr() and window.untyped_storage().data_ptr() == pool.noise.data_ptr()
+    again = weight_sync.NoisePool(seed=5)
+    assert torch.equal(again.take(10**6), window) and torch.equal(again.take(100), short)
+    base = torch.linspace(0.5, 0.9, 7_001).to(BF16).float()
+    w = base + spacing(base) / 4
+    model = torch.nn.Module()
+    for i in range(12):
+        model.register_parameter(f"w{i}", torch.nn.Parameter(w.clone()))
+    cast, up = PushCast(BF16, "stochastic", seed=1), torch.zeros(12, w.numel())
+    for version in range(200):
+        sent = pushed(cast, model, version)
+        for i in range(12):
+            r = sent[f"w{i}"].float()
+            assert ((r == base) | (r == base + spacing(base))).all()
+            up[i] += r > base
+    assert (up / 200).mean().item() == pytest.approx(0.25, abs=0.01)
+    assert (up / 200).mean(1).sub(0.25).abs().max().item() < 0.02  # each tensor too
+
+
 def test_a_seeded_push_is_bit_reproducible_and_each_version_draws_anew():
     model = one_tensor_model(torch.randn(5000) * 0.02)
     a, b = PushCast(BF16, "stochastic", seed=3), PushCast(BF16, "stochastic", seed=3)
