@@ -33,6 +33,7 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own: module fixtures (a server writing its log there) torn down first
 def pytest_sessionfinish(session, exitstatus):
     """Remove the scratch directories as the session ends (in each xdist worker), not only at exit: with atexit
     alone, full runs of the suite left their scratch directories behind (40 GB in /tmp after a few), and a CI run

@@ -94,6 +94,8 @@ def test_a_seeded_push_is_bit_reproducible_and_each_version_draws_anew():
     assert torch.equal(pushed(a, model, 7)["w"], pushed(b, model, 7)["w"])
     assert not torch.equal(pushed(a, model, 7)["w"], pushed(a, model, 8)["w"])
     assert not torch.equal(pushed(PushCast(BF16, "stochastic", seed=4), model, 7)["w"], pushed(a, model, 7)["w"])
+    pushed(a, model, 7)  # a resumed run's first push at version 8 draws what the straight run's push 8 draws
+    assert torch.equal(pushed(a, model, 8)["w"], pushed(PushCast(BF16, "stochastic", seed=3), model, 8)["w"])
 
 
 def test_no_rounding_writes_the_learners_weights():
