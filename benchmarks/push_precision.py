@@ -16,6 +16,7 @@ A push's time beside these: `time/push_seconds` in a run's metrics (the transfer
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
@@ -57,18 +58,14 @@ def main() -> None:
             "nearest": weight_sync.PushCast(torch.bfloat16, "nearest", probe=probe),
             "stochastic": weight_sync.PushCast(torch.bfloat16, "stochastic", seed=1, probe=probe),
             "error-feedback": weight_sync.PushCast(torch.bfloat16, "error-feedback", probe=probe)}
-    seconds: dict[str, list[float]] = {name: [] for name in arms}
     sent_bytes: dict[str, int] = {}
-    order = list(arms)
-    for repeat in range(args.repeats):
-        for name in (order if repeat % 2 == 0 else order[::-1]):
-            cast = arms[name]
-            start = time.perf_counter()
-            cast.begin(repeat + 1)
-            total = sum(cast(n, p).nbytes for n, p in model.named_parameters())
-            cast.end()
-            seconds[name].append(time.perf_counter() - start)
-            sent_bytes[name] = total
+
+    def cast_all(name: str, version: int) -> None:
+        arms[name].begin(version)
+        sent_bytes[name] = sum(arms[name](n, p).nbytes for n, p in model.named_parameters())
+        arms[name].end()
+
+    seconds = timed_abba(list(arms), args.repeats, cast_all)
     base = statistics.median(seconds["nearest, no probe"])
     print(f"# push_precision: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, "
           f"{args.repeats} repetitions, {util.machine_line()}")
@@ -79,21 +76,33 @@ def main() -> None:
               f"{statistics.median(values) / base:.2f} | {sent_bytes[name] / 2**20:.0f} |")
 
 
+def timed_abba(names: list[str], repeats: int, run_one) -> dict[str, list[float]]:
+    """Each name's seconds over `repeats` calls of run_one(name, version), the order reversed every other repetition
+    (A B B A: this machine drifts); versions count from 1."""
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for repeat in range(repeats):
+        for name in (names if repeat % 2 == 0 else names[::-1]):
+            start = time.perf_counter()
+            run_one(name, repeat + 1)
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, args: Args) -> None:
     """Whole pushes (the cast with its probe, the transfer, the sampler's load) into one bf16 sampler holding SmolLM2,
     as `--sampler-dtype bfloat16` runs push: round to nearest and stochastic rounding alternate A B B A on the same
     sampler (the push's PushCast switched between pushes), so the ratio is taken in one process."""
-    seconds: dict[str, list[float]] = {"nearest": [], "stochastic": []}
     with launch.start_sampler(str(smollm2_path()), placement="cpu", max_model_len=256, dtype="bfloat16",
                               threads=args.threads) as sampler:
         launch.connect_weights(sampler, model, rounding="stochastic", seed=1, probe=probe)
         sampler.push_weights(1)  # warm-up: the transfer's buffers
-        version, order = 2, list(seconds)
-        for repeat in range(args.repeats):
-            for rounding in (order if repeat % 2 == 0 else order[::-1]):
-                sampler._cast.rounding = rounding  # (the engine's PushCast: what init_weight_sync built)
-                seconds[rounding].append(sampler.push_weights(version))
-                version += 1
+        versions = itertools.count(2)
+
+        def push(rounding: str, repeat: int) -> None:
+            sampler._cast.rounding = rounding  # (the engine's PushCast: what init_weight_sync built)
+            sampler.push_weights(next(versions))
+
+        seconds = timed_abba(["nearest", "stochastic"], args.repeats, push)
     base = statistics.median(seconds["nearest"])
     print(f"# push_precision --through-sampler: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters "
           f"into a bf16 sampler, {args.repeats} repetitions a arm, A B B A, {util.machine_line()}")

@@ -300,7 +300,6 @@ class PushCast:
         return sent
 
 
-
 def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None, cast: PushCast | None = None):
     """vLLM's ModuleSource over `module` (vllm/distributed/weight_transfer/base.py:244-265), its floating-point
     parameters sent in the sampler's `dtype`: a bf16 sampler receives half the bytes, and no load-time cast

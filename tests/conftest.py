@@ -29,7 +29,7 @@ def scratch_dir(prefix: str) -> Path:
     ends (pytest_sessionfinish below): a run leaves checkpoints behind, and SmolLM2's are gigabytes."""
     path = Path(tempfile.mkdtemp(prefix=prefix))
     SCRATCH_DIRS.append(path)
-    atexit.register(shutil.rmtree, path, ignore_errors=True)  # for a run outside pytest's session (collection)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # (a backstop: a session that never reaches its end)
     return path
 
 
