@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from fastrl import distributed
+from fastrl import distributed, run
 from fastrl.checks import SMOLLM2, TINY, check_args
 from fastrl.util import load_hf, load_tokenizer
 
@@ -57,6 +57,16 @@ def resolve_model(name: str, task: str = "countdown") -> str:
     if name != TINY:
         return name
     return str(tiny_model_path("countdown-steps" if task == "countdown-steps" else "countdown"))
+
+
+class Run(run.Run):
+    """fastrl.run.Run (the run's setup and teardown) for this project's models and tasks: --model resolves by
+    resolve_model, and the --task names in tasks.HUB_TASKS need the datasets package."""
+
+    def __init__(self, args, workload, **settings):
+        import tasks
+
+        super().__init__(args, workload, tasks.HUB_TASKS, resolve_model, **settings)
 
 
 def tiny_model_path(task: str = "countdown", **config) -> Path:

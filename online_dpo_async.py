@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 import common
 import tasks
-from common import scheduled_learning_rate  # (shared with ppo_oppo)
+from common import Run, scheduled_learning_rate  # (Run: every script's setup)
 from fastrl import checks, memory_plan
-from fastrl.run import Run, RunArgs
+from fastrl.run import RunArgs
 
 FIXED_TEST_SPLIT = ("gsm8k", "countdown-hub")  # tasks whose test split is a fixed list (--eval-problems 0 = all of it)
 GPU = torch.cuda.is_available()
@@ -269,7 +269,7 @@ def load_models(args: Args, run: Run, model_path: str):
 
 def main():
     args = parse_args()  # on --resume: the saved run's flags
-    run = Run(args, memory_plan.PAIRS, tasks.HUB_TASKS, common.resolve_model, overlapped=args.staleness > 0)
+    run = Run(args, memory_plan.PAIRS, overlapped=args.staleness > 0)
     if args.reward and args.eos_penalty_mode != "off":  # a student's own reward, rewritten where a completion is cut
         print(f"note: --eos-penalty-mode {args.eos_penalty_mode} changes --reward's score of a completion without EOS "
               f"(to {'-' if args.eos_penalty_mode == 'replace' else 'score - '}{args.missing_eos_penalty:g}; "

@@ -27,9 +27,9 @@ import torch
 
 import common
 import tasks
-from common import ess, truncated_is_weights  # (shared with rloo_kreuse, ppo_oppo)
+from common import Run, ess, truncated_is_weights  # (Run: every script's setup)
 from fastrl import checks, memory_plan, runlog, util, vllm_sampler
-from fastrl.run import Run, RunArgs
+from fastrl.run import RunArgs
 
 MAX_CONSECUTIVE_NONFINITE = 10  # then the data or the model is broken: stop instead of skipping forever
 
@@ -352,8 +352,8 @@ def load_models(args: Args, run: Run, model_path: str):
 
 def main():
     args = mode_defaults(checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2))  # on --resume: the saved run's flags
-    run = Run(args, memory_plan.STREAM, tasks.HUB_TASKS, common.resolve_model, overlapped=args.mode == "pipeline",
-              rounds=args.num_steps, unit="step", sampler_settings=dict(max_num_seqs=args.gen_batch_size))
+    run = Run(args, memory_plan.STREAM, overlapped=args.mode == "pipeline", rounds=args.num_steps, unit="step",
+              sampler_settings=dict(max_num_seqs=args.gen_batch_size))
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)

@@ -27,9 +27,9 @@ from transformers import DynamicCache
 
 import common
 import tasks
-from common import scheduled_learning_rate, truncated_is_weights  # (shared with the other scripts)
+from common import Run, scheduled_learning_rate, truncated_is_weights  # (Run: every script's setup)
 from fastrl import checks, distributed, launch, memory_plan, runlog, vllm_sampler
-from fastrl.run import Run, RunArgs
+from fastrl.run import RunArgs
 
 ON_GPU = torch.cuda.is_available()
 
@@ -502,7 +502,7 @@ def minibatches(run: Run, args: Args):
 def main():
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     B = args.batch_size
-    run = Run(args, memory_plan.ACTOR_CRITIC, tasks.HUB_TASKS, common.resolve_model, overlapped=args.intra,
+    run = Run(args, memory_plan.ACTOR_CRITIC, overlapped=args.intra,
               sampler_settings=dict(max_num_seqs=B + (args.delta_max if args.inter else 0)))
     tis_on = checks.tis_applies(args, args.tis)  # pi_old at the learner's precision whenever the sampler's differs
     eos_penalty = 0.0 if args.long_tail else args.missing_eos_penalty  # (--long-tail forces the lengths)

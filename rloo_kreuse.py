@@ -22,9 +22,9 @@ import torch
 
 import common
 import tasks
-from common import MAX_LOG_WEIGHT, ess, truncated_is_weights  # (shared with pipeline_rl, ppo_oppo)
+from common import MAX_LOG_WEIGHT, Run, ess, truncated_is_weights  # (Run: every script's setup)
 from fastrl import checks, memory_plan
-from fastrl.run import Run, RunArgs
+from fastrl.run import RunArgs
 
 ON_GPU = torch.cuda.is_available()
 
@@ -244,7 +244,7 @@ def load_models(args: Args, run: Run, model_path: str):
 
 def main():
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
-    run = Run(args, memory_plan.GROUPS, tasks.HUB_TASKS, common.resolve_model, overlapped=args.overlap)  # P x G
+    run = Run(args, memory_plan.GROUPS, overlapped=args.overlap)  # P x G
     tis_on = not args.overlap and checks.tis_applies(args, args.tis)  # (--overlap: no sampling weights to recompute)
     if args.overlap and args.tis == "auto" and checks.tis_applies(args):
         print("note: --overlap with a sampler whose precision differs from the learner's: K-reuse's weights include it")

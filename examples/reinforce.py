@@ -19,8 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py, tasks.py: in the repository's root
 import common
 import tasks
+from common import Run
 from fastrl import checks, memory_plan
-from fastrl.run import Run, RunArgs
+from fastrl.run import RunArgs
 
 
 @dataclass
@@ -58,7 +59,7 @@ def mean_baseline_advantages(rewards: torch.Tensor) -> torch.Tensor:  # ALGO LOG
 
 def main():
     args = checks.parse_args(Args, smollm2=SMOLLM2)  # on --resume: the saved run's flags
-    run = Run(args, memory_plan.GROUPS, tasks.HUB_TASKS, common.resolve_model)  # the sampler starts (P x G a round)
+    run = Run(args, memory_plan.GROUPS)  # the sampler starts (P x G a round)
     with run:  # the sampler closes however this ends
         tokenizer, task = tasks.load(args, run.model_path)
         policy = run.learner_model(common.load_policy(run.model_path, run.device, dtype=getattr(torch, args.dtype)))

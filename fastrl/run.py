@@ -2,7 +2,7 @@
 scripts share. A script's main() reads
 
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)
-    run = Run(args, memory_plan.GROUPS, tasks.HUB_TASKS, common.resolve_model)  # flags, torchrun, memory, sampler
+    run = Run(args, memory_plan.GROUPS)          # common.Run: flags, torchrun, memory, the sampler's start
     with run:                                    # the sampler and torchrun close however the block ends
         sampler = run.sampler                    # the sampler client: generate, wait, push (fastrl.sampler_client)
         policy = run.learner_model(load(...))    # the model whose weights the sampler gets

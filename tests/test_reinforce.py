@@ -64,7 +64,7 @@ def test_the_first_script_is_a_page_that_names_what_each_method_adds():
     # the round's sampling settings in view, the same ones the learner's logprobs use (the logprob contract)
     assert ("sampler.generate(prompts, n=args.group_size, temperature=args.temperature, top_p=args.top_p," in source
             and "temperature=args.temperature" in source.split("common.token_logprobs(", 1)[1].split("top_p=", 1)[0]
-            and "Run(args, memory_plan.GROUPS," in source)
+            and "Run(args, memory_plan.GROUPS)" in source)
 
 
 def _run(*flags, timeout=900):
