@@ -184,7 +184,8 @@ class Run:
     script's `workload` (memory_plan.Workload: its shapes and its batch flag's name; a GPU's, or a CPU learner's) and
     starts the sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
     length and what one pass of it is, for a loop that is not over --num-rounds (PipelineRL's: --num-steps optimizer
-    steps); `sampler_settings`: more of the sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs)."""
+    steps); `sampler_settings`: more of the sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs);
+    `hub_tasks` and `resolve_model`: tasks.HUB_TASKS and common.resolve_model (common.Run passes them)."""
 
     def __init__(self, args, workload, hub_tasks, resolve_model: Callable[[str, str], str],
                  overlapped: bool = False, rounds: int | None = None, unit: str = "round",
