@@ -81,32 +81,32 @@ def _rounds(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_rounds_on_the_tiny_model_then_a_resume():
+    """Three rounds with a checkpoint after each, then a resume from round 2's (--keep-checkpoints): round 3 comes
+    again as the run that never stopped made it (the checkpoint kept the data position and the sampler's generators
+    as the round after it draws them). Two runs; rloo_kreuse's test resumes a run directory from elsewhere."""
     flags = ["--exp-name", "pytest_reinforce", "--num-prompts", "8", "--group-size", "4", "--eval-problems", "8",
              "--eval-samples", "2"]
-    out, run_dir = _run(*flags, "--num-rounds", "2", "--save-every", "1")
+    out, run_dir = _run(*flags, "--num-rounds", "3", "--save-every", "1", "--keep-checkpoints", "3")
     rounds = _rounds(run_dir)
-    assert [r["step"] for r in rounds] == [1, 2]  # one optimizer step a round
+    assert [r["step"] for r in rounds] == [1, 2, 3]  # one optimizer step a round
     for r in rounds:
         assert ROUND_KEYS <= r.keys(), ROUND_KEYS - r.keys()
         assert all(math.isfinite(v) for k, v in r.items() if isinstance(v, (int, float))), r
         assert r["charts/episodes"] == 32 * r["step"] and 0 <= r["charts/accuracy"] <= 1
     assert len([r for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r]) == 2  # at the start and the end
     assert (run_dir / "summary.md").is_file() and "REINFORCE with a mean baseline" in out.stdout
-    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-    assert (state["round"], state["step"]) == (2, 2)
+    assert torch.load(run_dir / "checkpoints" / "2.pt", weights_only=False)["round"] == 2
 
     # --resume takes the checkpoint (and the saved flags): only the run's length is given
-    resumed, resumed_dir = _run("--num-rounds", "3", "--resume", str(run_dir.resolve()))
+    resumed, resumed_dir = _run("--num-rounds", "3", "--resume", str(run_dir / "checkpoints" / "2.pt"))
     assert resumed_dir == run_dir and "resumed from" in resumed.stdout and "round 3/3 step 3" in resumed.stdout
-    assert "round 1/" not in resumed.stdout
-    assert [r["step"] for r in _rounds(run_dir)] == [1, 2, 3]
+    assert "round 1/" not in resumed.stdout and "round 2/" not in resumed.stdout
+    again = _rounds(run_dir)
+    assert [r["step"] for r in again] == [1, 2, 3, 3]
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["round"] == 3
-    # and as it was: the same seed run for 3 rounds without a stop gives the same round 3 (the checkpoint kept the
-    # data position and the sampler's generators as the round after it draws them)
-    _, straight_dir = _run(*flags, "--num-rounds", "3")
     untimed = lambda row: {k: v for k, v in row.items()
                           if not k.startswith(("time/", "wall")) and "per_second" not in k}
-    assert untimed(_rounds(straight_dir)[2]) == untimed(_rounds(run_dir)[2])
+    assert untimed(again[3]) == untimed(rounds[2])
 
 
 @pytest.mark.slow
