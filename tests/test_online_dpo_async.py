@@ -274,11 +274,11 @@ def test_async_short_run_and_lag_from_sampler_versions(minibatches, tmp_path):
     _check_rounds(_run_dir(_run(*flags, cwd=tmp_path), tmp_path), "async", minibatches, num_prompts=16)
 
 
-# --sync on a fixed seed: the run that both the staleness-0 parity test and the torchrun test compare
-# against (one launch for two tests). A small --micro-batch-tokens, so that under torchrun each rank
-# gets several micro-batches of pairs and of reference rows.
+# --sync on a fixed seed: the run that the resume, staleness-0 parity and torchrun tests compare against (one
+# launch for them: conftest.SHARED_RUNS). A small --micro-batch-tokens, so that under torchrun each rank gets several
+# micro-batches of pairs and of reference rows; a linear schedule, so that a resume must continue it.
 SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "--seed", "3", "--save-every", "1",
-        "--keep-checkpoints", "3"]
+        "--keep-checkpoints", "3", "--lr-schedule", "linear"]
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +295,9 @@ def test_sync_run_has_lag_0(sync_run):
 @pytest.mark.slow
 def test_sync_resume_is_exact(tmp_path, sync_run):
     """--sync resumed from its checkpoint after round 1 (written mid-run: --save-every 1) gives the uninterrupted run's
-    rounds 2 and 3, row for row (the checkpoint keeps the sampler's generators as they were before the next round).
-    charts/reward is the task's score, charts/reward_penalized the one pairs are chosen by."""
+    rounds 2 and 3, row for row, and its weights (the checkpoint keeps the sampler's generators as they were before
+    the next round). --lr-schedule linear: the rate follows the round the checkpoint keeps, not the Adam state it saves
+    (round 1's lr). charts/reward is the task's score, charts/reward_penalized the one pairs are chosen by."""
     run = tmp_path / sync_run.name  # a copy: the resumed run goes on in the checkpoint's directory
     shutil.copytree(sync_run, run)
     first = min(run.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
@@ -305,6 +306,11 @@ def test_sync_resume_is_exact(tmp_path, sync_run):
     rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(d) if "charts/reward" in r]
               for d in (sync_run, run)]
     assert len(rounds[0]) == 3 and len(rounds[1]) == 5 and rounds[0][1:] == rounds[1][3:]
+    assert [r["charts/learning_rate"] for r in rounds[0]] == pytest.approx([1e-4, 1e-4 * 2 / 3, 1e-4 / 3])
+    assert rounds[0][2]["charts/pairs"] > 0 and rounds[0][2]["step"] > rounds[0][1]["step"]  # the third round steps
+    assert torch.load(first, weights_only=False)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-4)
+    weights = [torch.load(d / "checkpoint.pt", weights_only=False)["model"] for d in (sync_run, run)]
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
     for r in rounds[0]:  # --eos-penalty-mode replace: a completion cut short scores -1 in the pairs, not in the reward
         cut = r["charts/eos_penalized_fraction"]
         assert 0 <= r["charts/reward"] <= 1 and r["charts/reward_penalized"] <= r["charts/reward"]
@@ -571,32 +577,6 @@ def test_learning_rate_schedule_per_task_as_the_paper():
         schedule.step()
     assert rates == pytest.approx(hf)
     assert dpo.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6
-
-
-@pytest.mark.slow
-def test_linear_schedule_resumes_exactly(tmp_path):
-    """--lr-schedule linear under --sync on a fixed seed, 3 rounds with a checkpoint after each; a copy of the run
-    resumed from the checkpoint after round 2 trains its third round at the uninterrupted run's rate, with its numbers,
-    to its weights. The rate follows the round the checkpoint keeps, not the Adam state it saves (round 2's lr)."""
-    i = SYNC.index("--num-rounds")
-    flags = [*SYNC[:i], *SYNC[i + 2:], "--lr-schedule", "linear", "--num-rounds", "3", "--save-every", "1",
-             "--keep-checkpoints", "3", "--exp-name", "pytest_dpo_lr_resume"]
-    full = _run_dir(_run(*flags, cwd=tmp_path), tmp_path)
-    rounds = [r for r in runlog.read_metrics(full) if "charts/reward" in r]
-    assert [r["charts/learning_rate"] for r in rounds] == pytest.approx([1e-4, 1e-4 * 2 / 3, 1e-4 / 3])
-    assert rounds[2]["charts/pairs"] > 0 and rounds[2]["step"] > rounds[1]["step"]  # the third round steps
-    copy = tmp_path / "copy"
-    shutil.copytree(full, copy)
-    saved = {torch.load(f, weights_only=False)["round"]: f for f in (copy / "checkpoints").glob("*.pt")}
-    second = torch.load(saved[2], weights_only=False)
-    assert second["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-4 * 2 / 3)  # Adam's saved lr: round 2's
-    out = _run("--resume", str(saved[2]), cwd=tmp_path)
-    assert out.returncode == 0 and "resumed from" in out.stdout, out.stderr[-3000:]
-    timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")
-    resumed = [{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(copy) if "charts/reward" in r]
-    assert len(resumed) == 4 and resumed[3] == {k: v for k, v in rounds[2].items() if not timing(k)}
-    weights = [torch.load(d / "checkpoint.pt", weights_only=False)["model"] for d in (full, copy)]
-    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
 
 
 def _first_true_indices(bools: torch.Tensor) -> torch.Tensor:
