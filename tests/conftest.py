@@ -44,8 +44,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 # fixtures that start a sampler, a server or a script's run, shared by several tests
 SLOW_FIXTURES = {"sampler", "server_url", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}
-# module-scoped fixtures that run a script or start a server for several tests: their tests run on one xdist worker
-SHARED_RUNS = ("zero_lag_pipeline", "sync_run", "runs", "server")
 # the longest tests (4-6 minutes each on 2 cores), started first so that none of them runs alone at the suite's end
 LONGEST_FIRST = ("test_rloo_kreuse.py::test_two_rounds_from_the_command_line_then_resume",
                  "test_rloo_kreuse.py::test_two_torchrun_ranks_train_as_one_process_and_resume",
@@ -53,16 +51,9 @@ LONGEST_FIRST = ("test_rloo_kreuse.py::test_two_rounds_from_the_command_line_the
                  "test_reinforce.py::test_two_rounds_on_the_tiny_model_then_a_resume")
 
 
-@pytest.hookimpl(tryfirst=True)  # (before xdist's own, which reads the groups under --dist loadgroup: pyproject)
 def pytest_collection_modifyitems(config, items):
-    """LONGEST_FIRST's tests first; the tests that share one of SHARED_RUNS on one worker (an xdist_group), so that
-    under -n the run is made once: with --dist load, a module fixture is made once in each worker that runs one of
-    its tests."""
-    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))  # (stable)
-    for item in items:
-        shared = [name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{shared[0]}"))
+    """LONGEST_FIRST's tests first (a stable sort: the rest keep their order)."""
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))
 
 
 @pytest.fixture(autouse=True)

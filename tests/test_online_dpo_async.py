@@ -274,9 +274,9 @@ def test_async_short_run_and_lag_from_sampler_versions(minibatches, tmp_path):
     _check_rounds(_run_dir(_run(*flags, cwd=tmp_path), tmp_path), "async", minibatches, num_prompts=16)
 
 
-# --sync on a fixed seed: the run that the resume, staleness-0 parity and torchrun tests compare against (one
-# launch for them: conftest.SHARED_RUNS). A small --micro-batch-tokens, so that under torchrun each rank gets several
-# micro-batches of pairs and of reference rows; a linear schedule, so that a resume must continue it.
+# --sync on a fixed seed: the run that the resume, staleness-0 parity and torchrun tests compare against (a module
+# fixture: made once in each xdist worker that runs one of them). A small --micro-batch-tokens: under torchrun each
+# rank gets several micro-batches of pairs and of reference rows; a linear schedule, which a resume must continue.
 SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "--seed", "3", "--save-every", "1",
         "--keep-checkpoints", "3", "--lr-schedule", "linear"]
 
