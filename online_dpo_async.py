@@ -116,7 +116,8 @@ class Args(RunArgs):
              f"must be >= 1, or 0 (the whole test split) for {'/'.join(FIXED_TEST_SPLIT)}, got {self.eval_problems}"),
             (self.save_every >= 0, "--save-every", f"must be >= 0, got {self.save_every}"),
         ):
-            checks.check_args(ok, flag, message)
+            if not ok:  # one line naming the flag, before any process starts
+                raise SystemExit(f"error: {flag}: {message}")
         super().__post_init__()
 
 
@@ -261,7 +262,8 @@ def load_models(args: Args, run: Run, model_path: str):
     """The policy (the sampler's), the reference (the frozen initial policy), Adam and on rank 0 the reward model."""
     dtype = getattr(torch, args.dtype)
     policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype))
-    ref_policy = run.frozen_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False))
+    ref_policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False),
+                                   pushed=False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all
     reward_model = tasks.RewardModel(args.reward_model, str(run.device)) if args.reward_model and run.is_main else None
     return policy, ref_policy, optimizer, reward_model
@@ -275,10 +277,10 @@ def main():
               f"(to {'-' if args.eos_penalty_mode == 'replace' else 'score - '}{args.missing_eos_penalty:g}; "
               "charts/eos_penalized_fraction, charts/reward_penalized); --eos-penalty-mode off keeps it")
     with run:  # the sampler closes however this ends
-        tokenizer, task = tasks.load(args, run.model_path)
+        tokenizer, task, evaluate = tasks.load(args, run.model_path, run.sampler.engine,
+                                               greedy_eval=args.eval_decoding == "greedy")
         policy, ref_policy, optimizer, reward_model = load_models(args, run, run.model_path)
-        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args,
-                                                         greedy=args.eval_decoding == "greedy")
+        sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
         eval_start = run.log(start.step, evaluate())  # pass@k at the start
         step, totals, mismatch_expected = start.step, start.totals, checks.tis_applies(args)
@@ -317,7 +319,7 @@ def main():
             chosen_rows = pair_rows * args.group_size + chosen[keep]  # rows of the batch
             rejected_rows = pair_rows * args.group_size + rejected[keep]
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device, args.eos_logprob)
-            ref_logp = batch.logprobs(ref_policy, args, run.dist)
+            ref_logp = batch.logprobs(ref_policy, args)
             batch.ref_seq = (ref_logp * batch.logp_mask).sum(1)  # --eos-logprob: with or without an ending EOS
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs, at this round's learning rate (--lr-schedule)
@@ -330,7 +332,7 @@ def main():
                     continue
                 # micro-batches of whole pairs, each backpropagated with its share (its pairs' summed loss / `total`)
                 loss, out, lengths = 0.0, {}, pair_lengths(batch.lengths, chosen_rows[pairs], rejected_rows[pairs])
-                for mb in common.micro_batch_plan(lengths, args.micro_batch_tokens, rows_per_item=2, dist=run.dist):
+                for mb in common.micro_batch_plan(lengths, args.micro_batch_tokens, rows_per_item=2):
                     mb_loss, size, mb_out = dpo_micro_batch(policy, batch, mb, chosen_rows[pairs], rejected_rows[pairs],
                                                             args, logprob_diff=fresh)
                     share = mb.weight * size / total  # (weight 0: a torchrun stand-in)

@@ -117,7 +117,8 @@ class Args(RunArgs):
             (self.max_grad_norm > 0 and self.data_timeout > 0 and self.long_tail_scale >= 1,
              "--max-grad-norm/--data-timeout/--long-tail-scale", "must be > 0 (the scale >= 1)"),
         ]:
-            checks.check_args(ok, flag, message)
+            if not ok:  # one line naming the flag, before any process starts
+                raise SystemExit(f"error: {flag}: {message}")
         super().__post_init__()
 
 
@@ -340,8 +341,8 @@ def load_models(args: Args, run: Run, model_path: str):
     """The policy, the frozen reference (for --kl-coef) and the authors' AdamW (pipelinerl/finetune/optim.py)."""
     dtype = getattr(torch, args.dtype)
     policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype))
-    ref_policy = run.frozen_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
-                                  if args.kl_coef else None)
+    ref_policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
+                                  if args.kl_coef else None, pushed=False)
     exempt = lambda name: args.weight_decay > 0 and any(k in name for k in ("bias", "LayerNorm.weight"))  # noqa: E731
     groups = [dict(params=[p for n, p in policy.named_parameters() if not exempt(n)]),
               dict(params=[p for n, p in policy.named_parameters() if exempt(n)], weight_decay=0.0)]
@@ -355,9 +356,9 @@ def main():
     run = Run(args, memory_plan.STREAM, overlapped=args.mode == "pipeline", rounds=args.num_steps, unit="step",
               sampler_settings=dict(max_num_seqs=args.gen_batch_size))
     with run:  # the sampler closes however this ends
-        tokenizer, task = tasks.load(args, run.model_path)
+        tokenizer, task, evaluate = tasks.load(args, run.model_path, run.sampler.engine)
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
-        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)
+        sampler = run.sampler
         start = run.resume(policy, optimizer, extra=("actor",),  # (the checkpoints keep the actor's state)
                            background_push=args.mode == "pipeline" and args.background_push)  # pushes from a thread
         eval_start = run.log(start.step, evaluate())  # pass@k at the start
@@ -387,8 +388,7 @@ def main():
             tokens = sum(len(c.token_ids) for c in samples)
             batch.total = len(samples) if args.loss_norm == "sequence" else tokens
             loss, out = 0.0, {}
-            for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size,
-                                              dist=run.dist):
+            for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, max_rows=args.micro_batch_size):
                 mb_loss, size, mb_out = micro_batch_loss(policy, ref_policy, batch, mb, args)
                 share = mb.weight * size / batch.total  # (weight 0: a torchrun stand-in)
                 (mb_loss * share).backward()

@@ -484,7 +484,7 @@ def load_models(args: Args, run: Run, tokenizer):
     if args.gradient_checkpointing:  # in train mode only (the update's); the critic's prefill keeps its KV cache
         critic.gradient_checkpointing_enable()
     policy = run.learner_model(policy)
-    downstream = {name: run.frozen_model(model) for name, model in  # (the critic: trained, never pushed)
+    downstream = {name: run.learner_model(model, pushed=False) for name, model in  # (the critic: trained, not pushed)
                   dict(critic=critic, ref=ref_policy, rm=reward_model).items() if model is not None}
     learner = torch.nn.ModuleDict(dict(policy=policy, critic=downstream["critic"]))
     optimizer = torch.optim.Adam(learner.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel
@@ -513,10 +513,10 @@ def main():
         run.from_main(checks.check_args, not (args.intra and run.dist.enabled), "--intra", "runs on one process only "
                       "(rank 0 prefills while it polls): add --no-intra")
         distributed.check_world_size(B // args.num_minibatches, "sequences per minibatch", run.dist)
-        tokenizer, task = tasks.load(args, run.model_path)
+        tokenizer, task, evaluate = tasks.load(args, run.model_path, run.sampler.engine)
         policy, downstream, learner, optimizer = load_models(args, run, tokenizer)
         critic, overlap = downstream["critic"], Overlap(args.delta if args.inter else 0, *chunk_sizes(args))
-        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)
+        sampler = run.sampler
         oppo = OPPOBuffer(sampler.engine, task, tokenizer, downstream, args, overlap.chunk)
         start = run.resume(policy, optimizer, checkpointed=learner,  # actor and critic, and OPPO's state:
                            extra=("delta", "chunk", "reward_history", "carried_keys"))

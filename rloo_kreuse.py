@@ -22,11 +22,12 @@ import torch
 
 import common
 import tasks
-from common import MAX_LOG_WEIGHT, Run, ess, truncated_is_weights  # (Run: every script's setup)
+from common import Run, ess, truncated_is_weights  # (Run: every script's setup)
 from fastrl import checks, memory_plan
 from fastrl.run import RunArgs
 
 ON_GPU = torch.cuda.is_available()
+MAX_LOG_WEIGHT = 20.0  # exp(20) ~ 5e8: a sequence weight beyond it is as good as infinite, and inf * 0 is NaN
 
 
 @dataclass
@@ -101,7 +102,8 @@ class Args(RunArgs):
             (not (self.tis == "on" and self.overlap), "--tis",
              "on cannot be combined with --overlap: the learner no longer holds the sampling weights"),
         ]:
-            checks.check_args(ok, flag, message)
+            if not ok:  # one line naming the flag, before any process starts
+                raise SystemExit(f"error: {flag}: {message}")
 
 
 # a real model's defaults (the paper's v3 setup), where they differ from the tiny model's above
@@ -236,8 +238,8 @@ def load_models(args: Args, run: Run, model_path: str):
     """The policy (the model the sampler gets), the frozen reference (only when --kl-coef uses it) and Adam."""
     dtype = getattr(torch, args.dtype)
     policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype))
-    ref_policy = run.frozen_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
-                                  if args.kl_coef else None)  # (--kl-coef 0: no reference model)
+    ref_policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
+                                  if args.kl_coef else None, pushed=False)  # (--kl-coef 0: no reference model)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate, eps=1e-7, fused=True)  # one kernel for all
     return policy, ref_policy, optimizer
 
@@ -250,9 +252,9 @@ def main():
         print("note: --overlap with a sampler whose precision differs from the learner's: K-reuse's weights include it")
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
     with run:  # the sampler closes however this ends
-        tokenizer, task = tasks.load(args, run.model_path)
+        tokenizer, task, evaluate = tasks.load(args, run.model_path, run.sampler.engine)  # evaluate: its Table 4
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
-        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)  # its Table 4
+        sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
         eval_start = run.log(start.step, evaluate())  # pass@k at the start
         step, totals = start.step, start.totals
@@ -280,7 +282,7 @@ def main():
             rewards = torch.tensor([task.reward(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)
-            batch.ref_logp = None if ref_policy is None else batch.logprobs(ref_policy, args, run.dist)
+            batch.ref_logp = None if ref_policy is None else batch.logprobs(ref_policy, args)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # reward r - kl_coef * sum_t log pi/pi_ref
             # log pi_theta0: the sampler's, or the learner's own (--tis, --recompute-old-logprobs): k-step 1's forward
             # (at the sampling weights) writes it, unless k1's penalty needs it before, which takes a pass of its own
@@ -288,7 +290,7 @@ def main():
             if recompute_old_logprobs:
                 batch.theta0_from_forward = not k1_shaped
                 batch.old_logp = (torch.zeros_like(batch.sampler_logp) if batch.theta0_from_forward
-                                  else batch.logprobs(policy, args, run.dist))
+                                  else batch.logprobs(policy, args))
 
             # ALGO LOGIC: K gradient steps on this one batch, each weighted by pi_theta_j / pi_theta0
             fresh = not args.overlap  # at k-step 1 the learner holds the sampling weights
@@ -296,7 +298,7 @@ def main():
             for k_step in range(args.k):
                 # k1 of the current policy (pi_theta0 at k-step 1 on fresh weights): a no-grad forward per later k-step
                 reuse = (fresh and k_step == 0) or not k1_shaped
-                current_logp = batch.old_logp if reuse else batch.logprobs(policy, args, run.dist)
+                current_logp = batch.old_logp if reuse else batch.logprobs(policy, args)
                 batch.advantages = shaped_advantages(rewards.to(run.device), current_logp, batch.ref_logp, batch.mask,
                                                      kl_coef=args.kl_coef, kl_estimator=args.kl_estimator,
                                                      group_size=args.group_size)
@@ -307,7 +309,7 @@ def main():
                 # each micro-batch's loss backpropagated with its share of the batch mean: the gradients accumulate
                 # to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
-                for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, dist=run.dist):
+                for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens):
                     mb_loss, size, mb_out = micro_batch_loss(policy, batch, mb, args, fresh and k_step == 0)
                     share = mb.weight * size / len(batch.lengths)  # (weight 0: a torchrun stand-in)
                     (mb_loss * share).backward()

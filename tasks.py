@@ -727,9 +727,10 @@ def eval_ks(samples_per_problem: int) -> list[int]:
     return sorted({2**i for i in range(samples_per_problem.bit_length())} | {samples_per_problem})
 
 
-def load(args, model_path: str):
-    """The tokenizer and the task the flags name (--task, --reward, --prompt-field, --answer-field, --system-prompt,
-    DPO's --gsm8k-match), with the check that needs the tokenizer: some prompt fits --max-prompt-tokens. It runs
+def load(args, model_path: str, sampler=None, greedy_eval: bool = False):
+    """The tokenizer, the task the flags name (--task, --reward, --prompt-field, --answer-field, --system-prompt,
+    DPO's --gsm8k-match) and its held-out evaluation through `sampler` (evaluator: `greedy_eval` for DPO's
+    --eval-decoding greedy), with the check that needs the tokenizer: some prompt fits --max-prompt-tokens. It runs
     while the sampler starts, and a failure closes it."""
     tokenizer = load_tokenizer(model_path)
     task = make_task(args.task, args.seed, tiny_prompts=args.model == "tiny",
@@ -737,7 +738,7 @@ def load(args, model_path: str):
                      prompt_field=args.prompt_field, answer_field=args.answer_field,
                      system_prompt=args.system_prompt)
     check_prompts_fit(tokenizer, task, args.max_prompt_tokens, args.chat_template)
-    return tokenizer, task
+    return tokenizer, task, evaluator(sampler, task, tokenizer, args, greedy=greedy_eval)
 
 
 class TrainProblems:

@@ -70,7 +70,7 @@ def score(run_dir: Path, args: Args) -> dict:
     saved = SimpleNamespace(**json.loads((run_dir / "args.json").read_text()))
     model_dir = str(run_dir / "model")
     version = torch.load(run_dir / "checkpoint.pt", weights_only=False, map_location="cpu")["step"]
-    tokenizer, task = tasks.load(saved, model_dir)
+    tokenizer, task, _ = tasks.load(saved, model_dir)
     greedy = getattr(saved, "eval_decoding", "sample") == "greedy"
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     result = dict(run=run_dir.name, step=version, run_end=end_eval(run_dir))

@@ -61,10 +61,10 @@ def main():
     args = checks.parse_args(Args, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     run = Run(args, memory_plan.GROUPS)  # the sampler starts (P x G a round)
     with run:  # the sampler closes however this ends
-        tokenizer, task = tasks.load(args, run.model_path)
+        tokenizer, task, evaluate = tasks.load(args, run.model_path, run.sampler.engine)
         policy = run.learner_model(common.load_policy(run.model_path, run.device, dtype=getattr(torch, args.dtype)))
         optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate)
-        sampler, evaluate = run.sampler, tasks.evaluator(run.sampler.engine, task, tokenizer, args)
+        sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; on --resume a checkpoint's weights, Adam, counters
         eval_start = run.log(start.step, evaluate())  # held-out pass@k at the start
         step, totals, clock = start.step, start.totals, time.perf_counter() - start.totals["wall_seconds"]
@@ -84,7 +84,7 @@ def main():
             advantages = mean_baseline_advantages(rewards.view(-1, args.group_size)).view(-1).to(run.device)
             batch = common.Batch.from_samples(samples, tokenizer.pad_token_id, run.device)  # padded rows, masks
             loss = 0.0  # the batch mean, a micro-batch at a time: each one's share backpropagated, the gradients add up
-            for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens, dist=run.dist):
+            for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens):
                 cut = lambda x: x[mb.items, :mb.width]  # its rows, as wide as its longest
                 with torch.autocast(run.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # as sampled
                     logp = common.token_logprobs(policy, cut(batch.input_ids), cut(batch.attention_mask),

@@ -238,10 +238,12 @@ class Run:
             engine.close()
         distributed.close(self.dist)
 
-    def learner_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model whose weights the sampler gets: with --gradient-checkpointing set up, rank 0's full copy kept
-        for the pushes (the model itself without torchrun), returned sharded under torchrun. Build its optimizer
-        after this call."""
+    def learner_model(self, model: torch.nn.Module | None, pushed: bool = True) -> torch.nn.Module | None:
+        """A model the learner runs, sharded under torchrun (None stays None). `pushed`: the one whose weights the
+        sampler gets, with --gradient-checkpointing set up and rank 0's full copy kept for the pushes (the model itself
+        without torchrun): build its optimizer after this call. pushed=False: a reference or a critic."""
+        if model is None or not pushed:
+            return None if model is None else distributed.shard(model, self.dist)
         if self.args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: same numbers)
@@ -249,10 +251,6 @@ class Run:
         if self.dist.is_main:  # the starting weights (before --resume loads), what every push is measured against
             self.update_probe = weight_sync.UpdateProbe(self.sampler.weights)
         return distributed.shard(model, self.dist)
-
-    def frozen_model(self, model: torch.nn.Module | None) -> torch.nn.Module | None:
-        """A model that runs forwards but is never pushed (reference, critic): sharded under torchrun."""
-        return None if model is None else distributed.shard(model, self.dist)
 
     def resume(self, policy, optimizer, checkpointed: torch.nn.Module | None = None, extra: tuple = (),
                background_push: bool = False) -> Resumed:
