@@ -22,7 +22,7 @@ import torch
 
 import common
 import tasks
-from common import Run, ess, truncated_is_weights  # (Run: every script's setup)
+from common import Run, truncated_is_weights  # (Run: every script's setup)
 from fastrl import checks, memory_plan
 from fastrl.run import RunArgs
 
@@ -331,7 +331,7 @@ def main():
                 step += 1
                 grad_norms.append(grad_norm.item())
                 iw_means.append(out["w"].mean().item())
-                ess_values.append(ess(out["w"]))
+                ess_values.append((out["w"].sum() ** 2 / (len(out["w"]) * out["w"].pow(2).sum())).item())  # ESS / N
             tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level,
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start

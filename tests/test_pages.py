@@ -119,7 +119,7 @@ def test_the_round_calls_the_sampler_with_its_sampling_parameters_in_view(script
 
 # Issue 60 asks for at most 25 project names a script and 10 distinct project calls in its round; these are where the
 # scripts stand (not met: what is left is in the issue's note), kept from growing. (names, round calls)
-NAME_BUDGETS = {"rloo_kreuse.py": (32, 15), "online_dpo_async.py": (36, 16), "pipeline_rl.py": (40, 14),
+NAME_BUDGETS = {"rloo_kreuse.py": (31, 14), "online_dpo_async.py": (36, 16), "pipeline_rl.py": (40, 14),
                 "ppo_oppo.py": (49, 19), "examples/reinforce.py": (25, 11)}
 PROJECT_MODULES = {"common", "tasks", "fastrl"}
 
