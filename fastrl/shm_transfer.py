@@ -183,14 +183,18 @@ class ShmTrainerWeightTransferEngine(TrainerWeightTransferEngine[ShmTrainerInitI
                     param.data = view  # (copy_weights put its values there)
 
     def copy_weights(self) -> None:
-        i = -1
+        """Every parameter into its view of the buffer; a source that casts (weight_sync's CastSource: cast_into)
+        casts straight into it, one pass over the weights and no cast copy made."""
+        i, cast_into = -1, getattr(self.source, "cast_into", None)
         with torch.no_grad():
-            for i, (name, tensor) in enumerate(self.source):
+            for i, (name, tensor) in enumerate(self.source.uncast() if cast_into else self.source):
                 if i >= len(self.names) or name != self.names[i] or list(tensor.shape) != self.shapes[i] \
-                        or tensor.dtype != self.dtypes[i]:
+                        or (tensor.dtype != self.dtypes[i] and not cast_into):
                     raise TransferError(f"the model's parameters changed since init_weight_sync (at {name!r}): "
                                         "call init_weight_sync again")
-                if tensor.data_ptr() != self.views[i].data_ptr():  # (a shared parameter is already there)
+                if cast_into:
+                    cast_into(name, tensor, self.views[i])
+                elif tensor.data_ptr() != self.views[i].data_ptr():  # (a shared parameter is already there)
                     self.views[i].copy_(tensor.detach())
         if i + 1 != len(self.names):
             raise TransferError(f"the model has {i + 1} parameters, {len(self.names)} at init_weight_sync: "

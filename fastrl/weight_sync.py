@@ -75,25 +75,28 @@ def rounding_seed(seed: int, version: int) -> int:
 
 
 def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator | None, tile: int = 1 << 16,
-                          scratch: torch.Tensor | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+                          scratch: torch.Tensor | None = None, noise: torch.Tensor | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
     """`tensor` (fp32) rounded to bf16 up or down with the probabilities that make the result's mean the input: the
     16 bits a bf16 drops, plus a uniform draw from [0, 2^16), carry into the kept bits exactly that often. One draw
     of `tile` numbers serves each tile of the tensor: every weight still rounds up with probability equal to its
     dropped fraction, push after push, as each push draws anew. The sums are made a chunk at a time in `scratch`
     (int32, SCRATCH_WORDS of them if not given; kept in cache), their dropped bits cleared, and converted as floats:
     exactly representable in bf16, so the vectorized conversion (round to nearest) keeps them as they are. `noise`:
-    the tile's draws (NoisePool.take's), instead of `tile` drawn here from `generator`. Finite inputs only (a step
-    with a non-finite gradient is skipped before it reaches the weights)."""
+    the tile's draws (NoisePool.take's), instead of `tile` drawn here from `generator`. `out`: where to write them
+    (contiguous, bf16 or fp32: the same values; a push's transfer buffer), instead of a new bf16 tensor. Finite
+    inputs only (a step with a non-finite gradient is skipped before it reaches the weights)."""
     bits = tensor.detach().reshape(-1).float().view(torch.int32)
     n = bits.numel()
     if n == 0:
-        return tensor.to(torch.bfloat16)
+        return tensor.to(torch.bfloat16) if out is None else out
     if noise is None:
         noise = torch.randint(0, 1 << 16, (min(n, tile),), dtype=torch.int32, generator=generator, device=bits.device)
     tile = noise.numel()
     if scratch is None or scratch.numel() < tile or scratch.device != bits.device:
         scratch = torch.empty(max(tile, min(n, SCRATCH_WORDS)), dtype=torch.int32, device=bits.device)
-    out = torch.empty(n, dtype=torch.bfloat16, device=bits.device)
+    result = torch.empty(n, dtype=torch.bfloat16, device=bits.device) if out is None else out
+    out = result.view(-1)
     body, chunk = n - n % tile, scratch.numel() - scratch.numel() % tile
     for begin in range(0, n, chunk):  # (sign and magnitude: a carry into the magnitude rounds |x| up or down alike)
         end, sums = min(begin + chunk, body), scratch[: min(chunk, n - begin)]
@@ -102,7 +105,7 @@ def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator | Non
         if end < min(begin + chunk, n):  # the tail shorter than a tile
             torch.add(bits[body:], noise[: n - body], out=sums[end - begin:])
         out[begin:begin + sums.numel()] = sums.bitwise_and_(-1 << 16).view(torch.float32)  # the top 16 bits kept
-    return out.view(tensor.shape)
+    return result.view(tensor.shape)
 
 
 class NoisePool:
@@ -242,7 +245,8 @@ class PushCast:
       push's weights before rounding to nearest, so the sampler's copy averages to the learner's over pushes
       (sigma-delta); the residual starts at zero on --resume.
     `probe` (an UpdateProbe, optional) sees every pushed tensor. Between begin(version) and end() a call rounds
-    and is observed; outside (an engine's set-up copy) it rounds to nearest and changes nothing."""
+    and is observed; outside (an engine's set-up copy) it rounds to nearest and changes nothing. A call given `out`
+    (the transfer's buffer, in the sampler's dtype) writes the result there, without a cast copy of its own."""
 
     def __init__(self, dtype: torch.dtype | None, rounding: str = "nearest", seed: int = 0,
                  probe: UpdateProbe | None = None, round_to: torch.dtype | None = None):
@@ -275,10 +279,12 @@ class PushCast:
         self.last_metrics = self.probe.metrics() if self.probe is not None else {}
         return self.last_metrics
 
-    def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def __call__(self, name: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = tensor.detach()
         if not self.casts(tensor) or self.round_to == tensor.dtype:
             sent = tensor
+        elif (not self.pushing or self.rounding == "nearest") and out is not None and out.dtype == self.round_to:
+            sent = out.copy_(tensor)  # (the conversion within the copy: Tensor.to's rounding, no copy in between)
         elif not self.pushing or self.rounding == "nearest":
             sent = tensor.to(self.round_to)
         elif self.rounding == "stochastic":
@@ -286,7 +292,7 @@ class PushCast:
                 self._scratch[tensor.device] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
             if tensor.device not in self._pools:
                 self._pools[tensor.device] = NoisePool(rounding_seed(self.seed, self.version), tensor.device)
-            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[tensor.device],
+            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[tensor.device], out=out,
                                          noise=self._pools[tensor.device].take(tensor.numel()))
         else:
             # (a new tensor either way: the learner's weights are never written)
@@ -295,6 +301,8 @@ class PushCast:
             self.residual[name] = target.sub_(sent).to(self.round_to)
         if self.dtype is not None and tensor.dtype.is_floating_point:
             sent = sent.to(self.dtype)  # (--push-round-to bfloat16 into an fp32 sampler: back to fp32, exactly)
+        if out is not None and sent.data_ptr() != out.data_ptr():
+            sent = out.copy_(sent)
         if self.pushing and self.probe is not None:
             self.probe.observe(name, tensor, sent)
         return sent
@@ -325,6 +333,13 @@ def sampler_source(module: torch.nn.Module, dtype: torch.dtype | None, cast: Pus
         def __iter__(self):
             for name, tensor in super().__iter__():
                 yield name, cast(name, tensor)
+
+        def uncast(self):  # (the shm transfer's pushes: the parameters as they are, each cast by cast_into)
+            return super().__iter__()
+
+        def cast_into(self, name: str, tensor: torch.Tensor, out: torch.Tensor) -> None:
+            """`tensor` cast as __iter__ would, written straight into `out` (its place in a transfer buffer)."""
+            cast(name, tensor, out=out)
 
     return CastSource(module)
 

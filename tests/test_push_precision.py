@@ -2,6 +2,8 @@
 keeps of the learner's update under each rounding, checked against hand-computed values and, on SmolLM2's own
 weights, after real Adam steps (docs/results.md, "The push's precision")."""
 
+import copy
+
 import pytest
 import torch
 
@@ -185,6 +187,41 @@ def test_rounding_to_bf16_into_an_fp32_sampler_sends_fp32_bf16_values():
     cast.begin(1)
     out = cast("w", model.w)
     assert out.dtype == torch.float32 and torch.equal(out, model.w.detach().to(BF16).float())
+
+
+def test_a_cast_into_the_transfer_buffer_sends_what_the_cast_copy_sends():
+    """The shm transfer casts each parameter straight into its buffer (CastSource.cast_into): bit for bit what the
+    cast copy sends (CastSource's __iter__, what gloo sends), for each rounding, into a bf16 sampler and, rounded to
+    bf16, into an fp32 one; the probe's metrics are the same; the learner's weights are only read."""
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(300, 70), torch.nn.Linear(70, 3))  # (tensors shorter than a tile)
+    start[0].weight.data[0, :5] = torch.tensor([0.0, -0.0, 1e-40, -3e-39, 1e30])  # zeros, denormals, a large value
+    update = [torch.randn_like(p) * 1e-4 for p in start.parameters()]
+    for dtype, round_to in ((BF16, None), (torch.float32, BF16)):
+        for rounding in weight_sync.PUSH_ROUNDINGS:
+            arms = {}
+            for arm in ("copy", "into"):
+                model = copy.deepcopy(start)
+                cast = PushCast(dtype, rounding, seed=5, probe=UpdateProbe(model), round_to=round_to)
+                source, sent, metrics = weight_sync.sampler_source(model, dtype, cast), [], []
+                for version in (1, 2, 3):  # (error feedback: each push carries the last one's residual)
+                    before = [p.detach().clone() for p in model.parameters()]
+                    cast.begin(version)
+                    if arm == "copy":
+                        sent += [t.clone() for _, t in source]
+                    for name, p in source.uncast() if arm == "into" else ():
+                        sent.append(torch.empty(p.shape, dtype=dtype))
+                        source.cast_into(name, p, sent[-1])
+                    metrics.append(cast.end())
+                    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+                    with torch.no_grad():
+                        for p, u in zip(model.parameters(), update):
+                            p.add_(u)
+                arms[arm] = sent, metrics
+            (copied, copied_metrics), (written, written_metrics) = arms["copy"], arms["into"]
+            assert len(copied) == len(written) == 12 and all(a.dtype == dtype for a in written)
+            assert all(torch.equal(a, b) for a, b in zip(copied, written)), (dtype, rounding)
+            assert str(copied_metrics) == str(written_metrics) and "push_update_kept" in str(written_metrics)
 
 
 def test_auto_rounding_is_stochastic_only_where_fp32_weights_meet_a_bf16_sampler():
