@@ -7,9 +7,10 @@ so the ratios are taken in one run; the bytes each sends are counted.
     .venv/bin/python benchmarks/push_precision.py             # 8 repetitions of each arm
     .venv/bin/python benchmarks/push_precision.py --repeats 4
 
-    .venv/bin/python benchmarks/push_precision.py --through-sampler --repeats 6
-        # whole pushes into a bf16 sampler holding SmolLM2 (cast, transfer, the sampler's load), the push rounding
-        # to nearest or stochastically, alternated on one sampler: what the remedy costs a push
+    .venv/bin/python benchmarks/push_precision.py --through-sampler --repeats 4
+        # whole pushes into a bf16 sampler holding SmolLM2 (cast, transfer, the sampler's load): round to nearest
+        # with a cast copy (the push before cast_into), round to nearest and stochastic rounding cast into the
+        # transfer buffer, in blocks on one sampler: what the remedy costs a push
 
 A push's time beside these: `time/push_seconds` in a run's metrics (the transfer and the sampler's load)."""
 
@@ -39,6 +40,8 @@ class Args:
     """torch threads (the learner's on this machine)"""
     through_sampler: bool = False
     """time whole pushes into a bf16 sampler (SamplerClient.push_weights) instead of the cast alone"""
+    block_pushes: int = 3
+    """with --through-sampler: the pushes timed in each block of one arm (after one not counted)"""
 
 
 def main() -> None:
@@ -90,36 +93,43 @@ def timed_abba(names: list[str], repeats: int, run_one) -> dict[str, list[float]
 
 def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, args: Args) -> None:
     """Whole pushes (the cast with its probe, the transfer, the sampler's load) into one bf16 sampler holding SmolLM2,
-    as `--sampler-dtype bfloat16` runs push: round to nearest and stochastic rounding alternate A B B A on the same
-    sampler (the push's PushCast switched between pushes), so the ratio is taken in one process."""
+    as `--sampler-dtype bfloat16` runs push: round to nearest as pushes were before cast_into (a cast copy, then a
+    copy into the transfer buffer), round to nearest and stochastic rounding cast into the buffer, on the same sampler
+    (the engine's PushCast switched) in blocks of --block-pushes, the blocks' order A B C C B A, so the ratios are
+    taken in one process. A block's first push is not counted: pushes that alternate arm by arm timed the cast copy
+    at 2.6x its steady time (1.17 s against 0.45), the allocator's state left by the other arms."""
     with launch.start_sampler(str(smollm2_path()), placement="cpu", max_model_len=256, dtype="bfloat16",
                               threads=args.threads) as sampler:
         launch.connect_weights(sampler, model, rounding="stochastic", seed=1, probe=probe)
         sampler.push_weights(1)  # warm-up: the transfer's buffers
         versions = itertools.count(2)
-
         source = sampler._weight_engine.source  # (weight_sync's CastSource: the shm transfer calls its cast_into)
 
-        def push(arm: str, repeat: int) -> None:
-            sampler._cast.rounding = arm.split()[0]  # (the engine's PushCast: what init_weight_sync built)
+        def push(arm: str) -> float:
+            sampler._cast.rounding = arm.split(",")[0]  # (the engine's PushCast: what init_weight_sync built)
             if arm.endswith("cast copy"):  # as pushes were before cast_into: a cast copy, then copied into the buffer
                 source.cast_into = None
+            start = time.perf_counter()
             sampler.push_weights(next(versions))
             vars(source).pop("cast_into", None)
+            return time.perf_counter() - start
 
-        seconds = timed_abba(["nearest, cast copy", "nearest", "stochastic"], args.repeats, push)
+        def block(arm: str, repeat: int) -> None:
+            push(arm)  # (the first after a switch)
+            seconds[arm] += [push(arm) for _ in range(args.block_pushes)]
+
+        arms = ["nearest, cast copy", "nearest", "stochastic"]
+        seconds: dict[str, list[float]] = {arm: [] for arm in arms}
+        timed_abba(arms, args.repeats, block)
     base = statistics.median(seconds["nearest, cast copy"])
     print(f"# push_precision --through-sampler: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters "
-          f"into a bf16 sampler, {args.repeats} repetitions a arm, A B B A, {util.machine_line()}")
+          f"into a bf16 sampler, {args.repeats} blocks of {args.block_pushes} pushes a arm, A B C C B A, "
+          f"{util.machine_line()}")
     print("| push rounding | median s | min s | max s | x nearest, cast copy |")
     print("|---|---|---|---|---|")
     for name, values in seconds.items():
         print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} | "
               f"{statistics.median(values) / base:.3f} |")
-    for arm in ("nearest", "stochastic"):
-        pairs = [s / n for n, s in zip(seconds["nearest, cast copy"], seconds[arm])]
-        print(f"{arm} / nearest with a cast copy, per repetition: {', '.join(f'{r:.3f}' for r in pairs)}")
-
 
 if __name__ == "__main__":
     main()
