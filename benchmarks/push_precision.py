@@ -96,8 +96,7 @@ def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, ar
     as `--sampler-dtype bfloat16` runs push: round to nearest as pushes were before cast_into (a cast copy, then a
     copy into the transfer buffer), round to nearest and stochastic rounding cast into the buffer, on the same sampler
     (the engine's PushCast switched) in blocks of --block-pushes, the blocks' order A B C C B A, so the ratios are
-    taken in one process. A block's first push is not counted: pushes that alternate arm by arm timed the cast copy
-    at 2.6x its steady time (1.17 s against 0.45), the allocator's state left by the other arms."""
+    taken in one process; a block's first push is not counted."""
     with launch.start_sampler(str(smollm2_path()), placement="cpu", max_model_len=256, dtype="bfloat16",
                               threads=args.threads) as sampler:
         launch.connect_weights(sampler, model, rounding="stochastic", seed=1, probe=probe)
@@ -109,10 +108,12 @@ def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, ar
             sampler._cast.rounding = arm.split(",")[0]  # (the engine's PushCast: what init_weight_sync built)
             if arm.endswith("cast copy"):  # as pushes were before cast_into: a cast copy, then copied into the buffer
                 source.cast_into = None
-            start = time.perf_counter()
-            sampler.push_weights(next(versions))
-            vars(source).pop("cast_into", None)
-            return time.perf_counter() - start
+            try:
+                start = time.perf_counter()
+                sampler.push_weights(next(versions))
+                return time.perf_counter() - start
+            finally:
+                vars(source).pop("cast_into", None)
 
         def block(arm: str, repeat: int) -> None:
             push(arm)  # (the first after a switch)

@@ -166,7 +166,7 @@ class UpdateProbe:
         start = self.start[name].to(learner.device)
         sampler_start = self.sampler_start.get(name, self.start[name]).to(learner.device)
         learned = self.sample(learner).float() - start
-        sampled = self.sample(sampler).float() - sampler_start
+        sampled = self.sample(sampler).to(learner.device).float() - sampler_start  # (a GPU learner's shm buffer: CPU)
         sampled, learned = sampled.double(), learned.double()
         self.sums += torch.stack([(sampled != 0).sum().double(), sampled.dot(learned), sampled.square().sum(),
                                   learned.square().sum()]).cpu()
@@ -281,10 +281,11 @@ class PushCast:
 
     def __call__(self, name: str, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         tensor = tensor.detach()
+        into = out if out is not None and out.device == tensor.device else None  # (else: cast there, then copied)
         if not self.casts(tensor) or self.round_to == tensor.dtype:
             sent = tensor
-        elif (not self.pushing or self.rounding == "nearest") and out is not None and out.dtype == self.round_to:
-            sent = out.copy_(tensor)  # (the conversion within the copy: Tensor.to's rounding, no copy in between)
+        elif (not self.pushing or self.rounding == "nearest") and into is not None and into.dtype == self.round_to:
+            sent = into.copy_(tensor)  # (the conversion within the copy: Tensor.to's rounding, no copy in between)
         elif not self.pushing or self.rounding == "nearest":
             sent = tensor.to(self.round_to)
         elif self.rounding == "stochastic":
@@ -292,13 +293,15 @@ class PushCast:
                 self._scratch[tensor.device] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
             if tensor.device not in self._pools:
                 self._pools[tensor.device] = NoisePool(rounding_seed(self.seed, self.version), tensor.device)
-            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[tensor.device], out=out,
+            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[tensor.device], out=into,
                                          noise=self._pools[tensor.device].take(tensor.numel()))
-        else:
+        elif self.rounding == "error-feedback":
             # (a new tensor either way: the learner's weights are never written)
             target = tensor.float() + self.residual[name] if name in self.residual else tensor.float().clone()
             sent = target.to(self.round_to)
             self.residual[name] = target.sub_(sent).to(self.round_to)
+        else:  # (rounding is an attribute: set after __init__'s check, as benchmarks/push_precision.py does)
+            raise ValueError(f"push rounding {self.rounding!r}: expected one of {PUSH_ROUNDINGS}")
         if self.dtype is not None and tensor.dtype.is_floating_point:
             sent = sent.to(self.dtype)  # (--push-round-to bfloat16 into an fp32 sampler: back to fp32, exactly)
         if out is not None and sent.data_ptr() != out.data_ptr():
