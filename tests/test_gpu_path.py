@@ -286,6 +286,24 @@ def test_a_background_push_runs_on_its_own_stream_after_the_snapshot():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_a_gpu_learners_cast_into_a_cpu_buffer_is_the_cpu_cast_and_observed():
+    """A CUDA learner pushing into a local sampler's shm buffer (a CPU tensor): each rounding writes what the cast
+    copy sends, and the probe reads the buffer's values on the learner's device (ea64590: it once raised there)."""
+    torch.manual_seed(0)
+    weights = torch.randn(200_000, device="cuda") * 0.02
+    for rounding in weight_sync.PUSH_ROUNDINGS:
+        sent = []
+        for out in (None, torch.empty(200_000, dtype=torch.bfloat16)):
+            cast = weight_sync.PushCast(torch.bfloat16, rounding, seed=2,
+                                        probe=weight_sync.UpdateProbe(torch.nn.ParameterDict({"w": weights})))
+            cast.begin(1)
+            sent.append(cast("w", weights, out=out).cpu())
+            assert cast.end()["charts/push_changed_fraction"] >= 0, rounding
+        assert torch.equal(sent[0].view(torch.int16), sent[1].view(torch.int16)), rounding
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_push_waits_for_a_kernel_still_running():
     """Real CUDA: a parameter written behind a long kernel is written once wait_for_learner_kernels returns
     (without the wait, the stream is still busy: query() is False)."""
