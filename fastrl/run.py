@@ -242,8 +242,10 @@ class Run:
         """A model the learner runs, sharded under torchrun (None stays None). `pushed`: the one whose weights the
         sampler gets, with --gradient-checkpointing set up and rank 0's full copy kept for the pushes (the model itself
         without torchrun): build its optimizer after this call. pushed=False: a reference or a critic."""
-        if model is None or not pushed:
-            return None if model is None else distributed.shard(model, self.dist)
+        if model is None:
+            return None
+        if not pushed:
+            return distributed.shard(model, self.dist)
         if self.args.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.train()  # transformers checkpoints in train mode only (Qwen2's dropout is 0: same numbers)
