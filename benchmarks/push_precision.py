@@ -9,8 +9,8 @@ so the ratios are taken in one run; the bytes each sends are counted.
 
     .venv/bin/python benchmarks/push_precision.py --through-sampler --repeats 4
         # whole pushes into a bf16 sampler holding SmolLM2 (cast, transfer, the sampler's load): round to nearest
-        # with a cast copy (the push before cast_into), round to nearest and stochastic rounding cast into the
-        # transfer buffer, in blocks on one sampler: what the remedy costs a push
+        # with a cast copy and no probe (the push before issue 58), the same with the probe, round to nearest and
+        # stochastic rounding cast into the transfer buffer, in blocks on one sampler: what the remedy costs a push
 
 A push's time beside these: `time/push_seconds` in a run's metrics (the transfer and the sampler's load)."""
 
@@ -93,10 +93,11 @@ def timed_abba(names: list[str], repeats: int, run_one) -> dict[str, list[float]
 
 def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, args: Args) -> None:
     """Whole pushes (the cast with its probe, the transfer, the sampler's load) into one bf16 sampler holding SmolLM2,
-    as `--sampler-dtype bfloat16` runs push: round to nearest as pushes were before cast_into (a cast copy, then a
-    copy into the transfer buffer), round to nearest and stochastic rounding cast into the buffer, on the same sampler
-    (the engine's PushCast switched) in blocks of --block-pushes, the blocks' order A B C C B A, so the ratios are
-    taken in one process; a block's first push is not counted."""
+    as `--sampler-dtype bfloat16` runs push: round to nearest as pushes were before issue 58 (a cast copy, then a
+    copy into the transfer buffer, no probe) and before cast_into (the same with the probe), round to nearest and
+    stochastic rounding cast into the buffer, on the same sampler (the engine's PushCast switched) in blocks of
+    --block-pushes, the blocks' order A B C D D C B A, so the ratios are taken in one process; a block's first push
+    is not counted."""
     with launch.start_sampler(str(smollm2_path()), placement="cpu", max_model_len=256, dtype="bfloat16",
                               threads=args.threads) as sampler:
         launch.connect_weights(sampler, model, rounding="stochastic", seed=1, probe=probe)
@@ -106,27 +107,29 @@ def time_whole_pushes(model: torch.nn.Module, probe: weight_sync.UpdateProbe, ar
 
         def push(arm: str) -> float:
             sampler._cast.rounding = arm.split(",")[0]  # (the engine's PushCast: what init_weight_sync built)
-            if arm.endswith("cast copy"):  # as pushes were before cast_into: a cast copy, then copied into the buffer
+            if "cast copy" in arm:  # as pushes were before cast_into: a cast copy, then copied into the buffer
                 source.cast_into = None
+            sampler._cast.probe = None if arm.endswith("no probe") else probe  # (before issue 58: no probe)
             try:
                 start = time.perf_counter()
                 sampler.push_weights(next(versions))
                 return time.perf_counter() - start
             finally:
                 vars(source).pop("cast_into", None)
+                sampler._cast.probe = probe
 
         def block(arm: str, repeat: int) -> None:
             push(arm)  # (the first after a switch)
             seconds[arm] += [push(arm) for _ in range(args.block_pushes)]
 
-        arms = ["nearest, cast copy", "nearest", "stochastic"]
+        arms = ["nearest, cast copy, no probe", "nearest, cast copy", "nearest", "stochastic"]
         seconds: dict[str, list[float]] = {arm: [] for arm in arms}
         timed_abba(arms, args.repeats, block)
-    base = statistics.median(seconds["nearest, cast copy"])
+    base = statistics.median(seconds["nearest, cast copy, no probe"])
     print(f"# push_precision --through-sampler: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters "
-          f"into a bf16 sampler, {args.repeats} blocks of {args.block_pushes} pushes a arm, A B C C B A, "
+          f"into a bf16 sampler, {args.repeats} blocks of {args.block_pushes} pushes a arm, A B C D D C B A, "
           f"{util.machine_line()}")
-    print("| push rounding | median s | min s | max s | x nearest, cast copy |")
+    print("| push rounding | median s | min s | max s | x the push before issue 58 |")
     print("|---|---|---|---|---|")
     for name, values in seconds.items():
         print(f"| {name} | {statistics.median(values):.3f} | {min(values):.3f} | {max(values):.3f} | "
