@@ -166,6 +166,26 @@ def test_the_probes_metrics_against_hand_computed_values(monkeypatch):
     assert all(v != v for k, v in probe.metrics().items() if k != "charts/push_changed_fraction")
 
 
+def test_the_probe_counts_a_tensor_once_and_one_not_pushed_adds_nothing(monkeypatch):
+    """A tensor observed twice in a push is one tensor's figures; a tensor not observed adds nothing, even where its
+    start does not fit the sampler's dtype (fp16's largest is 65504: its start there is inf)."""
+    monkeypatch.setattr(weight_sync, "PROBE_STRIDE", 1)
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    model.b = torch.nn.Parameter(torch.tensor([1e6, 1.0]))
+    probe = UpdateProbe(model)
+    probe.set_dtype(torch.float16)
+    moved = torch.tensor([1.5, 2.0])
+    for _ in range(2):
+        probe.observe("a", moved, moved.half())
+    assert probe.count == 2
+    assert probe.metrics() == {"charts/push_changed_fraction": 0.5, "charts/push_update_ratio": 1.0,
+                               "charts/push_update_cosine": 1.0, "charts/push_update_kept": 1.0}
+    probe.reset()
+    assert probe.count == 0 and probe.metrics()["charts/push_changed_fraction"] != probe.metrics()[
+        "charts/push_changed_fraction"]  # (NaN: nothing observed)
+
+
 def test_the_pushed_bytes_are_the_casts_whatever_the_rounding():
     """Every rounding sends the sampler's dtype and shape, so a push's bytes are round to nearest's."""
     model = torch.nn.Linear(64, 32)
