@@ -137,8 +137,8 @@ class UpdateProbe:
     - charts/push_update_kept: the sampler's update projected on the learner's, over its length (1: the whole
       update on average; a round-to-nearest bf16 cast of small updates keeps a fraction of it).
     The sampler's starting copy is the start cast to `dtype` by rounding to nearest, as vLLM loads a checkpoint.
-    The samples sit in one flat buffer a side (each tensor's a slice of it): observe copies into it, and metrics()
-    reduces once, not a dozen small operations for each of a model's hundreds of tensors."""
+    The updates sit in one flat buffer a side (each tensor's a slice of it): observe writes a tensor's slice, and
+    metrics() reduces once, not a dozen small operations for each of a model's hundreds of tensors."""
 
     def __init__(self, model: torch.nn.Module):
         samples = {name: self.sample(p) for name, p in model.named_parameters() if p.dtype.is_floating_point}
