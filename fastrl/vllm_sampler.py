@@ -218,9 +218,11 @@ def quiet_libraries(verbose: bool) -> None:
         return
     logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "ERROR").upper())
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.reduce_op` is deprecated", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
+    from huggingface_hub.utils import disable_progress_bars
 
-    hf_logging.disable_progress_bar()
+    disable_progress_bars()  # (transformers takes this switch when imported: importing it here costs ~2 s of start-up)
+    if "transformers.utils.logging" in sys.modules:  # imported already: its own switch too
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
 
 
 def pin_pytorch_top_k_top_p() -> None:

@@ -140,9 +140,9 @@ def test_the_learner_returns_freed_memory_only_where_mallocs_retention_would_not
 
 @pytest.mark.slow
 def test_a_run_the_machine_cannot_hold_stops_in_one_line_and_leaves_no_sampler(monkeypatch, tiny_path):
-    """The CPU memory plan runs before the sampler starts (starting the sampler first, so that its engine built while
-    the plan imported transformers, measured no faster: benchmarks/startup.py 1.02x): when nothing fits, the one line
-    comes and no sampler process is left."""
+    """The sampler starts before the CPU memory plan (its vLLM import overlaps the plan's transformers import:
+    benchmarks/startup.py 1.23x to the first round), which reads the memory available before the sampler's start: when
+    nothing fits, the one line comes and the sampler, still importing, is stopped (no process left)."""
     import rloo_kreuse as rk
     from fastrl import vllm_sampler
     from fastrl.run import Run

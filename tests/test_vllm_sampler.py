@@ -330,3 +330,25 @@ def test_ctrl_c_stops_learner_and_sampler(tmp_path):
         time.sleep(0.2)
     assert alive() == []
     assert proc.returncode != 0
+
+@pytest.mark.slow
+def test_quiet_libraries_turns_transformers_bars_off_without_importing_it():
+    """Without --verbose, transformers' load and save bars are off whether it is imported before quiet_libraries or
+    after; quiet_libraries itself does not import it (~2 s of the learner's start, before the sampler spawns)."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from fastrl import vllm_sampler
+        vllm_sampler.quiet_libraries(False)
+        print("imported by quiet_libraries:", "transformers" in sys.modules)
+        from transformers.utils import logging
+        print("bars after a later import:", logging.is_progress_bar_enabled())
+        logging.enable_progress_bar()
+        vllm_sampler.quiet_libraries(False)
+        print("bars when imported before:", logging.is_progress_bar_enabled())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines == ["imported by quiet_libraries: False", "bars after a later import: False",
+                     "bars when imported before: False"], out.stdout
