@@ -197,26 +197,24 @@ class Run:
         self.dist = distributed.init()  # one process, or one per torchrun rank (rank 0: sampler, logger, checkpoints)
         self.is_main, self.device = self.dist.is_main, self.dist.device  # (rank 0: the sampler, the console)
         self.model_path, sampler_gpu_memory = checks.check_model(args, workload, hub_tasks, resolve_model)
-        available = cpu_memory.available_bytes()  # (the memory plan's, taken before the sampler takes its share)
-        engine = None
-        if self.dist.is_main:  # first: its vLLM import overlaps the memory plan's transformers import (~10 s)
-            engine = launch.start_sampler(
-                self.model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
-                gpu_memory_utilization=sampler_gpu_memory,
-                max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
-                threads=launch.sampler_threads(args.sampler_threads, overlapped=overlapped), verbose=args.verbose,
-                wait=False, **(sampler_settings or {}))
-        try:
-            if not torch.cuda.is_available():  # a CPU learner: its micro-batches fit this machine, or one line says so
-                memory = distributed.from_main(
-                    lambda: cpu_memory.plan(args, self.model_path, workload, available), self.dist)
-                if memory.why and self.dist.is_main:
-                    print(memory.why)
-                cpu_memory.release_freed_memory(memory.release)  # (before any weight loads)
+        available = cpu_memory.available_bytes()  # (the memory plan's: read before the sampler takes its share)
+        engine = None if not self.dist.is_main else launch.start_sampler(  # first: its vLLM import overlaps the plan's
+            self.model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
+            gpu_memory_utilization=sampler_gpu_memory,
+            max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
+            threads=launch.sampler_threads(args.sampler_threads, overlapped=overlapped), verbose=args.verbose,
+            wait=False, **(sampler_settings or {}))
+        try:  # a CPU learner: its micro-batches fit this machine, or one line says so (and the sampler stops at once)
+            memory = None if torch.cuda.is_available() else distributed.from_main(
+                lambda: cpu_memory.plan(args, self.model_path, workload, available), self.dist)
         except BaseException:
-            if engine is not None:  # (still starting: stopped at once)
+            if engine is not None:
                 engine.close()
             raise
+        if memory is not None:
+            if memory.why and self.dist.is_main:
+                print(memory.why)
+            cpu_memory.release_freed_memory(memory.release)  # (before any weight loads)
         self.sampler = SamplerClient(engine, self.dist)
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
@@ -321,8 +319,7 @@ class Run:
         if late:
             flags = ", ".join(f"--{n.replace('_', '-')} {getattr(self.args, n)}" for n in late)
             raise SystemExit(f"error: {flags}: never served, this script's loop has no `if args.{late[0]} ...` line "
-                             "after its rounds (where evaluations, snapshots and checkpoints happen); add it, or drop "
-                             "the flag")
+                             "after its rounds (where evaluations, snapshots, saves go); add it, or drop the flag")
 
     def snapshot(self, step: int) -> None:
         """<run>/snapshots/<step>.pt: the policy's weights at `step` (the last push's, or gathered now) with the run's
