@@ -14,10 +14,11 @@ Contract:
       error: --model smollm2: needs ~6.1 GB (the learner ~2.9 GB at one sequence a micro-batch, the sampler ~3.2 GB),
              this machine has 4.0 GB available
 - release_freed_memory(glibc): glibc keeps what the learner frees, oneDNN a compiled kernel for every new shape (see
-  below); call it once in the learner process, before the weights load and any child process starts. oneDNN's caches
-  are always bounded; glibc=True (the plan's release) has resident memory follow the live tensors, at ~1.4x a SmolLM2
-  step's time. learner_environment_removed(): around starting a child that is not the learner (the sampler), so that
-  it keeps oneDNN's own cache sizes.
+  below); call it once in the learner process, before the weights load (Run: just after the sampler spawns; a child
+  started later, as a colocated sampler, goes through learner_environment_removed). oneDNN's caches are always bounded;
+  glibc=True (the plan's release) has resident memory follow the live tensors, at ~1.4x a SmolLM2 step's time.
+  learner_environment_removed(): around starting a child that is not the learner (the sampler), so that it keeps
+  oneDNN's own cache sizes.
 - Never imports common, tasks or a script (fastrl's rule); the model's shape comes from its config.json through
   memory_plan.shape_of (a meta-device model: no weights).
 

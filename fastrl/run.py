@@ -2,7 +2,7 @@
 scripts share. A script's main() reads
 
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)
-    run = Run(args, memory_plan.GROUPS)          # common.Run: flags, torchrun, memory, the sampler's start
+    run = Run(args, memory_plan.GROUPS)          # common.Run: flags, torchrun, the sampler's start, memory
     with run:                                    # the sampler and torchrun close however the block ends
         sampler = run.sampler                    # the sampler client: generate, wait, push (fastrl.sampler_client)
         policy = run.learner_model(load(...))    # the model whose weights the sampler gets
@@ -181,10 +181,10 @@ class Resumed:
 class Run:
     """One training run's setup and teardown (module docstring). Construction checks the flags (one line naming a bad
     one, before any process starts), joins torchrun, checks the model against the flags and the memory plan for the
-    script's `workload` (memory_plan.Workload: its shapes and its batch flag's name; a GPU's, or a CPU learner's) and
-    starts the sampler process, which builds its engine while the learner loads. `rounds` and `unit`: the loop's
-    length and what one pass of it is, for a loop that is not over --num-rounds (PipelineRL's: --num-steps optimizer
-    steps); `sampler_settings`: more of the sampler's settings (vllm_sampler.SamplerConfig: e.g. max_num_seqs);
+    script's `workload` (memory_plan.Workload: its shapes and its batch flag's name; a GPU's before the sampler starts,
+    a CPU learner's as it starts, a refusal stopping it) and starts the sampler, which builds while the learner loads.
+    `rounds` and `unit`: the loop's length and what one pass of it is, for a loop not over --num-rounds (PipelineRL's:
+    --num-steps optimizer steps); `sampler_settings`: more of the sampler's (vllm_sampler.SamplerConfig: max_num_seqs);
     `hub_tasks` and `resolve_model`: tasks.HUB_TASKS and common.resolve_model (common.Run passes them)."""
 
     def __init__(self, args, workload, hub_tasks, resolve_model: Callable[[str, str], str],
