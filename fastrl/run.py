@@ -198,12 +198,12 @@ class Run:
         self.is_main, self.device = self.dist.is_main, self.dist.device  # (rank 0: the sampler, the console)
         self.model_path, sampler_gpu_memory = checks.check_model(args, workload, hub_tasks, resolve_model)
         available = cpu_memory.available_bytes()  # (the memory plan's: read before the sampler takes its share)
-        engine = None if not self.dist.is_main else launch.start_sampler(  # first: its vLLM import overlaps the plan's
+        engine = launch.start_sampler(  # before the plan: its vLLM import overlaps the plan's transformers import
             self.model_path, placement=args.placement, seed=args.seed, dtype=args.sampler_dtype,
             gpu_memory_utilization=sampler_gpu_memory,
             max_model_len=args.max_prompt_tokens + args.max_new_tokens, urls=args.sampler_url,
             threads=launch.sampler_threads(args.sampler_threads, overlapped=overlapped), verbose=args.verbose,
-            wait=False, **(sampler_settings or {}))
+            wait=False, **(sampler_settings or {})) if self.dist.is_main else None  # (rank 0's)
         try:  # a CPU learner: its micro-batches fit this machine, or one line says so (and the sampler stops at once)
             memory = None if torch.cuda.is_available() else distributed.from_main(
                 lambda: cpu_memory.plan(args, self.model_path, workload, available), self.dist)

@@ -331,6 +331,7 @@ def test_ctrl_c_stops_learner_and_sampler(tmp_path):
     assert alive() == []
     assert proc.returncode != 0
 
+
 @pytest.mark.slow
 def test_quiet_libraries_turns_transformers_bars_off_without_importing_it():
     """Without --verbose, transformers' load and save bars are off whether it is imported before quiet_libraries or
