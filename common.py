@@ -388,11 +388,13 @@ def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: in
 
 def throughput(totals: dict, step: int) -> dict:
     """The run's counters as metrics: episodes so far and per second of the loop's wall time (the whole run, resumes
-    included), the share of it spent generating, optimizer steps per second, steps skipped for a non-finite loss."""
+    included), the share of it spent generating, optimizer steps per second, steps skipped for a non-finite loss,
+    training prompts skipped as longer than --max-prompt-tokens (both counts of the whole run)."""
     wall = max(totals["wall_seconds"], 1e-9)
     return {"charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / wall,
             "time/sample_fraction": totals["generate_seconds"] / wall, "time/grad_steps_per_second": step / wall,
-            "charts/nonfinite_skipped": totals["nonfinite_skipped"]}
+            "charts/nonfinite_skipped": totals["nonfinite_skipped"],
+            "charts/skipped_long_prompts": totals["skipped_prompts"]}
 
 
 def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -289,14 +289,14 @@ def main():
         train_problems = tasks.ShuffledTrainProblems(task, tokenizer, args, start.data_position)
 
         def sample_round():  # the next prompts, G responses each, sampled as batch.logprobs(..., args) assumes
-            problems, prompts, skipped = train_problems.take(args.prompts_per_round)
+            first, (problems, prompts, skipped) = train_problems.position, train_problems.take(args.prompts_per_round)
             return problems, skipped, sampler.generate(prompts, n=args.group_size, temperature=args.temperature,
-                                                       top_p=args.top_p, max_tokens=args.max_new_tokens)
+                                                       top_p=args.top_p, max_tokens=args.max_new_tokens), first
         # Algorithm 1: a first round y_0 ~ pi_theta_0(x_0); `pending`, the rounds in flight, oldest first
         pending, clock = deque([sample_round()]), time.perf_counter() - totals["wall_seconds"]
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: the oldest in flight (sync: by the weights just pushed; async: by theta_{t-1}) ----
-            wait_start, (problems, skipped, request) = time.perf_counter(), pending.popleft()
+            wait_start, (problems, skipped, request, _) = time.perf_counter(), pending.popleft()
             samples, generated_in = sampler.wait(request)
             learner_wait, finished_at = time.perf_counter() - wait_start, max(s.finished_at for s in samples)
             generate_seconds = generated_in - (time.time() - finished_at)  # sent to finished (not to collected)
@@ -363,6 +363,7 @@ def main():
                 sampler_wait = time.time() - finished_at
                 pending.append(sample_round())
             totals["episodes"] += len(samples)
+            totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
@@ -378,7 +379,7 @@ def main():
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
                 "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()),
-                "charts/skipped_long_prompts": skipped, **lags,
+                **lags,
                 "charts/kl": common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item(),  # k3 to pi_0
                 "charts/learning_rate": learning_rate, "losses/loss": float(np.mean(losses or [math.nan])),
                 "losses/dpo_accuracy": float(np.mean(accuracies or [math.nan])),
@@ -401,8 +402,7 @@ def main():
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
                 # the data position of the first round not trained on: a round in flight is generated again on resume
-                run.save(step, rounds_done, train_problems.position - len(pending) * args.prompts_per_round, totals,
-                         tokenizer)
+                run.save(step, rounds_done, pending[0][3] if pending else train_problems.position, totals, tokenizer)
         eval_end = run.log(step, evaluate())  # pass@k at the end
     run.report("Online DPO: the paper's synchronous vs asynchronous comparison for this run; held-out pass@k",
                {"mode": "sync" if args.sync else "async", "N": str(args.num_minibatches),

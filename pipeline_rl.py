@@ -53,7 +53,8 @@ class Args(RunArgs):
     learning_rate: float = 1e-4
     """AdamW's peak learning rate [paper 1e-6; tiny 1e-4]"""
     weight_decay: float = 0.0
-    """AdamW's weight decay, not on biases and LayerNorm weights (the paper names Adam) [paper 0.01; tiny 0]"""
+    """AdamW's weight decay, not on names holding "bias" or "LayerNorm.weight" (the authors' split: on Qwen2 and Llama
+    that spares the q/k/v biases; their RMSNorm weights decay) (the paper names Adam) [paper 0.01; tiny 0]"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """after the warmup, constant or HF's cosine to 0 at --lr-schedule-steps [paper cosine; tiny constant]"""
     warmup_steps: int = 0
@@ -79,7 +80,7 @@ class Args(RunArgs):
     kl_coef: float = 0.0
     """optional KL(pi || pi_ref) penalty (k3 estimator per token)"""
     binary_reward: bool = False
-    """reward 1 if correct, else 0 (Sec. 5), not the task's own (nor --reward's) [paper on; tiny off]"""
+    """reward 1 if correct, else 0 (Sec. 5), not the task's own (--reward, if given, wins) [paper on; tiny off]"""
     temperature: float = 1.0
     """sampling temperature (PipelineRL trains at 1.0); the learner's logprobs use the same"""
     top_p: float = 1.0
@@ -365,7 +366,7 @@ def main():
         if args.snapshot_every and start.round == 0:
             run.snapshot(start.step)  # time 0 of the learning curve
         step, score, nonfinite_in_a_row = start.step, reward_function(task, args), 0
-        totals = dict(tokens=0, ess_skipped=0, stale_dropped=0, skipped_prompts=0) | start.totals  # this method's too
+        totals = dict(tokens=0, ess_skipped=0, stale_dropped=0) | start.totals  # this method's too
         actor = Actor(sampler.engine, task, tokenizer, args, start.data_position, totals)
         if start.extra.get("actor"):  # a resumed run: what the checkpoint's actor held, untrained, comes first
             actor.restore(start.extra["actor"])
@@ -398,7 +399,7 @@ def main():
             # ALGO LOGIC: the ESS guard (Algorithm 2, lines 20-23), then one clipped step at the scheduled rate
             by_length = sorted(range(len(samples)), key=batch.lengths.__getitem__)  # the sums' order, to the last bit
             batch_ess = ess(out["weights"][by_length], batch.mask[by_length])
-            grad_norm, trained, tis_weights = math.nan, False, out["weights"][batch.mask.bool()]
+            grad_norm, trained, ratios = math.nan, False, out["weights"][batch.mask.bool()]  # pi/mu, untruncated
             if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
                 grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
                 grad_norm = grad_norm.item()
@@ -423,13 +424,13 @@ def main():
             elif args.mode == "conventional" and rl_step_done:
                 pushed = sampler.push(policy, step)
             nonfinite_in_a_row = 0 if trained else nonfinite_in_a_row + (not low_ess)
-            if not trained:  # counted and logged with its ESS (the guard must not flatter the logged ESS), not pushed
+            if not trained:  # counted and logged with its ESS (the guard must not flatter the logged ESS); not a round
                 totals["ess_skipped" if low_ess else "nonfinite_skipped"] += 1
                 if not low_ess:
                     print(f"step {step + 1} skipped: ESS {batch_ess:.3g}, loss {loss.item():.3g}, grad {grad_norm:.3g}")
                     if nonfinite_in_a_row >= MAX_CONSECUTIVE_NONFINITE:  # the data or the model is broken
                         raise RuntimeError(f"{nonfinite_in_a_row} batches in a row gave a non-finite ESS, loss or grad")
-                run.logger.log(step, {"charts/ess": batch_ess, **lags, "charts/tis_max_ratio": tis_weights.max().item(),
+                run.logger.log(step, {"charts/ess": batch_ess, **lags, "charts/tis_max_ratio": ratios.max().item(),
                                       "charts/skipped_steps": totals["ess_skipped"],
                                       "charts/nonfinite_skipped": totals["nonfinite_skipped"]}, echo=False)
                 continue
@@ -441,13 +442,12 @@ def main():
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": float(np.mean(correct)), **lags,
                 "charts/response_length": tokens / len(samples), "charts/ess": batch_ess,
-                "charts/tis_max_ratio": tis_weights.max().item(),
-                "charts/tis_truncated_fraction": (tis_weights > args.tis_cap).float().mean().item(),
+                "charts/tis_max_ratio": ratios.max().item(),
+                "charts/tis_truncated_fraction": (ratios > args.tis_cap).float().mean().item(),
                 "charts/truncated_fraction": float(np.mean([c.finish_reason == "length" for c in samples])),
                 "charts/advantage_std": batch.advantages.std().item(),
                 "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
                 "charts/skipped_steps": totals["ess_skipped"], "charts/stale_dropped": totals["stale_dropped"],
-                "charts/skipped_long_prompts": totals["skipped_prompts"],
                 "charts/in_flight": len(actor.sampler.pending) if actor.sampler else 0, "losses/loss": loss.item(),
                 "charts/kl": out["kl"].mean().item() if ref_policy is not None else math.nan,
                 "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm,

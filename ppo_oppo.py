@@ -525,7 +525,7 @@ def main():
         if args.snapshot_every and start.round == 0:
             run.snapshot(start.step)  # time 0 of the learning curve
         step, overlap.data_position = start.step, start.data_position
-        totals = dict(tokens=0, skipped_prompts=0) | start.totals  # this method's counters, checkpointed too
+        totals = dict(tokens=0) | start.totals  # this method's counters, checkpointed too
         policy.eval()  # (train mode for the update only)
         if start.extra:  # resumed: OPPO's state, and the prompts that were in flight submitted again
             overlap.delta, overlap.reward_history = start.extra["delta"], start.extra["reward_history"]
@@ -624,7 +624,7 @@ def main():
                 "charts/logprob_diff": logprob_diff, "charts/first_ratio_deviation": first_ratio_deviation,
                 "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
                 **lags,
-                "charts/skipped_long_prompts": totals["skipped_prompts"], "charts/learning_rate": learning_rate,
+                "charts/learning_rate": learning_rate,
                 **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()},
                 "losses/grad_norm": mean(joint), "losses/grad_clipped_fraction": mean(joint > args.max_grad_norm),
                 "losses/actor_grad_share": mean((actor / joint) ** 2),  # of the joint norm's square (actor + critic)

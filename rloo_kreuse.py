@@ -341,6 +341,7 @@ def main():
             if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = sample_round()
             totals["episodes"] += len(samples)
+            totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
@@ -348,7 +349,7 @@ def main():
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-                "charts/skipped_long_prompts": skipped, **lags,
+                **lags,
                 # charts/kl, the same in every script: k3 of the sampled responses, whatever the penalty's estimator
                 "charts/kl": (kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item()
                               if ref_policy is not None else math.nan),

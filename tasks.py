@@ -742,18 +742,26 @@ def load(args, model_path: str, sampler=None, greedy_eval: bool = False):
 
 
 class TrainProblems:
-    """The training split in data order, encoded for the sampler; `position` is the next problem's index (a checkpoint
-    keeps it, so a resumed run goes on with the problems it had not seen)."""
+    """The training split in data order, for the sampler; `position`: the next problem's (a checkpoint keeps it)."""
 
     def __init__(self, task, tokenizer, args, position: int = 0):
         self.task, self.tokenizer, self.args, self.position = task, tokenizer, args, position
 
+    def problem(self, position: int) -> Problem:
+        return self.task.problem("train", position)
+
     def take(self, n: int):
-        """The next n problems: (the problems kept, their prompts' token ids, how many were skipped as longer than
-        --max-prompt-tokens)."""
-        problems = [self.task.problem("train", self.position + i) for i in range(n)]
-        self.position += n
-        return encode_prompts(self.tokenizer, problems, self.args.max_prompt_tokens, self.args.chat_template)
+        """The next n problems whose prompts fit --max-prompt-tokens, reading on past those that do not: (the problems,
+        their prompts' token ids, how many were skipped). Stops in one line once a call has skipped 10n + 1000."""
+        problems, ids, skipped = [], [], 0
+        while len(problems) < n:
+            if skipped >= 10 * n + 1000:  # (nearly every prompt longer than the budget: no hang)
+                raise SystemExit(f"error: --max-prompt-tokens: {skipped} training prompts too long for a round of {n}")
+            read, self.position = n - len(problems), self.position + n - len(problems)
+            more = encode_prompts(self.tokenizer, [self.problem(self.position - read + i) for i in range(read)],
+                                  self.args.max_prompt_tokens, self.args.chat_template)
+            problems, ids, skipped = problems + more[0], ids + more[1], skipped + more[2]
+        return problems, ids, skipped
 
 
 @functools.lru_cache(maxsize=4)
@@ -777,12 +785,9 @@ class ShuffledTrainProblems(TrainProblems):
     drawn from --seed and the epoch (train_index; args.shuffle_train off: the split's own order); online DPO's data
     order, as the authors' DataLoader(shuffle=True)."""
 
-    def take(self, n: int):
-        a, size = self.args, len(self.task.train) if isinstance(self.task, ListTask) else None  # a fixed split: epochs
-        problems = [self.task.problem("train", train_index(self.position + i, size, a.seed, a.shuffle_train))
-                    for i in range(n)]
-        self.position += n
-        return encode_prompts(self.tokenizer, problems, a.max_prompt_tokens, a.chat_template)
+    def problem(self, position: int) -> Problem:
+        size = len(self.task.train) if isinstance(self.task, ListTask) else None  # a fixed split: epochs
+        return self.task.problem("train", train_index(position, size, self.args.seed, self.args.shuffle_train))
 
 
 def evaluator(sampler, task, tokenizer, args, greedy: bool = False):

@@ -86,12 +86,12 @@ def main():
             loss = 0.0  # the batch mean, a micro-batch at a time: each one's share backpropagated, the gradients add up
             for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens):
                 cut = lambda x: x[mb.items, :mb.width]  # its rows, as wide as its longest
-                with torch.autocast(run.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # as sampled
+                with torch.autocast(run.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # (--autocast-bf16)
                     logp = common.token_logprobs(policy, cut(batch.input_ids), cut(batch.attention_mask),
                                                  cut(batch.completion_mask), temperature=args.temperature,
-                                                 top_p=args.top_p)
+                                                 top_p=args.top_p)  # [rows, width - 1], 0 off the response
                 mb_loss = -(advantages[mb.items] * (logp * batch.mask[mb.items, :mb.width - 1]).sum(1)).mean()
-                share = mb.weight * len(mb.items) / len(samples)  # (weight 0: a torchrun stand-in, adds nothing)
+                share = mb.weight * len(mb.items) / len(samples)  # (weight 0: a rank short of micro-batches)
                 (mb_loss * share).backward()
                 loss = loss + mb_loss.detach() * share
             loss = run.all_sum(loss)  # (under torchrun: every rank's micro-batches)
@@ -106,13 +106,14 @@ def main():
             # ---- push the new weights as policy version `step`: the next round samples with them ----
             pushed = sampler.push(policy, step)  # (after a skipped step: the same weights, the same version)
             totals["episodes"] += len(samples)
+            totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {"charts/reward": rewards.mean().item(), "charts/accuracy": correct, "losses/loss": loss.item(),
                        "losses/grad_norm": grad_norm.item(), "charts/response_length": batch.mask.sum(1).mean().item(),
-                       "charts/skipped_long_prompts": skipped, "time/generate_seconds": generate_seconds,
-                       "time/train_seconds": train_seconds, **pushed, **common.throughput(totals, step)}
+                       "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds, **pushed,
+                       **common.throughput(totals, step)}
             run.log(step, metrics, round=round_index + 1)
 
             # ---- after the round: pass@k, the checkpoint ----

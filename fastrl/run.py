@@ -21,9 +21,9 @@ scripts share. A script's main() reads
 
 The contract, for every call: every rank makes it (under torchrun), in the same order; what only rank 0 does (the
 sampler, the run directory, the console) it does inside. The run's counters (TOTALS: episodes, seconds generating,
-training and in the loop, skipped steps) are the script's own dict: resume() returns them, save() keeps them. Never
-imports common, tasks or a script: what it needs from them comes as arguments (the Hub task names, how --model
-resolves)."""
+training and in the loop, skipped steps and prompts) are the script's own dict: resume() returns them, save() keeps
+them. Never imports common, tasks or a script: what it needs from them comes as arguments (the Hub task names, how
+--model resolves)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ import torch
 from fastrl import checks, cpu_memory, distributed, launch, runlog, util, vllm_sampler, weight_sync
 from fastrl.sampler_client import SamplerClient
 
-TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, wall_seconds=0.0, nonfinite_skipped=0)
+TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, wall_seconds=0.0, nonfinite_skipped=0,
+              skipped_prompts=0)
 # the metrics every round's console line shows, in this order (Run.log's `round` rows)
 CONSOLE = ("charts/reward", "charts/accuracy", "charts/kl", "losses/entropy", "losses/grad_clipped_fraction",
            "time/generate_seconds", "time/train_seconds")

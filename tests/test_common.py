@@ -538,3 +538,19 @@ def test_token_logprobs_project_only_the_completion(realistic_path):
     empty = common.token_logprobs(model, ids[2:], attn[2:], cmask[2:], 0.8, 0.95)
     assert empty.abs().sum() == 0 and empty.requires_grad
     empty.sum().backward()
+
+
+def test_throughput_gives_the_runs_counters_one_meaning_in_every_script():
+    """common.throughput turns the run's counters into metrics, hand-computed here; charts/skipped_long_prompts is the
+    whole run's count in every script (it was a round's in three and the run's in two): no script writes it itself."""
+    from fastrl.run import TOTALS
+
+    totals = TOTALS | dict(episodes=30, generate_seconds=2.0, train_seconds=1.0, wall_seconds=4.0, nonfinite_skipped=1,
+                           skipped_prompts=5)
+    assert common.throughput(totals, 8) == {
+        "charts/episodes": 30, "charts/episodes_per_second": 7.5, "time/sample_fraction": 0.5,
+        "time/grad_steps_per_second": 2.0, "charts/nonfinite_skipped": 1, "charts/skipped_long_prompts": 5}
+    root = Path(__file__).resolve().parents[1]
+    for script in ["rloo_kreuse.py", "online_dpo_async.py", "pipeline_rl.py", "ppo_oppo.py", "examples/reinforce.py"]:
+        source = (root / script).read_text()
+        assert '"charts/skipped_long_prompts"' not in source and 'totals["skipped_prompts"] += ' in source, script

@@ -232,6 +232,35 @@ def test_long_prompts_are_skipped_and_counted(tokenizer):
     assert skipped == 1 and len(kept) == len(ids) == 9 and problems[3] not in kept
 
 
+def test_a_round_reads_on_past_long_prompts_and_counts_them(tokenizer):
+    """A round's prompts that exceed --max-prompt-tokens are replaced by the next ones (a round of only long prompts
+    was an empty batch and a crash), counted, and the position runs on past everything read; the shuffled order
+    alike; a split that nearly never fits stops in one line instead of reading forever."""
+    from types import SimpleNamespace
+
+    from tasks import ListTask, Problem, ShuffledTrainProblems, TrainProblems
+
+    long = "9 " * 200 + "->5:"
+    train = [Problem(prompt=long if i % 3 == 0 else f"{i} + 1 =", answer=str(i + 1)) for i in range(12)]
+    task = ListTask(train=train, test=train, name="list", reward_fn=lambda *a: 0.0)
+    args = SimpleNamespace(max_prompt_tokens=32, chat_template=False, seed=0, shuffle_train=False)
+    problems = TrainProblems(task, tokenizer, args, position=0)
+    kept, ids, skipped = problems.take(4)  # positions 0-5: 0 and 3 too long
+    assert [p.prompt for p in kept] == ["1 + 1 =", "2 + 1 =", "4 + 1 =", "5 + 1 ="] and len(ids) == 4
+    assert (skipped, problems.position) == (2, 6)
+    kept, _, skipped = problems.take(2)  # 6 long, 7, 8
+    assert [p.prompt for p in kept] == ["7 + 1 =", "8 + 1 ="] and (skipped, problems.position) == (1, 9)
+    same = ShuffledTrainProblems(task, tokenizer, args, 0).take(4)[0]  # (--no-shuffle-train: the split's order)
+    assert [p.prompt for p in same] == ["1 + 1 =", "2 + 1 =", "4 + 1 =", "5 + 1 ="]
+    shuffled = ShuffledTrainProblems(task, tokenizer, SimpleNamespace(**vars(args) | dict(shuffle_train=True)), 0)
+    kept, _, skipped = shuffled.take(8)  # the first epoch's permutation holds the 8 that fit once each
+    assert sorted(p.prompt for p in kept) == sorted(p.prompt for p in train if p.prompt != long)
+    assert skipped == shuffled.position - 8 <= 4
+    task.train = [Problem(prompt=long, answer="5")] * 1999 + [Problem(prompt="1 + 1 =", answer="2")]
+    with pytest.raises(SystemExit, match="^error: --max-prompt-tokens: 1020 training prompts too long"):
+        TrainProblems(task, tokenizer, args, 0).take(2)
+
+
 def test_last_answer_pairs_tags_like_tinyzeros_regex():
     import random
     import re
