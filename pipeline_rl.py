@@ -53,8 +53,8 @@ class Args(RunArgs):
     learning_rate: float = 1e-4
     """AdamW's peak learning rate [paper 1e-6; tiny 1e-4]"""
     weight_decay: float = 0.0
-    """AdamW's weight decay, not on names holding "bias" or "LayerNorm.weight" (the authors' split: on Qwen2 and Llama
-    that spares the q/k/v biases; their RMSNorm weights decay) (the paper names Adam) [paper 0.01; tiny 0]"""
+    """AdamW's weight decay, not on names holding "bias" or "LayerNorm.weight" (the authors' split: Qwen2's q/k/v biases
+    are spared, nothing of Llama's; RMSNorm weights decay) (the paper names Adam) [paper 0.01; tiny 0]"""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """after the warmup, constant or HF's cosine to 0 at --lr-schedule-steps [paper cosine; tiny constant]"""
     warmup_steps: int = 0
