@@ -4,10 +4,12 @@ alternated pairs (A B B A ...) on the same cores.
 
     git worktree add /tmp/before <commit>
     .venv/bin/python benchmarks/startup.py --before /tmp/before --after . --pairs 3
+    .venv/bin/python benchmarks/startup.py --before . --before-env PYTHONPYCACHEPREFIX=/tmp/empty  # no .pyc
 
 Both run with this checkout's .venv (the tiny model is built once beforehand, so no run pays for it).
 "The first sampled round" is the moment the run prints its first training round's line."""
 
+import os
 import re
 import statistics
 import subprocess
@@ -33,17 +35,19 @@ class Args:
                                                         "--num-rounds", "1",
                                                           "--eval-problems", "8", "--eval-samples", "2"])
     """the script and its flags, run in each checkout"""
+    before_env: tuple[str, ...] = ()
+    """KEY=VALUE pairs set in checkout A's runs only (PYTHONPYCACHEPREFIX=<an empty directory>: A imports every module
+    from source, as a process does where no compiled bytecode was saved)"""
 
 
 ROUND_LINE = re.compile(r"^round 1/")
 
 
-def time_run(checkout: str, command: list[str]) -> tuple[float, float]:
-    """(seconds to the first round's line, seconds to exit) of one run in `checkout`."""
+def time_run(checkout: str, command: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(seconds to the first round's line, seconds to exit) of one run in `checkout`, `env` added to its environment."""
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, *command, "--exp-name", "startup"], cwd=checkout,
-                               stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env})
     first_round = float("nan")
     for line in process.stdout:
         if first_round != first_round and ROUND_LINE.match(line):
@@ -59,7 +63,8 @@ def main(args: Args) -> None:
     for pair in range(args.pairs):
         order = ("before", "after") if pair % 2 == 0 else ("after", "before")
         for arm in order:
-            first, total = time_run(getattr(args, arm), args.command)
+            env = dict(item.split("=", 1) for item in args.before_env) if arm == "before" else {}
+            first, total = time_run(getattr(args, arm), args.command, env)
             times[arm].append((first, total))
             print(f"pair {pair + 1} {arm}: first round {first:.1f} s, one-round run {total:.1f} s", flush=True)
     med = {arm: [statistics.median(t[i] for t in runs) for i in range(2)] for arm, runs in times.items()}
