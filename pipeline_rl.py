@@ -402,7 +402,7 @@ def main():
             grad_norm, trained, ratios = math.nan, False, out["weights"][batch.mask.bool()]  # pi/mu, untruncated
             if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
                 grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-                grad_norm = grad_norm.item()
+                grad_norm = grad_norm.item()  # (full_norm: under torchrun the norm is a DTensor over the shards)
                 trained = bool(torch.isfinite(loss)) and math.isfinite(grad_norm)
             if trained:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
                 for group in optimizer.param_groups:  # from the step alone: a resumed run continues the schedule
@@ -424,7 +424,7 @@ def main():
             elif args.mode == "conventional" and rl_step_done:
                 pushed = sampler.push(policy, step)
             nonfinite_in_a_row = 0 if trained else nonfinite_in_a_row + (not low_ess)
-            if not trained:  # counted and logged with its ESS (the guard must not flatter the logged ESS); not a round
+            if not trained:  # counted, and a row with its ESS (the guard must not flatter the ESS), but not a round
                 totals["ess_skipped" if low_ess else "nonfinite_skipped"] += 1
                 if not low_ess:
                     print(f"step {step + 1} skipped: ESS {batch_ess:.3g}, loss {loss.item():.3g}, grad {grad_norm:.3g}")
