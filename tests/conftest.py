@@ -3,7 +3,7 @@
 (reliability), test_gpu_path and test_memory.
 
 Markers: `gpu` needs CUDA. `slow` is written on every test that starts a sampler, a server, a
-subprocess or a script's run (`pytest -m "not slow"` runs the unit tests in under 30 seconds).
+subprocess or a script's run (`pytest -m "not slow"` runs the unit tests alone, in about a minute).
 The rule cannot be missed: a test without the marker that starts a sampler process or a subprocess,
 or uses a fixture that does (SLOW_FIXTURES), fails and says to mark it."""
 
@@ -44,7 +44,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 # fixtures that start a sampler, a server or a script's run, shared by several tests
 SLOW_FIXTURES = {"sampler", "server_url", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}
-# the longest tests (4-6 minutes each on 2 cores), started first so that none of them runs alone at the suite's end
+# the longest tests (1-4 minutes each on 2 cores), started first so that none of them runs alone at the suite's end
 LONGEST_FIRST = ("test_rloo_kreuse.py::test_two_rounds_from_the_command_line_then_resume",
                  "test_rloo_kreuse.py::test_two_torchrun_ranks_train_as_one_process_and_resume",
                  "test_cpu_memory.py::test_one_learner_step_at_the_smollm2_presets_shape_peaks_under_the_goal",
