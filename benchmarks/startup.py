@@ -58,6 +58,8 @@ def time_run(checkout: str, command: list[str], env: dict[str, str]) -> tuple[fl
 
 
 def main(args: Args) -> None:
+    if any("=" not in item for item in args.before_env):
+        raise SystemExit(f"error: --before-env: KEY=VALUE pairs, got {list(args.before_env)}")
     subprocess.run([sys.executable, "-c", "import common; common.tiny_model_path()"], cwd=ROOT, check=True)
     times = {"before": [], "after": []}
     for pair in range(args.pairs):
