@@ -340,7 +340,7 @@ def main():
                     loss = loss + mb_loss.detach() * share
                     common.add_outputs(out, mb, mb_out, len(pairs))
                 loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches
-                grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if stepped:
                     optimizer.step()

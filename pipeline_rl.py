@@ -401,8 +401,7 @@ def main():
             batch_ess = ess(out["weights"][by_length], batch.mask[by_length])
             grad_norm, trained, ratios = math.nan, False, out["weights"][batch.mask.bool()]  # pi/mu, untruncated
             if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
-                grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
-                grad_norm = grad_norm.item()  # (full_norm: under torchrun the norm is a DTensor over the shards)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
                 trained = bool(torch.isfinite(loss)) and math.isfinite(grad_norm)
             if trained:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
                 for group in optimizer.param_groups:  # from the step alone: a resumed run continues the schedule

@@ -581,8 +581,8 @@ def main():
                     loss = loss + mb_loss.detach() * share
                     common.add_outputs(out, mb, mb_out, len(minibatch))
                 loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches
-                actor_norm = run.full_norm(torch.nn.utils.get_total_norm(grads(policy)))  # its part, unclipped
-                grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm))
+                actor_norm = torch.nn.utils.get_total_norm(grads(policy))  # its part, unclipped
+                grad_norm = torch.nn.utils.clip_grad_norm_(learner.parameters(), args.max_grad_norm)
                 stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if stepped:
                     optimizer.step()

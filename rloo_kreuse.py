@@ -318,7 +318,7 @@ def main():
                 loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches
                 if batch.theta0_from_forward:  # pi_theta0 whole: every rank's rows
                     batch.old_logp, batch.theta0_from_forward = run.all_sum(batch.old_logp), False
-                grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
                 if stepped:
                     optimizer.step()

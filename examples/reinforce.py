@@ -95,7 +95,7 @@ def main():
                 (mb_loss * share).backward()
                 loss = loss + mb_loss.detach() * share
             loss = run.all_sum(loss)  # (under torchrun: every rank's micro-batches)
-            grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))  # a NaN never reaches the weights
             if stepped:
                 optimizer.step()

@@ -30,13 +30,14 @@ says rank 0; a collective that one rank skips hangs the others):
   summed gradient is exactly the single-process gradient of the same global batch and every step
   (clipping included: `clip_grad_norm_` sees the global norm) is the single-process step.
 - Decisions: whatever decides that ranks do different things must be the same on every rank: the
-  non-finite check before optimizer.step() on the global grad norm (`full_norm`) or an `all_sum`med
+  non-finite check before optimizer.step() on the global grad norm (`clip_grad_norm_`'s) or an `all_sum`med
   loss, never on a rank's own loss (a rank that steps alone silently diverges: the step itself has
   no collective). A stand-in's loss is scaled by 0, but 0 x NaN is NaN: a non-finite stand-in row
   skips the step on every rank, as the row would in one process.
 - Metrics: `all_sum(x, d)` sums numbers, tensors (e.g. an [N, T] logprob tensor where each rank
   filled only its own rows) and dicts/lists of them over ranks; `all_mean` averages;
-  `full_norm(clip_grad_norm_(...))` is the global gradient norm as a plain tensor.
+  `clip_grad_norm_(...)` returns the global gradient norm, a replicated DTensor whose .item() and bool() are
+  every rank's same number.
 - Push: `gather_into(policy, push_model, d)` on every rank (one parameter at a time), then rank 0
   pushes `push_model` (what `sampler.init_weight_sync` was given). One process: push_model IS the
   policy and gather_into does nothing.
@@ -437,12 +438,6 @@ def all_mean(x, d: Dist | None = None):
         return v / d.world_size
 
     return div(total)
-
-
-def full_norm(norm):
-    """clip_grad_norm_'s result as a plain tensor: under FSDP it is a DTensor (already the global
-    norm, replicated)."""
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 # --------------------------------------------------------------------------------------

@@ -367,10 +367,6 @@ class Run:
         """Under torchrun: the sum over every rank (tensors, numbers, or dicts of them); else x."""
         return distributed.all_sum(x, self.dist)
 
-    def full_norm(self, norm):
-        """clip_grad_norm_'s result as a plain tensor (under torchrun it is a DTensor over the shards)."""
-        return distributed.full_norm(norm)
-
     def warn_no_learning(self, signal, what: str) -> None:
         """One warning when the learning signal has been empty for 10 rounds in a row (the whole run if shorter)."""
         checks.warn_no_learning(signal, what, self._no_signal, min(10, self.rounds))

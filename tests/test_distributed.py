@@ -120,7 +120,7 @@ def _train_step(learner, optimizer, n: int, seed: int, d: distributed.Dist) -> d
         (mb_loss * share).backward()
         loss = loss + mb_loss.detach() * share
     loss = distributed.all_sum(loss, d)
-    grad_norm = distributed.full_norm(torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0))
+    grad_norm = torch.nn.utils.clip_grad_norm_(learner.parameters(), 1.0)  # (a DTensor under torchrun: replicated)
     assert bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
     optimizer.step()
     optimizer.zero_grad()

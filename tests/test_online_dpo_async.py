@@ -663,13 +663,11 @@ def test_a_stopped_completion_ends_with_its_eos(sampler, tokenizer):
 
 def strip_dpo(source: str) -> str:
     """online_dpo_async.py as a student strips it to the method (tests/test_pages.py's strip for rloo_kreuse.py): no
-    checkpoints, snapshots or evaluation between rounds (the loop's after-round lines), no torchrun calls (all_sum,
-    full_norm), and one metric besides the seconds."""
+    checkpoints, snapshots or evaluation between rounds (the loop's after-round lines), no torchrun call
+    (all_sum), and one metric besides the seconds."""
     source = without_after_round(source)
     replacements = [
         ("                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
-        ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
-         "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
     ]
     return strip_to_method(source, replacements,
                            '{"charts/reward": rewards.mean().item(), '

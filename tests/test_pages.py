@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # (rloo 350 -> 370: log pi_theta0 read off k-step 1's forward instead of a pass of its own, issue 50)
 # (pipeline 450 -> 470: its actor's state in the checkpoint: a mid-run resume trains every prompt once, issue 59)
 # (each + 15, issue 60: the sampler called in the script, the counters its own, the lines after the round written out)
-BUDGETS = {"rloo_kreuse.py": 385, "online_dpo_async.py": 415, "pipeline_rl.py": 485, "ppo_oppo.py": 665,
+BUDGETS = {"rloo_kreuse.py": 385, "online_dpo_async.py": 415, "pipeline_rl.py": 484, "ppo_oppo.py": 665,
            "examples/reinforce.py": 130}
 ROUND_BUDGET = 120  # (100 -> 120, issue 60: the round's counters and its after-round lines are in it now)
 # every Python file of the repository is kept within 120 columns by ruff (configured in pyproject.toml)
@@ -66,12 +66,10 @@ def test_the_line_limit_is_ruffs_and_it_finds_a_long_line(tmp_path):
 
 def strip_rloo(source: str) -> str:
     """rloo_kreuse.py as a student strips it to the method: no checkpoints, snapshots or evaluation between rounds
-    (the loop's after-round lines), no torchrun calls (all_sum, full_norm), and one metric besides the seconds."""
+    (the loop's after-round lines), no torchrun call (all_sum), and one metric besides the seconds."""
     source = without_after_round(source)
     replacements = [
         ("                loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
-        ("grad_norm = run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
-         "grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
     ]
     return strip_to_method(source, replacements,
                            '{"charts/reward": rewards.mean().item(), '
@@ -118,9 +116,9 @@ def test_the_round_calls_the_sampler_with_its_sampling_parameters_in_view(script
 
 
 # Issue 60 asks for at most 25 project names a script and 10 distinct project calls in its round; these are where the
-# scripts stand (not met: what is left is in the issue's note), kept from growing. (names, round calls)
-NAME_BUDGETS = {"rloo_kreuse.py": (31, 14), "online_dpo_async.py": (36, 16), "pipeline_rl.py": (40, 14),
-                "ppo_oppo.py": (49, 19), "examples/reinforce.py": (25, 11)}
+# scripts stand (examples/reinforce.py within them, the methods not: the issue's note), kept from growing (names, calls)
+NAME_BUDGETS = {"rloo_kreuse.py": (30, 13), "online_dpo_async.py": (35, 15), "pipeline_rl.py": (39, 13),
+                "ppo_oppo.py": (48, 18), "examples/reinforce.py": (25, 10)}
 PROJECT_MODULES = {"common", "tasks", "fastrl"}
 
 

@@ -745,14 +745,12 @@ def test_the_cosine_schedule_by_hand_and_against_transformers():
 
 def strip_pipeline(source: str) -> str:
     """pipeline_rl.py as a student strips it to the method: no checkpoints, snapshots or evaluation between steps
-    (the loop's after-step lines), no torchrun calls (from_main, all_sum, full_norm), and one metric besides the
+    (the loop's after-step lines), no torchrun calls (from_main, all_sum), and one metric besides the
     seconds."""
     source = without_after_round(source)
     replacements = [
         ("            loss, out = run.all_sum((loss, out))  # under torchrun: every rank's micro-batches\n", ""),
         ("run.from_main(lambda: actor.next_batch(step))", "actor.next_batch(step)"),
-        ("run.full_norm(torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm))",
-         "torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)"),
     ]
     return strip_to_method(source, replacements,
                            '{"charts/reward": rewards.mean().item(), '
