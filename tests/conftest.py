@@ -9,6 +9,7 @@ or uses a fixture that does (SLOW_FIXTURES), fails and says to mark it."""
 
 import atexit
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -246,10 +247,32 @@ def without_after_round(source: str) -> str:
     return "".join(lines[:at] + lines[end:])
 
 
-def run_stripped_copy(name: str, source: str, flags: list[str]):
-    """Write the stripped copy to a scratch directory and run it (importing common, tasks and fastrl from the
+# each script's batch flag and the name a student's copy gives it, and the script's memory_plan workload (issue 60)
+BATCH_RENAMES = {"rloo_kreuse": ("num_prompts", "prompts_per_batch", "GROUPS"),
+                 "online_dpo_async": ("num_prompts", "prompts_per_batch", "PAIRS"),
+                 "pipeline_rl": ("train_batch_size", "sequences_per_step", "STREAM"),
+                 "ppo_oppo": ("batch_size", "sequences_per_round", "ACTOR_CRITIC")}
+
+
+def rename_batch_flag(source: str, script: str, flags: list[str]) -> tuple[str, list[str]]:
+    """Issue 60: the memory plan knew each script by name (`Run(args, "rloo", ...)`, its NEEDED and BATCH_FLAG
+    tables), so a copy that renamed its batch flag broke in a file its author never opened. The copy renames the flag
+    everywhere in its own file and names it in its workload (memory_plan.Workload); returns it and `flags` renamed."""
+    old, new, workload = BATCH_RENAMES[script]
+    source = re.sub(rf"\b{old}\b", new, source)
+    assert f"memory_plan.{workload}," in source
+    source = source.replace(f"memory_plan.{workload},",
+                            f"__import__('dataclasses').replace(memory_plan.{workload}, batch={new!r}),")
+    flag = {"--" + old.replace("_", "-"): "--" + new.replace("_", "-")}
+    return source, [flag.get(f, f) for f in flags]
+
+
+def run_stripped_copy(name: str, source: str, flags: list[str], script: str):
+    """Write the copy of `script` stripped to its method, its batch flag renamed as well (rename_batch_flag: a
+    student's copy changes both), to a scratch directory and run it (importing common, tasks and fastrl from the
     checkout); it must finish, write its summary, leave no checkpoint and no traceback or leaked process. Returns
     the finished process (its stdout has the rounds' lines)."""
+    source, flags = rename_batch_flag(source, script, flags)
     work = scratch_dir(f"pytest_{name}_")
     copy = work / f"{name}.py"
     copy.write_text(source)

@@ -681,7 +681,7 @@ def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(mode):
     the run otherwise: --sync on the weights just pushed, async a round behind) and stops cleanly, without a
     checkpoint."""
     out = run_stripped_copy("dpo_stripped", strip_dpo((ROOT / "online_dpo_async.py").read_text()),
-                            ["--num-rounds", "3", *SMALL, "--num-minibatches", "2", *mode])
+                            ["--num-rounds", "3", *SMALL, "--num-minibatches", "2", *mode], "online_dpo_async")
     assert "round 3/3 step" in out.stdout and "reward" in out.stdout
 
 

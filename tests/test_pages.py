@@ -80,7 +80,7 @@ def strip_rloo(source: str) -> str:
 def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(tmp_path):
     out = run_stripped_copy("rloo_stripped", strip_rloo((ROOT / "rloo_kreuse.py").read_text()),
                             ["--num-rounds", "3", "--num-prompts", "4", "--group-size", "4", "--k", "2",
-                             "--eval-problems", "4", "--eval-samples", "1"])
+                             "--eval-problems", "4", "--eval-samples", "1"], "rloo_kreuse")
     # each round after the first was sampled by the weights pushed after the one before (sampler.check_version in the
     # copy stops the run otherwise): K=2 steps a round, so round 3 ran on policy version 4
     assert "round 3/3 step 6" in out.stdout and "reward" in out.stdout
@@ -174,7 +174,7 @@ def test_shared_code_never_asks_which_script_it_serves():
     """Issue 60: `Run(args, "rloo", ...)` passed a name that fastrl/memory_plan.py branched on (its NEEDED and
     BATCH_FLAG tables, script_step), so a copy with a renamed batch flag broke in a file its author never opened. Now a
     script passes its workload (memory_plan.Workload: shapes and its flags' names): no string in fastrl/ names a
-    script or a method (tests/test_student_copy.py runs a copy of each script with its batch flag renamed)."""
+    script or a method (each script's stripped copy runs with its batch flag renamed: conftest.rename_batch_flag)."""
     names = {"rloo", "dpo", "ppo", "grpo", "rloo_kreuse", "online_dpo_async", "pipeline_rl", "ppo_oppo"}
     for path in sorted((ROOT / "fastrl").glob("*.py")):
         found = [(node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text()))

@@ -763,7 +763,7 @@ def test_a_copy_stripped_to_its_method_runs_pushes_and_stops():
     learner's weights, so the copy finishes only if every step's in-flight push landed."""
     out = run_stripped_copy("pipeline_stripped", strip_pipeline((ROOT / "pipeline_rl.py").read_text()),
                             ["--max-lag", "0", "--num-steps", "3", "--train-batch-size", "8", "--group-size", "4",
-                             "--eval-problems", "4", "--eval-samples", "1"])
+                             "--eval-problems", "4", "--eval-samples", "1"], "pipeline_rl")
     assert "step 3/3 step 3" in out.stdout and "reward" in out.stdout
 
 

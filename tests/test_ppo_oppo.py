@@ -569,5 +569,6 @@ def test_a_copy_stripped_to_its_method_runs_pushes_and_stops(flags):
     over-committed and carried, and still a clean stop (the carried ones aborted, the sampler closed)."""
     out = run_stripped_copy("ppo_stripped", strip_ppo((ROOT / "ppo_oppo.py").read_text()),
                             ["--num-rounds", "3", "--batch-size", "4", "--num-ppo-epochs", "1", "--max-new-tokens",
-                             "16", "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *flags])
+                             "16", "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *flags],
+                            "ppo_oppo")
     assert "round 3/3 step 3" in out.stdout and "reward" in out.stdout  # one step a round: 1 epoch x 1 minibatch
