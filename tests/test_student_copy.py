@@ -374,10 +374,6 @@ def test_the_console_line_shows_what_was_measured_and_the_clipped_fraction():
                      "train 2.00s"]
 
 
-# --------------------------------------------------------------------------------------
-# Issue 60: shared code never asks which script it serves
-
-
 def test_an_evaluation_off_rank_0_serves_eval_every_too():
     """Under torchrun only rank 0 evaluates (tasks.evaluator gives {} elsewhere); every rank logs the row. The check
     that a copy serves --eval-every counted only rows with pass@k in them, so rank 1 stopped at round 3 of
