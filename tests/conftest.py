@@ -47,7 +47,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # fixtures that start a sampler, a server or a script's run, shared by several tests
-SLOW_FIXTURES = {"sampler", "server_url", "sync_run", "zero_lag_pipeline", "sampler_start_kwargs"}
+SLOW_FIXTURES = {"sampler", "server_url", "sync_run", "zero_lag_pipeline", "plain_ppo", "sampler_start_kwargs"}
+# a module's one run or server, read by several tests: they share an xdist_group, so that under the suite's
+# `-n 2 --dist loadgroup` one worker makes it once (without the group, each worker that runs one of them makes its own)
+SHARED_RUNS = {"sync_run", "zero_lag_pipeline", "plain_ppo", "server", "runs"}
 # the longest tests (1-4 minutes each on 2 cores), started first so that none of them runs alone at the suite's end
 LONGEST_FIRST = ("test_rloo_kreuse.py::test_two_rounds_from_the_command_line_then_resume",
                  "test_rloo_kreuse.py::test_two_torchrun_ranks_train_as_one_process_and_resume",
@@ -65,6 +68,10 @@ def _slow_tests_are_marked(request, monkeypatch):
     """Fail a test that starts a sampler process or a Python subprocess (a script, a server, torchrun)
     without the `slow` marker."""
     if request.node.get_closest_marker("slow") is not None:
+        shared = sorted(SHARED_RUNS & set(request.fixturenames))
+        if shared and request.node.get_closest_marker("xdist_group") is None:
+            pytest.fail(f"uses {', '.join(shared)} (one run for several tests): mark it @pytest.mark.xdist_group, "
+                        "as the others that use it", pytrace=False)
         yield
         return
     fixtures = sorted(SLOW_FIXTURES & set(request.fixturenames))

@@ -239,6 +239,7 @@ def _assert_states_equal(a: dict, b: dict, tol: float = TOL) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_rank_runs")
 def test_two_ranks_take_the_single_process_steps(runs):
     one, two, seconds = runs
     print(f"torchrun, 2 ranks: {seconds:.1f} s")
@@ -254,6 +255,7 @@ def test_two_ranks_take_the_single_process_steps(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_rank_runs")
 def test_gather_into_gives_rank0_the_full_model(runs):
     one, two, _ = runs
     pushed = _load(two / "push.pt")
@@ -264,6 +266,7 @@ def test_gather_into_gives_rank0_the_full_model(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_rank_runs")
 def test_checkpoints_are_the_single_process_format_both_ways(runs):
     one, two, _ = runs
     first, second = _load(one / "checkpoint.pt"), _load(two / "checkpoint.pt")
@@ -280,6 +283,7 @@ def test_checkpoints_are_the_single_process_format_both_ways(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_rank_runs")
 def test_a_bad_resume_stops_every_rank_with_one_line(runs):
     _, two, _ = runs
     codes = [json.loads((two / f"error_rank{r}.json").read_text()) for r in range(2)]

@@ -1,6 +1,6 @@
 """conftest's rule for the `slow` marker cannot be missed: an unmarked test that starts a Python
 subprocess (a script, a server, torchrun) or a sampler process fails and says to mark it; marked,
-the same test runs."""
+the same test runs. And the suite's xdist groups hold: tests that share a run make it once."""
 
 from pathlib import Path
 
@@ -8,7 +8,8 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+CONFTEST = (ROOT / "tests" / "conftest.py").read_text()
 
 
 @pytest.mark.slow  # (a pytest in a subprocess)
@@ -45,3 +46,35 @@ def test_an_unmarked_test_that_starts_a_sampler_fails(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")  # (in-process, pytester would re-import torch)
     result.assert_outcomes(failed=1, errors=1)
     result.stdout.fnmatch_lines(["*a sampler process in a test not marked slow*"])
+
+
+@pytest.mark.slow  # (a pytest with two workers in a subprocess)
+def test_tests_that_share_a_module_fixture_in_an_xdist_group_build_it_once(pytester):
+    """The suite's command (.ci/run's, the README's: -n 2 --dist loadgroup) sends an xdist_group's tests to one worker,
+    so a run they share is made once, not once a worker (pytest 9.2 silently undid the groups: pyproject pins below)."""
+    options = (ROOT / ".ci" / "run").read_text().split(".venv/bin/python -m pytest tests")[1].split()
+    built = pytester.path / "built.txt"
+    pytester.makepyfile(test_inner=f'''
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def shared_run():
+            with open({str(built)!r}, "a") as f:
+                f.write("built\\n")
+
+        @pytest.mark.xdist_group("shared")
+        @pytest.mark.parametrize("i", range(3))
+        def test_grouped(shared_run, i):
+            pass
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_alone(i):
+            pass
+
+        @pytest.mark.xdist_group("shared")
+        def test_grouped_too(shared_run):
+            pass
+    ''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *options)
+    result.assert_outcomes(passed=8)
+    assert built.read_text().splitlines() == ["built"]

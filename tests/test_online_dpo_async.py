@@ -288,11 +288,13 @@ def sync_run(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dpo_sync_run")
 def test_sync_run_has_lag_0(sync_run):
     _check_rounds(sync_run, "sync", minibatches=1, num_prompts=8)
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dpo_sync_run")
 def test_sync_resume_is_exact(tmp_path, sync_run):
     """--sync resumed from its checkpoint after round 1 (written mid-run: --save-every 1) gives the uninterrupted run's
     rounds 2 and 3, row for row, and its weights (the checkpoint keeps the sampler's generators as they were before
@@ -318,6 +320,7 @@ def test_sync_resume_is_exact(tmp_path, sync_run):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dpo_sync_run")
 def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     """The asynchronous loop with the next round submitted only after the push is the synchronous
     schedule: on a fixed seed, the same sampled tokens (the same rewards, lengths, pairs), the same
@@ -479,6 +482,7 @@ def test_realistic_model_logprobs_match_the_sampler(realistic_path, tmp_path, ex
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("dpo_sync_run")
 def test_two_torchrun_ranks_train_as_one_process(tmp_path, sync_run):
     """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same rounds, pairs, losses
     and trained weights as one process on the same global batches (sync_run); rank 0 alone writes

@@ -545,6 +545,7 @@ def zero_lag_pipeline():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("zero_lag_pipeline")
 def test_zero_lag_pipeline_reproduces_conventional_g1(zero_lag_pipeline):
     """--max-lag 0 degenerates PipelineRL to generate B, train one step, push: the same batches,
     rewards and losses as Conventional RL with G=1 on the same seed (per-request sampling seeds,
@@ -656,6 +657,7 @@ def test_bad_flags_are_rejected_from_the_command_line():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("zero_lag_pipeline")
 def test_two_torchrun_ranks_train_as_one_process(tmp_path, zero_lag_pipeline):
     """The script under `torchrun --nproc-per-node 2` (FSDP2 over gloo): the same steps, losses and
     trained weights as one process on the same batches (zero_lag_pipeline); rank 0 alone writes the

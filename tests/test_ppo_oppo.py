@@ -7,6 +7,7 @@ the realistic model from the command line."""
 import copy
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -416,26 +417,43 @@ def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path, error_befo
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --reward-model")
 
 
+PLAIN = ("--no-intra", "--no-inter", "--num-rounds", "3", "--max-new-tokens", "24", "--micro-batch-size", "2",
+         "--num-minibatches", "2", "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1")
+
+
+@pytest.fixture(scope="module")
+def plain_ppo(tmp_path_factory):
+    """Plain PPO, 3 rounds, a checkpoint kept after each: the run OPPO at Delta 0 is compared with (engine seeds) and
+    the one resumed. Its tests share an xdist group, so that one worker runs it once."""
+    cwd = tmp_path_factory.mktemp("plain_ppo")
+    out = _run(cwd, "--exp-name", "plain", *PLAIN, "--save-every", "1", "--keep-checkpoints", "3")
+    return (*_metrics(cwd, "plain"), out.stdout)
+
+
 @pytest.mark.slow
+@pytest.mark.xdist_group("plain_ppo")
 @pytest.mark.parametrize("seeds", [(), ("--request-seeds",)], ids=["engine-seed", "request-seeds"])
-def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
+def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds, request):
     """OPPO with Delta = 0 (nothing over-committed, nothing carried over) and intra-step streaming
     on is plain PPO computed in another order: the same sampled tokens (per-request seeds), the same
     rewards, and losses equal to float tolerance (chunked prefill vs one forward)."""
-    common_flags = ("--num-rounds", "3", "--max-new-tokens", "24", "--micro-batch-size", "2", "--num-minibatches", "2",
-                    "--chunk-tune-every", "0", "--eval-problems", "4", "--eval-samples", "1", *seeds)
+    oppo_flags = tuple(f for f in PLAIN if f not in ("--no-intra", "--no-inter"))
     # --delta 0 pins Delta (the controller, here asked to move it every round, leaves it at 0)
-    _run(tmp_path, "--exp-name", "oppo0", "--delta", "0", "--delta-window", "1", "--chunk-size", "4", *common_flags)
-    out = _run(tmp_path, "--exp-name", "plain", "--no-intra", "--no-inter", *common_flags)
+    _run(tmp_path, "--exp-name", "oppo0", "--delta", "0", "--delta-window", "1", "--chunk-size", "4", *oppo_flags,
+         *seeds)
+    if seeds:
+        stdout = _run(tmp_path, "--exp-name", "plain", *PLAIN, *seeds).stdout
+        plain_run, plain = _metrics(tmp_path, "plain")
+    else:
+        plain_run, plain, stdout = request.getfixturevalue("plain_ppo")
     oppo_run, oppo = _metrics(tmp_path, "oppo0")
-    plain_run, plain = _metrics(tmp_path, "plain")
     assert len(oppo) == len(plain) == 3
     assert all(r["time/score_hidden_seconds"] > 0 for r in oppo)  # it really streamed
     assert all(r["charts/delta"] == 0 for r in oppo)
     # plain PPO: no carry-over, nothing scored during generation, and its name in the summary
     assert all(r["charts/carried_in_batch"] == 0 and r["charts/lag_max"] == 0 and r["time/score_hidden_seconds"] == 0
                for r in plain)
-    assert "| plain PPO |" in out.stdout
+    assert "| plain PPO |" in stdout
     for a, b in zip(oppo, plain):
         assert a["step"] == b["step"]
         for key in ("charts/reward", "charts/accuracy", "charts/response_length", "charts/no_eos_fraction"):
@@ -448,20 +466,18 @@ def test_zero_staleness_oppo_reproduces_plain_ppo(tmp_path, seeds):
 
 
 @pytest.mark.slow
-def test_plain_ppo_resume_is_exact(tmp_path):
+@pytest.mark.xdist_group("plain_ppo")
+def test_plain_ppo_resume_is_exact(tmp_path, plain_ppo):
     """Plain PPO resumed from its checkpoint after round 1 (written mid-run: --save-every 1) gives the uninterrupted
     run's rounds 2 and 3, row for row (the checkpoint keeps the sampler's generators and the learner's RNG).
     charts/reward is the task's score; charts/reward_penalized, what PPO trains on, less the missing-EOS penalty."""
-    flags = ("--no-intra", "--no-inter", "--max-new-tokens", "24", "--num-minibatches", "2", "--eval-problems", "4",
-             "--eval-samples", "1")
-    _run(tmp_path, "--exp-name", "straight", "--num-rounds", "3", "--save-every", "1", "--keep-checkpoints", "3",
-         *flags)
-    [straight] = (tmp_path / "runs").glob("straight__*")
-    _, rows = _metrics(tmp_path, "straight")
-    first = min(straight.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
-    _run(tmp_path, "--resume", str(first), "--num-rounds", "3", *flags)
+    straight, rows, _ = plain_ppo
+    run = tmp_path / "runs" / straight.name  # a copy: the resumed run goes on in the checkpoint's directory
+    shutil.copytree(straight, run)
+    first = min(run.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
+    _run(tmp_path, "--resume", str(first), *PLAIN)
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall",) or "per_second" in k  # noqa: E731
-    again = [{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, "straight")[1]]
+    again = [{k: v for k, v in r.items() if not timing(k)} for r in _metrics(tmp_path, "plain")[1]]
     assert len(rows) == 3 and len(again) == 5
     assert [{k: v for k, v in r.items() if not timing(k)} for r in rows][1:] == again[3:]
     for r in rows:  # --missing-eos-penalty 1.0 on every response without EOS

@@ -168,6 +168,7 @@ def _wait_all(sampler, ids, finals, timeout=120):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 def test_generation_returns_token_ids_logprobs_and_tags(server_url, tiny_path, tokenizer):
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
         prompts = _prompts(tokenizer, 4)
@@ -191,6 +192,7 @@ def test_generation_returns_token_ids_logprobs_and_tags(server_url, tiny_path, t
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 def test_a_push_makes_the_servers_logprobs_the_learners_and_pause_keeps_requests(server_url, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cpu")
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
@@ -236,6 +238,7 @@ def test_a_push_makes_the_servers_logprobs_the_learners_and_pause_keeps_requests
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 @pytest.mark.parametrize("recompute_kv", [False, True])
 def test_an_in_flight_push_labels_both_versions(server_url, tiny_path, tokenizer, recompute_kv):
     """The push lands while the requests run: tokens before it are the old model's, tokens after
@@ -274,6 +277,7 @@ def test_an_in_flight_push_labels_both_versions(server_url, tiny_path, tokenizer
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 def test_a_push_when_idle_lets_the_running_requests_finish_first(server_url, tiny_path, tokenizer):
     model = common.load_policy(tiny_path, "cpu")
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
@@ -289,6 +293,7 @@ def test_a_push_when_idle_lets_the_running_requests_finish_first(server_url, tin
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer):
     prompts = _prompts(tokenizer, 64)
     with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
@@ -322,6 +327,7 @@ def test_abort_stops_the_requests_on_the_server(server_url, tiny_path, tokenizer
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 def test_a_script_trains_through_sampler_url(server_url):
     """`--sampler-url`: rloo_kreuse.py samples from the server (launch.start_sampler(urls=...)),
     pushes every round, and the server's logprobs stay the learner's."""
@@ -422,6 +428,7 @@ def test_no_server_is_an_error_at_once():
 # ---- faults on the real server: last, it ends the module's server ----
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
 def test_a_hung_then_a_dead_server_is_an_error_within_the_timeout(server, tiny_path, tokenizer):
     prompts = _prompts(tokenizer, 8)
     # hung (SIGSTOP, the whole server: front end, engine core): the health watch gives up after `timeout`
