@@ -137,10 +137,10 @@ def check_model(args, workload, hub_tasks, resolve_model) -> tuple[str, float | 
     """Before the sampler starts, from the model's files alone: the packages the run needs (optional_modules, given
     hub_tasks: tasks.HUB_TASKS), the model's path (resolve_model(--model, --task): common.resolve_model), and that it
     can serve the flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a
-    template (check_chat_template), and on a GPU the run's memory plan fits (memory_plan). A refusal is one line naming
-    the flag. Returns (model path, the sampler's share of its GPU: --sampler-gpu-memory or the plan's). workload: the
-    script's memory_plan.Workload. A flag the plan needs that a stripped copy lacks stops it here, on any machine
-    (with_defaults)."""
+    template (check_chat_template), a --reward-model or --critic-model is there (check_loads), and on a GPU the run's
+    memory plan fits (memory_plan). A refusal is one line naming the flag. Returns (model path, the sampler's share of
+    its GPU: --sampler-gpu-memory or the plan's). workload: the script's memory_plan.Workload. A flag the plan needs
+    that a stripped copy lacks stops it here, on any machine (with_defaults)."""
     import importlib.util
 
     from fastrl import memory_plan as plan_memory
@@ -152,6 +152,9 @@ def check_model(args, workload, hub_tasks, resolve_model) -> tuple[str, float | 
     model_path = resolve_model(args.model, getattr(args, "task", "countdown"))
     check_context(model_path, args.max_prompt_tokens, args.max_new_tokens)
     check_chat_template(model_path, getattr(args, "chat_template", False))
+    for name in ("reward_model", "critic_model"):  # (PPO's; DPO's reward model)
+        if getattr(args, name, None):
+            check_loads(getattr(args, name), "--" + name.replace("_", "-"))
     return model_path, memory_plan(args, model_path, workload)
 
 
@@ -198,6 +201,15 @@ def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) 
         raise SystemExit(f"error: --max-new-tokens: {max_new_tokens} response tokens + {max_prompt_tokens} prompt "
                          f"tokens exceed the model's context of {context} tokens; use --max-new-tokens "
                          f"{context - max_prompt_tokens} or less")
+
+
+def check_loads(model_path: str, flag: str) -> None:
+    """A model directory (its config.json) or a Hub id whose config loads, else one line naming `flag`. (A local
+    directory's files are not opened: importing transformers here would delay the sampler's start.)"""
+    if not (Path(model_path) / "config.json").is_file():
+        from transformers import AutoConfig
+
+        load_hf(AutoConfig, model_path, flag=flag)
 
 
 def check_chat_template(model_path: str, enabled: bool) -> None:

@@ -453,6 +453,11 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
             and saved["totals"]["nonfinite_skipped"] == rounds[-1]["charts/nonfinite_skipped"])
 
 
+def test_a_missing_reward_model_stops_the_run_before_the_sampler_starts(error_before_start, tmp_path):
+    message = error_before_start(dpo, "--model", "tiny", "--reward-model", str(tmp_path / "missing"))
+    assert message.startswith("error: --reward-model"), message
+
+
 def test_chat_template_needs_a_tokenizer_that_has_one(error_before_start):
     message = error_before_start(dpo, "--model", "tiny", "--chat-template", "--num-rounds", "1")  # (tiny: none)
     assert message.startswith("error: --chat-template"), message

@@ -413,7 +413,10 @@ def test_two_torchrun_ranks_train_as_one_process(tmp_path, tiny_reward_model):
 def test_bad_flags_and_reward_model_path_fail_with_one_line(tmp_path, error_before_start):
     assert "--delta" in error_before_start(po, "--model", "tiny", "--delta", "20", "--delta-max", "16")
     assert "context" in error_before_start(po, "--model", "tiny", "--max-new-tokens", "500")
-    out = _run(tmp_path, "--reward-model", str(tmp_path / "missing"), expect_ok=False)  # (and one on the command line)
+    missing = str(tmp_path / "missing")  # refused before the sampler starts, and on the command line in one line
+    assert error_before_start(po, "--model", "tiny", "--reward-model", missing).startswith("error: --reward-model")
+    assert error_before_start(po, "--model", "tiny", "--critic-model", missing).startswith("error: --critic-model")
+    out = _run(tmp_path, "--reward-model", missing, expect_ok=False)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("error: --reward-model")
 
 
