@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -137,7 +138,7 @@ def check_model(args, workload, hub_tasks, resolve_model) -> tuple[str, float | 
     """Before the sampler starts, from the model's files alone: the packages the run needs (optional_modules, given
     hub_tasks: tasks.HUB_TASKS), the model's path (resolve_model(--model, --task): common.resolve_model), and that it
     can serve the flags: the prompt budget and response cap fit its context (check_context), --chat-template finds a
-    template (check_chat_template), a --reward-model or --critic-model is there (check_loads), and on a GPU the run's
+    template (check_chat_template), a --reward-model or --critic-model is there (model_config), and on a GPU the run's
     memory plan fits (memory_plan). A refusal is one line naming the flag. Returns (model path, the sampler's share of
     its GPU: --sampler-gpu-memory or the plan's). workload: the script's memory_plan.Workload. A flag the plan needs
     that a stripped copy lacks stops it here, on any machine (with_defaults)."""
@@ -154,7 +155,7 @@ def check_model(args, workload, hub_tasks, resolve_model) -> tuple[str, float | 
     check_chat_template(model_path, getattr(args, "chat_template", False))
     for name in ("reward_model", "critic_model"):  # (PPO's; DPO's reward model)
         if getattr(args, name, None):
-            check_loads(getattr(args, name), "--" + name.replace("_", "-"))
+            model_config(getattr(args, name), "--" + name.replace("_", "-"))  # (there, or one line)
     return model_path, memory_plan(args, model_path, workload)
 
 
@@ -187,13 +188,7 @@ def memory_plan(args, model_path: str, workload) -> float | None:
 def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) -> None:
     """Prompt budget + response cap must fit the model's context, or vLLM refuses to start. (A local
     directory's config.json is read as it is: importing transformers here would delay the sampler's start.)"""
-    config_file = Path(model_path) / "config.json"
-    if config_file.is_file():
-        context = json.loads(config_file.read_text()).get("max_position_embeddings")
-    else:
-        from transformers import AutoConfig
-
-        context = getattr(load_hf(AutoConfig, model_path), "max_position_embeddings", None)
+    context = getattr(model_config(model_path, "--model"), "max_position_embeddings", None)
     if context and max_prompt_tokens >= context:
         raise SystemExit(f"error: --max-prompt-tokens: {max_prompt_tokens} prompt tokens leave no room for a response "
                          f"in the model's context of {context} tokens; use --max-prompt-tokens {context // 2} or less")
@@ -203,13 +198,15 @@ def check_context(model_path: str, max_prompt_tokens: int, max_new_tokens: int) 
                          f"{context - max_prompt_tokens} or less")
 
 
-def check_loads(model_path: str, flag: str) -> None:
-    """A model directory (its config.json) or a Hub id whose config loads, else one line naming `flag`. (A local
-    directory's files are not opened: importing transformers here would delay the sampler's start.)"""
-    if not (Path(model_path) / "config.json").is_file():
-        from transformers import AutoConfig
+def model_config(model_path: str, flag: str):
+    """The model's config, its fields as attributes: a local directory's config.json read as it is (importing
+    transformers here would delay the sampler's start), else a Hub id's AutoConfig; one line naming `flag` if none."""
+    config_file = Path(model_path) / "config.json"
+    if config_file.is_file():
+        return SimpleNamespace(**json.loads(config_file.read_text()))
+    from transformers import AutoConfig
 
-        load_hf(AutoConfig, model_path, flag=flag)
+    return load_hf(AutoConfig, model_path, flag=flag)
 
 
 def check_chat_template(model_path: str, enabled: bool) -> None:

@@ -92,3 +92,21 @@ def test_bad_model_path_is_one_clear_line(tmp_path, monkeypatch):
         common.load_policy(str(tmp_path / "missing"), "cpu")
     message = str(stop.value)
     assert "\n" not in message and message.startswith("error: --model: cannot load") and "--model tiny" in message
+
+
+def test_the_prompt_budget_and_response_cap_must_fit_the_models_context(tmp_path, monkeypatch):
+    """checks.check_context reads a local model's config.json (checks.model_config) and stops a budget that vLLM would
+    refuse at its start in one line naming the flag: the tiny model's context is 128 tokens."""
+    from fastrl import checks
+
+    path = str(common.tiny_model_path())
+    assert checks.model_config(path, "--model").max_position_embeddings == 128
+    checks.check_context(path, 64, 64)  # fits exactly
+    for (prompt, response), flag in [((128, 1), "--max-prompt-tokens"), ((64, 65), "--max-new-tokens")]:
+        with pytest.raises(SystemExit) as stop:
+            checks.check_context(path, prompt, response)
+        assert str(stop.value).startswith(f"error: {flag}: ") and "context of 128 tokens" in str(stop.value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a path with no config.json: its Hub config, or one line naming the flag
+    with pytest.raises(SystemExit) as stop:
+        checks.model_config(str(tmp_path / "missing"), "--critic-model")
+    assert str(stop.value).startswith("error: --critic-model: cannot load")
