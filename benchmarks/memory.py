@@ -316,10 +316,10 @@ def dpo_step(config, pairs: int = 64, prompt: int = 256, response: int = 512, mi
 
 def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_batch_size: int | None = None,
                   autocast: bool = False, checkpointing: bool = False, steps: int = 1, tracker=None,
-                  model: str = "qwen2.5-0.5b"):
+                  model: str = "qwen2.5-0.5b", batch_size: int | None = None):
     """pipeline_rl.py's step (its micro_batch_loss: the truncated-IS loss; its --micro-batch-size rule, clipping,
-    Adam) on B = --train-batch-size sequences, at its non-tiny defaults, with its --autocast-bf16 and
-    --gradient-checkpointing."""
+    Adam) on B = --train-batch-size sequences (or `batch_size`), at its non-tiny defaults, with its --autocast-bf16
+    and --gradient-checkpointing."""
     import functools
 
     import pipeline_rl as prl
@@ -327,6 +327,7 @@ def pipeline_step(config, prompt: int = 256, response: int | None = None, micro_
     overrides = dict(model=model, autocast_bf16=autocast, gradient_checkpointing=checkpointing,
                      max_new_tokens=response or preset(prl, model)["max_new_tokens"],
                      micro_batch_size=micro_batch_size or prl.Args.micro_batch_size)
+    overrides |= dict(train_batch_size=batch_size) if batch_size else {}
     args = prl.mode_defaults(prl.Args(**preset(prl, model) | overrides))  # the paper's defaults, in pipeline mode
     policy = causal_lm(config, True, checkpointing)
     ref = causal_lm(config, False) if args.kl_coef else None  # main() loads a reference only with --kl-coef
