@@ -3,7 +3,7 @@
 (reliability), test_gpu_path and test_memory.
 
 Markers: `gpu` needs CUDA. `slow` is written on every test that starts a sampler, a server, a
-subprocess or a script's run (`pytest -m "not slow"` runs the unit tests alone, in about 50 s).
+subprocess or a script's run (`pytest -m "not slow"` runs the unit tests alone: 33-44 s with `-n 2`).
 The rule cannot be missed: a test without the marker that starts a sampler process or a subprocess,
 or uses a fixture that does (SLOW_FIXTURES), fails and says to mark it."""
 

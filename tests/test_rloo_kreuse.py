@@ -116,7 +116,7 @@ def _run(*flags, timeout=600, cwd=WORK):
 
 
 @pytest.mark.slow
-def test_two_rounds_from_the_command_line_then_resume():
+def test_two_rounds_from_the_command_line_then_resume(request):
     """Two rounds at K=2 with top-p 0.9, then a resume. The first step of every round is on-policy:
     its importance weight is 1, which holds only when the learner's logprobs are over the sampler's
     nucleus (the logprob contract)."""
@@ -138,9 +138,6 @@ def test_two_rounds_from_the_command_line_then_resume():
     # (vllm_sampler.log_environment)
     assert not [line for line in (out.stdout + out.stderr).splitlines() if "WARNING" in line or "Warning:" in line]
 
-    # a flag that would change the resumed run is refused in one line naming it, before anything loads
-    changed = _run("--resume", str(run_dir), "--k", "4", "--num-rounds", "3")
-    assert changed.returncode != 0 and changed.stderr.strip().splitlines()[-1].startswith("error: --k 4 (saved: 2)")
     # the saved flags are the defaults (K=2, top-p 0.9, ...): only the run's length is given, from another directory
     elsewhere = scratch_dir("fastrl-elsewhere-")
     resumed = _run("--num-rounds", "3", "--resume", str(run_dir.resolve()), cwd=elsewhere)
@@ -192,6 +189,12 @@ def test_two_rounds_from_the_command_line_then_resume():
     with launch.start_sampler(str(run_dir / "model-bf16"), placement="cpu", seed=0) as served:  # (vLLM loads it)
         tokenizer = util.load_tokenizer(str(run_dir / "model-bf16"))
         assert served.generate([tokenizer("1 2 3->6:")["input_ids"]], n=1, max_tokens=4)[0].token_ids
+
+    # a flag that would change the resumed run is refused in one line naming it, before anything loads (in this
+    # process; last, since error_before_start keeps any sampler from starting)
+    error_before_start = request.getfixturevalue("error_before_start")
+    changed = error_before_start(rloo, "--resume", str(run_dir), "--k", "4", "--num-rounds", "3")
+    assert changed.startswith("error: --k 4 (saved: 2)"), changed
 
 
 @pytest.mark.slow
