@@ -554,3 +554,21 @@ def test_throughput_gives_the_runs_counters_one_meaning_in_every_script():
     for script in ["rloo_kreuse.py", "online_dpo_async.py", "pipeline_rl.py", "ppo_oppo.py", "examples/reinforce.py"]:
         source = (root / script).read_text()
         assert '"charts/skipped_long_prompts"' not in source and 'totals["skipped_prompts"] += ' in source, script
+
+
+def test_the_linear_schedule_is_hfs_stepped_once_a_round():
+    """common.scheduled_learning_rate (online_dpo_async.py's and ppo_oppo.py's): HF's get_linear_schedule_with_warmup
+    without warmup (TRL's lr_scheduler_type "linear"), stepped once a round; or constant."""
+    from transformers import get_linear_schedule_with_warmup
+
+    rates = [common.scheduled_learning_rate(3e-6, "linear", r, 4) for r in range(4)]
+    assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
+    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=3e-6)
+    schedule = get_linear_schedule_with_warmup(optimizer, 0, 4)
+    hf = []
+    for _ in range(4):
+        hf.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates == pytest.approx(hf)
+    assert common.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6

@@ -571,20 +571,7 @@ def test_learning_rate_schedule_per_task_as_the_paper():
     assert dpo.parse_args(["--model", "some/model", "--lr-schedule", "constant"]).lr_schedule == "constant"
     gsm8k_linear = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--lr-schedule", "linear"])
     assert gsm8k_linear.lr_schedule == "linear"
-    rates = [dpo.scheduled_learning_rate(3e-6, "linear", r, 4) for r in range(4)]
-    assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
-    # HF's get_linear_schedule_with_warmup without warmup, stepped once per round (ppo_oppo.py's schedule too)
-    from transformers import get_linear_schedule_with_warmup
-
-    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=3e-6)
-    schedule = get_linear_schedule_with_warmup(optimizer, 0, 4)
-    hf = []
-    for _ in range(4):
-        hf.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        schedule.step()
-    assert rates == pytest.approx(hf)
-    assert dpo.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6
+    assert dpo.scheduled_learning_rate is common.scheduled_learning_rate  # (tests/test_common.py)
 
 
 def _first_true_indices(bools: torch.Tensor) -> torch.Tensor:

@@ -546,20 +546,7 @@ def test_learning_rate_decays_linearly_for_a_real_model_as_trl():
     assert (real.lr_schedule, checks.parse_args(po.Args, [], paper=po.PAPER).lr_schedule) == ("linear", "constant")
     constant = checks.parse_args(po.Args, ["--model", "Qwen/Qwen2.5-0.5B", "--lr-schedule", "constant"], paper=po.PAPER)
     assert constant.lr_schedule == "constant"
-    rates = [po.scheduled_learning_rate(3e-6, "linear", i, 4) for i in range(4)]
-    assert rates == pytest.approx([3e-6, 2.25e-6, 1.5e-6, 0.75e-6])
-    # HF's get_linear_schedule_with_warmup (TRL's lr_scheduler_type "linear"), stepped once per iteration
-    from transformers import get_linear_schedule_with_warmup
-
-    optimizer = torch.optim.Adam([torch.zeros(1, requires_grad=True)], lr=3e-6)
-    schedule = get_linear_schedule_with_warmup(optimizer, 0, 4)
-    hf = []
-    for _ in range(4):
-        hf.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        schedule.step()
-    assert rates == pytest.approx(hf)
-    assert po.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6
+    assert po.scheduled_learning_rate is common.scheduled_learning_rate  # (tests/test_common.py)
 
 
 def strip_ppo(source: str) -> str:
