@@ -202,8 +202,9 @@ method = sys.argv[2]
 config = AutoConfig.from_pretrained(common.resolve_model("smollm2"))
 # released: two micro-batches at the preset's budget (the gradients exist for the second; the peak is one micro-batch's:
 # RLOO 3,399 MiB at 2 and 3,401 at 5, DPO 3,437 at 2 and 3,441 at 8, PipelineRL 3,397 at 2 and 3,400 at 8); under
-# glibc's own malloc, whose retention grows with each, five (RLOO: 3,842 MiB at 2, 4,064 at 5); PPO: one optimizer
-# step of its round, a minibatch of 16 episodes, after the prefill of 16 + the Delta carried (at 8: 38 MiB lower)
+# glibc's own malloc, whose retention grows over the first few, five (RLOO: 3,842 MiB at 2, 4,064 at 5, 3,999 at 8,
+# 4,048 at the preset's 16); PPO: one optimizer step of its round, a minibatch of 16 episodes, after the prefill of
+# 16 + the Delta carried (at 8: 38 MiB lower)
 shape = dict(rloo=dict(prompts=1, group=8), dpo=dict(pairs=2, group=2), pipeline=dict(batch_size=8),
              ppo=dict(batch_size=16))[method]
 if sys.argv[4] == "keep":
