@@ -76,7 +76,7 @@ class Args(RunArgs):
     """Adam learning rate (the start of --lr-schedule) [paper 3e-6; tiny 1e-4]"""
     lr_schedule: Literal["linear", "constant"] = "constant"
     """linear: from --learning-rate to 0 over --num-rounds, one value a round (Table 4); constant (Table 10, GSM8K). A
-    run extended on --resume stretches what is left of it to the new length [paper linear; gsm8k, tiny constant]"""
+    run extended on --resume takes the new length's rate at its round (higher) [paper linear; gsm8k, tiny constant]"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     temperature: float = 1.0
@@ -283,7 +283,7 @@ def main():
         sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
         eval_start = run.log(start.step, evaluate())  # pass@k at the start
-        step, totals, mismatch_expected = start.step, start.totals, checks.tis_applies(args)
+        step, totals = start.step, start.totals
         if args.snapshot_every and start.round == 0:
             run.snapshot(step)  # time 0 of the learning curve
         train_problems = tasks.ShuffledTrainProblems(task, tokenizer, args, start.data_position)
@@ -328,7 +328,7 @@ def main():
             for group in optimizer.param_groups:  # from the round alone, not Adam's saved lr: a resume continues it
                 group["lr"] = learning_rate
             for pairs, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
-                if len(pairs) == 0:  # every prompt tied: nothing to learn from this minibatch
+                if len(pairs) == 0:  # no kept pair in this minibatch (its prompts' rewards tied): no step
                     continue
                 # micro-batches of whole pairs, each backpropagated with its share (its pairs' summed loss / `total`)
                 loss, out, lengths = 0.0, {}, pair_lengths(batch.lengths, chosen_rows[pairs], rejected_rows[pairs])
@@ -391,7 +391,7 @@ def main():
                 "time/step_seconds": time.perf_counter() - wait_start, **pushed, **common.throughput(totals, step),
                 **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}),
             }
-            run.warn_logprob_diff(logprob_diff, mismatch_expected)  # (a NaN: not measured this round)
+            run.warn_logprob_diff(logprob_diff)  # (a NaN: not measured this round)
             run.log(step, metrics, round=round_index + 1, show=("charts/pairs", "losses/dpo_accuracy"))
 
             # ---- after the round: the curve's weights, pass@k, the checkpoint ----

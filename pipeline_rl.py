@@ -188,7 +188,7 @@ class Batch(common.Batch):  # B sequences on the learner (padded rows, mask, the
 
 def micro_batch_loss(policy, ref_policy, batch: Batch, mb, args: Args):
     """truncated_is_loss on a micro-batch's rows (the logprob contract). Returns (loss, size in the loss's units,
-    outputs): pg, kl_penalty, the untruncated pi/mu in the batch's layout, k3 KL per row, |pi - mu| on fresh rows."""
+    outputs): pg, kl_penalty, the untruncated pi/mu in the batch's layout, k3 KL per row, |log pi/mu| on fresh rows."""
     rows, cut, width = mb.items, slice(0, mb.width - 1), mb.width
     inputs = (batch.input_ids[rows, :width], batch.attention_mask[rows, :width], batch.completion_mask[rows, :width])
     mask, mu = batch.mask[rows, cut], batch.sampler_logp[rows, cut]  # mu: the behaviour policy's, the sampler's
@@ -224,7 +224,7 @@ def admission(step: int, sampler_version: int, queued_versions: list[int], in_fl
 
 
 def shuffled_batches(groups: list, groups_per_batch: int, rng: np.random.Generator) -> list[list]:
-    """Conventional RL: the RL step's groups (whole) into batches of B at random; else the shortest come first."""
+    """Conventional RL: the RL step's groups (whole) in batches of B at random (not in finishing order: short first)."""
     order = rng.permutation(len(groups))
     return [[groups[i] for i in order[at: at + groups_per_batch]] for at in range(0, len(order), groups_per_batch)]
 

@@ -76,9 +76,9 @@ class Args(RunArgs):
     its own when --kl-estimator k1 needs it before (a reference model)"""
     tis: Literal["auto", "on", "off"] = "auto"
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
-    numbers differ from the learner's (a sampler not in fp32, the GPU default; --autocast-bf16), as TRL 1.16's
-    GRPOTrainer by default. On: log pi_theta0 is the learner's own recomputation, and the sampler's logprobs enter
-    only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level (docs/defaults.md). Not with --overlap"""
+    numbers differ from the learner's (a sampler not in fp32, the GPU default; a bf16 learner; bf16-rounded pushes),
+    as TRL 1.16's GRPOTrainer by default. On: log pi_theta0 is the learner's own recomputation, the sampler's logprobs
+    enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level (docs/defaults.md); not --overlap"""
     tis_cap: float = 2.0
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16's GRPOTrainer zeroes a
     weight above its vllm_importance_sampling_clip_max 3.0 instead)"""
@@ -208,8 +208,8 @@ class Batch(common.Batch):
 
 def micro_batch_loss(policy, batch: Batch, mb, args: Args, logprob_diff: bool = False):
     """rloo_loss (Eq. 4) on a micro-batch's rows cut to their width, processed as the sampler's (the logprob contract).
-    Returns (its mean loss, its rows, outputs): the importance weights per row, the loss terms as their share of the
-    batch mean, with `logprob_diff` the sum of |learner - sampler| logprobs over its completion tokens."""
+    Returns (its mean loss, its row count, outputs): the importance weights per row, the loss terms as their share of
+    the batch mean, with `logprob_diff` the sum of |learner - sampler| logprobs over its completion tokens."""
     rows, width = mb.items, mb.width
     with torch.autocast(batch.input_ids.device.type, torch.bfloat16, enabled=args.autocast_bf16):  # Adam: --dtype
         logp, entropy = common.token_logprobs(policy, batch.input_ids[rows, :width], batch.attention_mask[rows, :width],
@@ -304,8 +304,7 @@ def main():
                                                      group_size=args.group_size)
                 if k_step == 0:  # the task rewards' spread in each group: what the advantages have to learn from
                     spread = rewards.view(-1, args.group_size) - rewards.view(-1, args.group_size).mean(1, keepdim=True)
-                    run.warn_no_learning(spread if args.group_size > 1 else torch.zeros(1), "each prompt's rewards "
-                                         "tie (or --group-size 1): the advantages carry no task signal")
+                    run.warn_no_learning(spread, "each prompt's rewards tie (or --group-size 1): no task signal")
                 # each micro-batch's loss backpropagated with its share of the batch mean: the gradients accumulate
                 # to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
@@ -325,18 +324,19 @@ def main():
                 optimizer.zero_grad()
                 if fresh and k_step == 0:  # |learner - sampler|: the first thing to look at when training goes wrong
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
+                w = out["w"] if stepped else torch.full_like(out["w"], math.nan)  # (iw_mean_k{j}, ess_k{j}: k-step j's)
+                iw_means.append(w.mean().item())
+                ess_values.append((w.sum() ** 2 / (len(w) * w.pow(2).sum())).item())  # ESS / N
                 if not stepped:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
                     totals["nonfinite_skipped"] += 1
                     continue
                 step += 1
                 grad_norms.append(grad_norm.item())
-                iw_means.append(out["w"].mean().item())
-                ess_values.append((out["w"].sum() ** 2 / (len(out["w"]) * out["w"].pow(2).sum())).item())  # ESS / N
             tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level,
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
 
-            # ---- push the new weights; the next round samples with them (--overlap: once the one in flight ends) ----
+            # ---- push the new weights: the next round sent samples with them (--overlap: once the one in flight ends)
             pushed = sampler.push(policy, step, when_idle=args.overlap)  # (so that no round mixes two policies)
             if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = sample_round()
@@ -354,7 +354,7 @@ def main():
                 "charts/kl": (kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item()
                               if ref_policy is not None else math.nan),
                 "charts/advantage_std": batch.advantages.std().item(),
-                "charts/ess": min(ess_values, default=math.nan),
+                "charts/ess": min([e for e in ess_values if math.isfinite(e)], default=math.nan),  # (steps taken)
                 "losses/loss": loss.item(), "losses/pg": out["pg"].item(), "losses/kl_penalty": out["kl"].item(),
                 "losses/entropy": out["entropy"].item(),
                 "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
@@ -365,7 +365,7 @@ def main():
                 **{f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)},
                 **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}, **common.throughput(totals, step),
             }
-            run.warn_logprob_diff(logprob_diff, tis_on)  # (a NaN: not measured this round)
+            run.warn_logprob_diff(logprob_diff)  # (a NaN: not measured this round)
             run.log(step, metrics, round=round_index + 1, show=("charts/ess", f"charts/iw_mean_k{args.k}"))
 
             # ---- after the round: the curve's weights, pass@k, the checkpoint ----

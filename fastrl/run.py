@@ -371,7 +371,7 @@ class Run:
         """One warning when the learning signal has been empty for 10 rounds in a row (the whole run if shorter)."""
         checks.warn_no_learning(signal, what, self._no_signal, min(10, self.rounds))
 
-    def warn_logprob_diff(self, logprob_diff: float, mismatch_expected: bool) -> None:
+    def warn_logprob_diff(self, logprob_diff: float) -> None:
         """One warning when the sampler's logprobs on fresh weights are further from the learner's than the
-        precisions explain (a NaN: not measured)."""
-        checks.warn_logprob_diff(logprob_diff, mismatch_expected, self._warned)
+        precisions explain (checks.tis_applies: whether they differ, whatever --tis; a NaN: not measured)."""
+        checks.warn_logprob_diff(logprob_diff, checks.tis_applies(self.args), self._warned)

@@ -733,18 +733,31 @@ def test_nonfinite_loss_never_reaches_the_weights(tmp_path, tiny_path):
             loss, stats = real(*a, **k)
             return loss * float("nan"), stats
         rloo.rloo_loss = poisoned
-        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nan", "--k", "2", "--num-prompts", "4",
-                    "--group-size", "2", "--num-rounds", "2", "--eval-problems", "4", "--eval-samples", "1"]
+        flags = ["--k", "2", "--num-prompts", "4", "--group-size", "2", "--eval-problems", "4", "--eval-samples", "1"]
+        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nan", "--num-rounds", "2", *flags]
+        rloo.main()
+        calls = []
+        def first_poisoned(*a, **k):  # k-step 1 of the one round (one micro-batch a k-step), then the real loss
+            calls.append(1)
+            loss, stats = real(*a, **k)
+            return (loss * float("nan") if len(calls) == 1 else loss), stats
+        rloo.rloo_loss = first_poisoned
+        sys.argv = ["rloo_kreuse.py", "--exp-name", "pytest_rloo_nan_k1", "--num-rounds", "1", *flags]
         rloo.main()
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=WORK, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
+    run_dir, k1_dir = (WORK / part.split()[0] for part in out.stdout.split("run directory: ")[1:])
     rounds = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert [r["charts/nonfinite_skipped"] for r in rounds] == [2, 4] and [r["step"] for r in rounds] == [0, 0]
     saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
     initial = common.load_policy(tiny_path, "cpu").state_dict()
     assert all(torch.equal(saved[name], initial[name]) for name in initial)
+    # k-step 1 skipped, k-step 2 taken: each k-step's metrics keep its own label (k2's weight is 1: no step before it)
+    [row] = [r for r in runlog.read_metrics(k1_dir) if "charts/reward" in r]
+    assert (row["step"], row["charts/nonfinite_skipped"]) == (1, 1)
+    assert math.isnan(row["charts/iw_mean_k1"]) and math.isnan(row["charts/ess_k1"])
+    assert row["charts/iw_mean_k2"] == pytest.approx(1.0, abs=1e-5) and row["charts/ess"] == row["charts/ess_k2"]
 
 
 @pytest.mark.slow
