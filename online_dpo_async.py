@@ -311,6 +311,7 @@ def main():
             fresh = all(s.version_min == s.version_max == step for s in samples)  # the learner holds their weights
 
             # ALGO LOGIC: rewards (a completion cut at --max-new-tokens penalised), pairs, pi_ref's sequence logprobs
+            # (scores: the reward as given, charts/reward; rewards: EOS-penalized, what picks the pairs)
             scores, rewards = run.from_main(penalized_rewards, samples, problems, task, reward_model, args)  # [P, G]
             correct = np.mean([task.is_correct(s.text, problems[i // args.group_size]) for i, s in enumerate(samples)])
             chosen, rejected, keep = select_pairs(rewards)  # the best and the worst of each prompt's group

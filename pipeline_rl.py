@@ -423,7 +423,7 @@ def main():
             elif args.mode == "conventional" and rl_step_done:
                 pushed = sampler.push(policy, step)
             nonfinite_in_a_row = 0 if trained else nonfinite_in_a_row + (not low_ess)
-            if not trained:  # counted, and a row with its ESS (the guard must not flatter the ESS), but not a round
+            if not trained:  # counted, logged with its ESS (else the mean ESS sees only passing batches), not a round
                 totals["ess_skipped" if low_ess else "nonfinite_skipped"] += 1
                 if not low_ess:
                     print(f"step {step + 1} skipped: ESS {batch_ess:.3g}, loss {loss.item():.3g}, grad {grad_norm:.3g}")

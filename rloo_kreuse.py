@@ -271,7 +271,7 @@ def main():
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start, (problems, skipped, request) = time.perf_counter(), pending
             samples, generated_in = sampler.wait(request)
-            lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # or a round behind
+            lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # (--overlap: K older)
             generate_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
             data_position = train_problems.position  # the first problem not trained on: a checkpoint resumes there
             if args.overlap and round_index + 1 < args.num_rounds:
