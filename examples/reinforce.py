@@ -1,7 +1,7 @@
 """REINFORCE with a mean baseline, the script to read first. Each round samples a group of responses to each of a few
 prompts, scores them, takes one step on -A * sum_t log pi(y_t | x, y_<t) (A: the reward minus its group's mean) and
-pushes the weights to the sampler, which samples the next round with them. Each method script adds one thing to it:
-- rloo_kreuse.py: K gradient steps per round on one batch, weighted by importance weights;
+pushes the weights to the sampler, which samples the next round with them. Each method script adds its idea to it:
+- rloo_kreuse.py: the leave-one-out baseline, and K gradient steps per round on one batch, importance-weighted;
 - online_dpo_async.py: preference pairs (a group's best and worst) and the one-step-off overlap;
 - pipeline_rl.py: in-flight weight pushes, after every step, and the lag they give;
 - ppo_oppo.py: a critic, and OPPO's streaming of the actor's chunks to the other models.
@@ -74,7 +74,7 @@ def main():
             problems, prompts, skipped = train_problems.take(args.num_prompts)
             request = sampler.generate(prompts, n=args.group_size, temperature=args.temperature, top_p=args.top_p,
                                        max_tokens=args.max_new_tokens)
-            samples, generate_seconds = sampler.wait(request)  # prompt by prompt, group_size responses each
+            samples, generate_seconds = sampler.wait(request)  # prompt by prompt: sample i answers problem i // G
             sampler.check_version(samples, step)  # stop unless the last push's weights sampled every token
             train_start = time.perf_counter()  # (on CPU: the learner has every core while the sampler idles)
             # ALGO LOGIC: rewards, advantages, the loss -A * sum_t log pi(y_t | x, y_<t), one step
@@ -94,7 +94,7 @@ def main():
                 share = mb.weight * len(mb.items) / len(samples)  # (weight 0: a rank short of micro-batches)
                 (mb_loss * share).backward()
                 loss = loss + mb_loss.detach() * share
-            loss = run.all_sum(loss)  # (under torchrun: every rank's micro-batches)
+            loss = run.all_sum(loss)  # under torchrun, every rank's: for the log and the NaN check (FSDP sums grads)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
             stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))  # a NaN never reaches the weights
             if stepped:
