@@ -329,7 +329,7 @@ def main():
             for group in optimizer.param_groups:  # from the round alone, not Adam's saved lr: a resume continues it
                 group["lr"] = learning_rate
             for pairs, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
-                if len(pairs) == 0:  # no kept pair in this minibatch (its prompts' rewards tied): no step
+                if len(pairs) == 0:  # no kept pair here (ties; or fewer kept pairs than minibatches): no step
                     continue
                 # micro-batches of whole pairs, each backpropagated with its share (its pairs' summed loss / `total`)
                 loss, out, lengths = 0.0, {}, pair_lengths(batch.lengths, chosen_rows[pairs], rejected_rows[pairs])
