@@ -387,13 +387,15 @@ def scheduled_learning_rate(learning_rate: float, schedule: str, round_index: in
 
 
 def throughput(totals: dict, step: int) -> dict:
-    """The run's counters as metrics: episodes so far and per second of the loop's wall time (the whole run, resumes
-    included), the share of it spent generating, optimizer steps per second, steps skipped for a non-finite loss,
-    training prompts skipped as longer than --max-prompt-tokens (both counts of the whole run)."""
+    """The run's counters as metrics (fastrl/run.py TOTALS; over the whole run, resumes included): episodes, and per
+    second of the loop's wall, its shares generating and waiting for data (those measured), steps per second, steps
+    skipped for a non-finite loss, prompts skipped as longer than --max-prompt-tokens."""
     wall = max(totals["wall_seconds"], 1e-9)
-    return {"charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / wall,
-            "time/sample_fraction": totals["generate_seconds"] / wall, "time/grad_steps_per_second": step / wall,
-            "charts/nonfinite_skipped": totals["nonfinite_skipped"],
+    shares = {"time/sample_fraction": totals["generate_seconds"] / wall} if totals["generate_seconds"] else {}
+    if totals["learner_wait_seconds"]:
+        shares["time/learner_wait_fraction"] = totals["learner_wait_seconds"] / wall
+    return {"charts/episodes": totals["episodes"], "charts/episodes_per_second": totals["episodes"] / wall, **shares,
+            "time/grad_steps_per_second": step / wall, "charts/nonfinite_skipped": totals["nonfinite_skipped"],
             "charts/skipped_long_prompts": totals["skipped_prompts"]}
 
 

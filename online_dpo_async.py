@@ -297,9 +297,8 @@ def main():
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: the oldest in flight (sync: by the weights just pushed; async: by theta_{t-1}) ----
             wait_start, (problems, skipped, request, _) = time.perf_counter(), pending.popleft()
-            samples, generated_in = sampler.wait(request)
+            samples, generate_seconds = sampler.wait(request)  # (sent to finished, however late we collect them)
             learner_wait, finished_at = time.perf_counter() - wait_start, max(s.finished_at for s in samples)
-            generate_seconds = generated_in - (time.time() - finished_at)  # sent to finished (not to collected)
             if round_index == start.round:  # what the sampler really sees (e.g. the chat template) and answers
                 print(f"example: {tokenizer.decode(samples[0].prompt_token_ids)!r} -> {samples[0].text!r}")
             lags = sampler.check_version(samples, step, max_lag=args.staleness * args.num_minibatches)  # async: behind
@@ -366,6 +365,7 @@ def main():
             totals["episodes"] += len(samples)
             totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds
+            totals["learner_wait_seconds"] += learner_wait
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
             chosen_r, rejected_r = (rewards[pair_rows, chosen[keep]], rewards[pair_rows, rejected[keep]]) if len(

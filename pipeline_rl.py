@@ -373,7 +373,7 @@ def main():
         clock = time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
         while step < args.num_steps:  # one batch a pass: a step, or a batch the ESS guard or a non-finite loss skips
             # ---- sample: the actor's next B finished sequences (under torchrun: rank 0's, on every rank) ----
-            wait_seconds, groups, rl_step_done = run.from_main(lambda: actor.next_batch(step))
+            learner_wait, groups, rl_step_done = run.from_main(lambda: actor.next_batch(step))
             train_start = time.perf_counter()
             groups = sorted(groups, key=lambda group: group[0])  # in data order, whichever finished first
             problems = [task.problem("train", key) for key, _ in groups]
@@ -435,7 +435,7 @@ def main():
                 continue
             totals["tokens"] += tokens
             totals["episodes"] += len(samples)
-            totals["generate_seconds"] += wait_seconds
+            totals["learner_wait_seconds"] += learner_wait
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {
@@ -452,7 +452,7 @@ def main():
                 "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm,
                 "losses/pg": out["pg"], "losses/kl_penalty": out["kl_penalty"],
                 "losses/grad_clipped_fraction": float(grad_norm > args.max_grad_norm),
-                "time/generate_seconds": wait_seconds, "time/train_seconds": train_seconds,
+                "time/learner_wait_seconds": learner_wait, "time/train_seconds": train_seconds,
                 **pushed, **common.throughput(totals, step),
                 **({"charts/logprob_diff": out["diff"] / out["diff_tokens"]} if out["diff_tokens"] else {}),
             }

@@ -270,9 +270,9 @@ def main():
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
             wait_start, (problems, skipped, request) = time.perf_counter(), pending
-            samples, generated_in = sampler.wait(request)
+            samples, generate_seconds = sampler.wait(request)  # (sent to finished, however late we collect them)
             lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # (--overlap: K older)
-            generate_seconds = time.perf_counter() - wait_start if args.overlap else generated_in
+            learner_wait = time.perf_counter() - wait_start  # (--overlap: what the update did not hide)
             data_position = train_problems.position  # the first problem not trained on: a checkpoint resumes there
             if args.overlap and round_index + 1 < args.num_rounds:
                 pending = sample_round()  # generated while we update
@@ -319,19 +319,17 @@ def main():
                     batch.old_logp, batch.theta0_from_forward = run.all_sum(batch.old_logp), False
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                 stepped = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
-                if stepped:
+                if stepped:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
                     optimizer.step()
+                    step += 1
+                    grad_norms.append(grad_norm.item())
                 optimizer.zero_grad()
+                totals["nonfinite_skipped"] += not stepped
                 if fresh and k_step == 0:  # |learner - sampler|: the first thing to look at when training goes wrong
                     logprob_diff = out["logprob_diff"] / batch.mask.sum().item()
                 w = out["w"] if stepped else torch.full_like(out["w"], math.nan)  # (iw_mean_k{j}, ess_k{j}: k-step j's)
                 iw_means.append(w.mean().item())
                 ess_values.append((w.sum() ** 2 / (len(w) * w.pow(2).sum())).item())  # ESS / N
-                if not stepped:  # a NaN/inf never reaches the weights, Adam, the sampler nor a checkpoint
-                    totals["nonfinite_skipped"] += 1
-                    continue
-                step += 1
-                grad_norms.append(grad_norm.item())
             tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level,
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
@@ -343,13 +341,14 @@ def main():
             totals["episodes"] += len(samples)
             totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds
+            totals["learner_wait_seconds"] += learner_wait
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {
                 "charts/reward": rewards.mean().item(), "charts/accuracy": correct,
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-                **lags,
+                **lags, "time/learner_wait_seconds": learner_wait,
                 # charts/kl, the same in every script: k3 of the sampled responses, whatever the penalty's estimator
                 "charts/kl": (kl_penalty(batch.old_logp, batch.ref_logp, batch.mask, "k3").mean().item()
                               if ref_policy is not None else math.nan),

@@ -58,7 +58,7 @@ def run(mode: str, args: Args) -> dict:
     rows = [r for r in metrics if "losses/loss" in r]
     return dict(mode=mode, rows=rows, sps=rows[-1]["charts/episodes_per_second"],
                 tps=rows[-1]["charts/tokens_per_second"],
-                wait=np.mean([r["time/generate_seconds"] for r in rows]),
+                wait=np.mean([r["time/learner_wait_seconds"] for r in rows]),
                 busy=np.mean([r["time/train_seconds"] + r.get("time/push_seconds", 0.0) for r in rows]),
                 ess=np.nanmean([r["charts/ess"] for r in metrics if "charts/ess" in r]),
                 lag=np.mean([r["charts/lag_mean"] for r in rows]),

@@ -36,11 +36,13 @@ import torch
 from fastrl import checks, cpu_memory, distributed, launch, runlog, util, vllm_sampler, weight_sync
 from fastrl.sampler_client import SamplerClient
 
-TOTALS = dict(episodes=0, generate_seconds=0.0, train_seconds=0.0, wall_seconds=0.0, nonfinite_skipped=0,
-              skipped_prompts=0)
+# generate_seconds: the sampler's, from sending a round to its last sample finishing; learner_wait_seconds: the
+# learner's, waiting for its data (a script that overlaps the two measures both, one that streams only the wait)
+TOTALS = dict(episodes=0, generate_seconds=0.0, learner_wait_seconds=0.0, train_seconds=0.0, wall_seconds=0.0,
+              nonfinite_skipped=0, skipped_prompts=0)
 # the metrics every round's console line shows, in this order (Run.log's `round` rows)
 CONSOLE = ("charts/reward", "charts/accuracy", "charts/kl", "losses/entropy", "losses/grad_clipped_fraction",
-           "time/generate_seconds", "time/train_seconds")
+           "time/generate_seconds", "time/learner_wait_seconds", "time/train_seconds")
 CONSOLE_NAMES = {"losses/grad_clipped_fraction": "clipped"}  # (the step's gradient norm above --max-grad-norm)
 
 
@@ -349,12 +351,14 @@ class Run:
 
     def report(self, title: str, columns: dict, totals: dict, step: int, eval_start: dict, eval_end: dict) -> None:
         """After the with block (the sampler closed): the summary printed and written to <run>/summary.md: its table
-        (the method's `columns`, then the wall, generate and train seconds, the share generating, optimizer steps
-        per second), pass@k at the start and the end, and the peak memory; the run's log closed."""
+        (the method's `columns`, then the wall, generate and train seconds, the shares of the wall generating and
+        waiting for data, those measured, and optimizer steps per second), pass@k at the start and the end, and the
+        peak memory; the run's log closed."""
         wall = max(totals["wall_seconds"], 1e-9)
-        row = columns | {"wall (s)": totals["wall_seconds"], "sample (s)": totals["generate_seconds"],
-                         "update (s)": totals["train_seconds"],
-                         "sample %": f"{100 * totals['generate_seconds'] / wall:.0f}%", "grad steps/s": step / wall}
+        sample, wait = totals["generate_seconds"], totals["learner_wait_seconds"]
+        row = columns | {"wall (s)": totals["wall_seconds"]} | ({"sample (s)": sample} if sample else {})
+        row |= {"update (s)": totals["train_seconds"]} | ({"sample %": f"{100 * sample / wall:.0f}%"} if sample else {})
+        row |= ({"learner wait %": f"{100 * wait / wall:.0f}%"} if wait else {}) | {"grad steps/s": step / wall}
         self.logger.report(step, title, row, eval_start, eval_end, self.memory, scored=self.scored, saved=self.saved)
         self.logger.close()
 

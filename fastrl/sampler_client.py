@@ -2,7 +2,8 @@
 sampling parameters; wait for them; push the learner's weights as policy version v.
 
     request = sampler.generate(prompts, n=8, temperature=0.8, top_p=0.95, max_tokens=32)
-    samples, seconds = sampler.wait(request)       # a vllm_sampler.Completion per sample, the prompts in order
+    samples, seconds = sampler.wait(request)       # a vllm_sampler.Completion per sample, the prompts in order;
+                                                   # seconds: from sending to the last one finishing
     lags = sampler.check_version(samples, step)    # stop unless they were sampled by the learner's weights
     pushed = sampler.push(policy, step)            # {"time/push_seconds": ..., "charts/push_*": ...}
 
@@ -58,8 +59,12 @@ class SamplerClient:
         return self._outstanding[-1]
 
     def wait(self, request: Request) -> tuple[list, float]:
-        """(the request's completions in prompt order, seconds since it was sent), on every rank."""
-        done = (lambda: (self.engine.wait_for(request.ids), time.perf_counter() - request.sent_at))
+        """(the request's completions in prompt order, the seconds it generated: from sending it to its last
+        completion finishing, however much later they were collected), on every rank."""
+        def done():
+            samples = self.engine.wait_for(request.ids)
+            since_finished = time.time() - max((s.finished_at for s in samples), default=time.time())
+            return samples, time.perf_counter() - request.sent_at - max(since_finished, 0.0)
         samples_and_seconds = distributed.broadcast(done() if self.dist.is_main else None, self.dist)
         self._outstanding = [r for r in self._outstanding if r is not request]
         launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)

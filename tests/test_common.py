@@ -565,10 +565,20 @@ def test_throughput_gives_the_runs_counters_one_meaning_in_every_script():
     assert common.throughput(totals, 8) == {
         "charts/episodes": 30, "charts/episodes_per_second": 7.5, "time/sample_fraction": 0.5,
         "time/grad_steps_per_second": 2.0, "charts/nonfinite_skipped": 1, "charts/skipped_long_prompts": 5}
+    # the learner's wait, where the script measures it (RLOO, DPO); a stream of no rounds (PipelineRL) has no sample
+    assert common.throughput(totals | dict(learner_wait_seconds=1.0), 8)["time/learner_wait_fraction"] == 0.25
+    streamed = common.throughput(totals | dict(generate_seconds=0.0, learner_wait_seconds=3.0), 8)
+    assert "time/sample_fraction" not in streamed and streamed["time/learner_wait_fraction"] == 0.75
     root = Path(__file__).resolve().parents[1]
     for script in ["rloo_kreuse.py", "online_dpo_async.py", "pipeline_rl.py", "ppo_oppo.py", "examples/reinforce.py"]:
         source = (root / script).read_text()
         assert '"charts/skipped_long_prompts"' not in source and 'totals["skipped_prompts"] += ' in source, script
+        # time/generate_seconds is the sampler's time for a round (SamplerClient.wait's; PPO's Stage 2, until B
+        # finish) in every script, never the learner's wait (it was, under RLOO's --overlap and in PipelineRL)
+        if script in ("pipeline_rl.py", "ppo_oppo.py"):
+            assert ('"time/generate_seconds"' in source) == (script == "ppo_oppo.py"), script
+        else:
+            assert "samples, generate_seconds = sampler.wait(request)" in source, script
 
 
 def test_the_linear_schedule_is_hfs_stepped_once_a_round():

@@ -756,7 +756,7 @@ def strip_pipeline(source: str) -> str:
     ]
     return strip_to_method(source, replacements,
                            '{"charts/reward": rewards.mean().item(), '
-                           '"time/generate_seconds": wait_seconds, "time/train_seconds": train_seconds}')
+                           '"time/learner_wait_seconds": learner_wait, "time/train_seconds": train_seconds}')
 
 
 @pytest.mark.slow

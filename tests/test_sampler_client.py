@@ -2,6 +2,8 @@
 resume tests of each script, e.g. test_online_dpo_async.py::test_sync_resume_is_exact)."""
 
 import os
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ class Engine:
     generators are a counter that every request advances."""
 
     def __init__(self):
-        self.pending, self.paused, self.draws, self.restored = set(), False, 0, []
+        self.pending, self.paused, self.draws, self.restored, self.finished_at = set(), False, 0, [], {}
 
     def submit(self, prompts, **sampling):
         ids = [f"{self.draws}-{i}" for i in range(len(prompts))]
@@ -24,11 +26,12 @@ class Engine:
         return ids
 
     def finish(self):
+        self.finished_at |= dict.fromkeys(self.pending, time.time())  # (the sampler's clock, as Completion's)
         self.pending.clear()
 
     def wait_for(self, ids):
-        self.pending.difference_update(ids)
-        return [f"completion of {i}" for i in ids]
+        self.finish() if set(ids) & self.pending else None
+        return [SimpleNamespace(text=f"completion of {i}", finished_at=self.finished_at[i]) for i in ids]
 
     def rng_state(self):
         assert not self.pending, "the generators are read only while nothing generates"
@@ -51,13 +54,27 @@ def test_a_checkpoint_keeps_the_generators_before_the_first_round_not_waited_on(
     assert sampler.checkpoint_rng() == 0  # the round in flight is sampled again on resume: from before it
     second = sampler.generate([[2]], n=2, temperature=1.0, top_p=1.0, max_tokens=4)  # sent while `first` generates
     samples, _ = sampler.wait(first)
-    assert samples == ["completion of 0-0"]
+    assert [s.text for s in samples] == ["completion of 0-0"]
     assert sampler.checkpoint_rng() is None  # before `second` is unknown: it was sent while another generated
     sampler.wait(second)
     assert sampler.checkpoint_rng() == 2  # nothing in flight: now
     engine.finish()
     sampler.generate([[3]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)  # (the next round, the others done)
     assert sampler.checkpoint_rng() == 2
+
+
+def test_wait_times_a_round_from_sending_it_to_its_last_sample_finishing_however_late_it_is_collected():
+    """time/generate_seconds, one meaning in every script: the sampler's time for the round. RLOO's --overlap and
+    DPO's async mode collect a round after an update; the learner's wait is time/learner_wait_seconds."""
+    engine, sampler = client()
+    before = time.perf_counter()
+    request = sampler.generate([[1], [2]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    time.sleep(0.1)
+    engine.finish()
+    finished = time.perf_counter()
+    time.sleep(0.3)  # the learner collects the round later
+    _, seconds = sampler.wait(request)
+    assert 0.1 <= seconds <= finished - before + 0.01, (seconds, finished - before)
 
 
 def test_a_round_waited_on_out_of_order_leaves_the_oldest_rounds_generators():
