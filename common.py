@@ -404,7 +404,7 @@ def sampled_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -
     unbiased for samples from pi, never negative) summed over its `mask`; logp: the sampling policy's token logprobs
     ([N, T]), ref_logp: the reference's. (rloo_kreuse.py's kl_penalty(..., "k3") is the same.)"""
     log_ratio = (ref_logp - logp) * mask
-    return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+    return (torch.expm1(log_ratio) - log_ratio).mul(mask).sum(1)
 
 
 @torch.no_grad()

@@ -175,7 +175,7 @@ def truncated_is_loss(logp, behaviour_logp, ref_logp, mask, advantages, *, tis_c
     w, _ = truncated_is_weights(logp.detach(), behaviour_logp, mask, "token", tis_cap)
     pg = -(w * advantages[:, None] * logp * mask).sum() / count
     log_ratio = (ref_logp - logp) * mask
-    kl = ((torch.exp(log_ratio) - log_ratio - 1) * mask).sum() / count
+    kl = ((torch.expm1(log_ratio) - log_ratio) * mask).sum() / count
     return pg + kl_coef * kl, pg, kl
 
 

@@ -139,7 +139,7 @@ def kl_penalty(logp, ref_logp, mask, estimator: str) -> torch.Tensor:
     k3 = r - log r - 1, r = pi_ref / pi: unbiased and non-negative, but as a loss KL(pi_ref || pi)'s gradient."""
     log_ratio = (ref_logp - logp) * mask
     if estimator == "k3":
-        return (torch.exp(log_ratio) - log_ratio - 1).mul(mask).sum(1)
+        return (torch.expm1(log_ratio) - log_ratio).mul(mask).sum(1)
     if estimator == "k2":
         return (0.5 * log_ratio ** 2).sum(1)
     return -log_ratio.sum(1)

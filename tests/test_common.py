@@ -103,6 +103,25 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
 
 
 @pytest.mark.slow
+def test_k3_is_never_negative_and_keeps_a_small_kl():
+    """k3 = r - log r - 1 (log r = ref - logp) written exp(x) - x - 1 in float32 reads 0 below |x| ~ 1e-4 and goes
+    negative where exp rounds (charts/kl -0.000 on a policy at its reference); expm1(x) - x keeps it, in every k3."""
+    import pipeline_rl
+    import rloo_kreuse
+
+    logp, mask = torch.full((3, 4), -0.01), torch.ones(3, 4)
+    ref = logp + torch.tensor([[3e-8, -3e-8, 6e-8, -6e-8], [1e-4, -1e-4, 2e-4, -2e-4], [3e-4, 1e-3, -1e-3, 5e-4]])
+    x = (ref - logp).double()  # the float32 log-ratios the functions see
+    exact = (torch.exp(x) - x - 1).sum(1)
+    for k3 in (common.sampled_kl(logp, ref, mask), rloo_kreuse.kl_penalty(logp, ref, mask, "k3")):
+        assert (k3 >= 0).all(), k3
+        assert torch.allclose(k3[1:].double(), exact[1:], rtol=1e-2, atol=0), (k3, exact)
+    kl = pipeline_rl.truncated_is_loss(logp, logp, ref, mask, torch.zeros(3), tis_cap=5.0, kl_coef=0.0)[2]
+    assert kl >= 0 and torch.allclose(kl.double(), exact.mean(), rtol=1e-2, atol=0), (kl, exact.mean())
+    old = (torch.exp(ref - logp) - (ref - logp) - 1).sum(1)  # the form it replaced: 0 or below on rows 0 and 1
+    assert (old[:2] <= 0).all() and (old[:2] < 0).any()
+
+
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
