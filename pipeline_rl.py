@@ -28,7 +28,7 @@ import torch
 import common
 import tasks
 from common import Run, ess, truncated_is_weights  # (Run: every script's setup)
-from fastrl import checks, memory_plan, runlog, util, vllm_sampler
+from fastrl import checks, memory_plan, util, vllm_sampler
 from fastrl.run import RunArgs
 
 MAX_CONSECUTIVE_NONFINITE = 10  # then the data or the model is broken: stop instead of skipping forever
@@ -366,7 +366,7 @@ def main():
         if args.snapshot_every and start.round == 0:
             run.snapshot(start.step)  # time 0 of the learning curve
         step, score, nonfinite_in_a_row = start.step, reward_function(task, args), 0
-        totals = dict(tokens=0, ess_skipped=0, stale_dropped=0) | start.totals  # this method's too
+        totals = dict(tokens=0, ess_skipped=0, stale_dropped=0, ess_sum=0.0, ess_batches=0, lag_sum=0.0) | start.totals
         actor = Actor(sampler.engine, task, tokenizer, args, start.data_position, totals)
         if start.extra.get("actor"):  # a resumed run: what the checkpoint's actor held, untrained, comes first
             actor.restore(start.extra["actor"])
@@ -399,6 +399,8 @@ def main():
             # ALGO LOGIC: the ESS guard (Algorithm 2, lines 20-23), then one clipped step at the scheduled rate
             by_length = sorted(range(len(samples)), key=batch.lengths.__getitem__)  # the sums' order, to the last bit
             batch_ess = ess(out["weights"][by_length], batch.mask[by_length])
+            if math.isfinite(batch_ess):  # the summary's mean ESS: every batch's, a skipped one's too
+                totals["ess_sum"], totals["ess_batches"] = totals["ess_sum"] + batch_ess, totals["ess_batches"] + 1
             grad_norm, trained, ratios = math.nan, False, out["weights"][batch.mask.bool()]  # pi/mu, untruncated
             if batch_ess >= args.ess_threshold:  # (a NaN ESS fails it too)
                 grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm).item()
@@ -434,6 +436,7 @@ def main():
                                       "charts/nonfinite_skipped": totals["nonfinite_skipped"]}, echo=False)
                 continue
             totals["tokens"] += tokens
+            totals["lag_sum"] += lags["charts/lag_mean"]  # the summary's mean token lag: the trained steps'
             totals["episodes"] += len(samples)
             totals["learner_wait_seconds"] += learner_wait
             totals["train_seconds"] += train_seconds
@@ -469,13 +472,11 @@ def main():
             sampler.engine.wait_for_push()
             sampler.engine.abort(list(sampler.engine.pending))
         eval_end = run.log(step, evaluate())  # pass@k at the end
-    rows = runlog.read_metrics(run.logger.dir) if run.is_main else []  # every batch's ESS (skipped too), trained lags
-    ess_values = [r["charts/ess"] for r in rows if math.isfinite(r.get("charts/ess", math.nan))] or [math.nan]
-    t, lags = totals, [r["charts/lag_mean"] for r in rows if "losses/loss" in r] or [math.nan]
+    t = totals
     run.report("PipelineRL (Algorithm 2) or Conventional RL (Algorithm 1), as --mode says", {
         "method": "PipelineRL" if args.mode == "pipeline" else f"Conventional RL (G={args.steps_per_rl_step})",
         "episodes/s": t["episodes"] / t["wall_seconds"], "tokens/s": t["tokens"] / t["wall_seconds"],
-        "mean ESS": float(np.mean(ess_values)), "mean token lag": float(np.mean(lags)),
+        "mean ESS": t["ess_sum"] / max(t["ess_batches"], 1), "mean token lag": t["lag_sum"] / max(step, 1),
         "skipped": str(t["ess_skipped"] + t["nonfinite_skipped"]), "dropped": str(t["stale_dropped"])},
         totals, step, eval_start, eval_end)
 
