@@ -102,7 +102,6 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
     assert checks.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
 
 
-@pytest.mark.slow
 def test_k3_is_never_negative_and_keeps_a_small_kl():
     """k3 = r - log r - 1 (log r = ref - logp) written exp(x) - x - 1 in float32 reads 0 below |x| ~ 1e-4 and goes
     negative where exp rounds (charts/kl -0.000 on a policy at its reference); expm1(x) - x keeps it, in every k3."""
@@ -122,6 +121,7 @@ def test_k3_is_never_negative_and_keeps_a_small_kl():
     assert (old[:2] <= 0).all() and (old[:2] < 0).any()
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
