@@ -239,7 +239,7 @@ def dpo_micro_batch(policy, batch: Batch, mb, chosen_rows, rejected_rows, args: 
     token_logp = token_logp * batch.logp_mask[rows, :width - 1]
     logp, ref = token_logp.sum(1), batch.ref_seq[rows]
     loss, margins = dpo_loss(logp[:k], logp[k:], ref[:k], ref[k:], beta=args.beta, loss_type=args.loss_type)
-    outputs, mask = {"margins": margins}, batch.mask[rows, :width - 1]
+    outputs, mask = {"margins": margins}, batch.logp_mask[rows, :width - 1]  # (the tokens token_logp holds)
     if logprob_diff:
         outputs["diff_sum"] = ((token_logp.detach() - batch.sampler_logp[rows, :width - 1]).abs() * mask).sum().item()
         outputs["diff_tokens"] = mask.sum().item()
@@ -359,6 +359,7 @@ def main():
 
             # ---- push: applied once the round in flight (async) is done with the old weights, so none mixes two ----
             pushed = sampler.push(policy, step, when_idle=True)
+            learner_wait += pushed.pop("time/idle_wait_seconds")  # (async: the wait for the round in flight)
             if not args.staleness and more:  # sync: the next round samples with the weights just pushed
                 sampler_wait = time.time() - finished_at
                 pending.append(sample_round())
@@ -379,8 +380,7 @@ def main():
                 "charts/rewards_margin": (chosen_r - rejected_r).mean().item(),
                 "charts/response_length": batch.mask.sum(1).mean().item(),
                 "charts/truncated_fraction": float(np.mean([s.finish_reason == "length" for s in samples])),
-                "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()),
-                **lags,
+                "charts/pairs": len(pair_rows), "charts/ties_dropped": int((~keep).sum()), **lags,
                 "charts/kl": common.sampled_kl(batch.sampler_logp, ref_logp, batch.mask).mean().item(),  # k3 to pi_0
                 "charts/learning_rate": learning_rate, "losses/loss": float(np.mean(losses or [math.nan])),
                 "losses/dpo_accuracy": float(np.mean(accuracies or [math.nan])),

@@ -272,7 +272,7 @@ def main():
             wait_start, (problems, skipped, request) = time.perf_counter(), pending
             samples, generate_seconds = sampler.wait(request)  # (sent to finished, however late we collect them)
             lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # (--overlap: K older)
-            learner_wait = time.perf_counter() - wait_start  # (--overlap: what the update did not hide)
+            learner_wait = time.perf_counter() - wait_start  # (--overlap: mostly in the push's wait, below)
             data_position = train_problems.position  # the first problem not trained on: a checkpoint resumes there
             if args.overlap and round_index + 1 < args.num_rounds:
                 pending = sample_round()  # generated while we update
@@ -309,7 +309,7 @@ def main():
                 # to exactly the whole batch's (memory bounded by --micro-batch-tokens); then one clipped step
                 loss, out = 0.0, {}
                 for mb in common.micro_batch_plan(batch.lengths, args.micro_batch_tokens):
-                    mb_loss, size, mb_out = micro_batch_loss(policy, batch, mb, args, fresh and k_step == 0)
+                    mb_loss, size, mb_out = micro_batch_loss(policy, batch, mb, args, logprob_diff=fresh and not k_step)
                     share = mb.weight * size / len(batch.lengths)  # (weight 0: a torchrun stand-in)
                     (mb_loss * share).backward()
                     loss = loss + mb_loss.detach() * share
@@ -334,8 +334,9 @@ def main():
                                              args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
             train_seconds = time.perf_counter() - train_start
 
-            # ---- push the new weights: the next round sent samples with them (--overlap: once the one in flight ends)
+            # ---- push: the next round sent samples with the new weights (--overlap: the one after the round in flight)
             pushed = sampler.push(policy, step, when_idle=args.overlap)  # (so that no round mixes two policies)
+            learner_wait += pushed.pop("time/idle_wait_seconds", 0.0)  # (--overlap: the wait for the round in flight)
             if not args.overlap and round_index + 1 < args.num_rounds:
                 pending = sample_round()
             totals["episodes"] += len(samples)

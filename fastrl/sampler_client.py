@@ -43,6 +43,7 @@ class SamplerClient:
         self.weights_version = None  # the policy version `weights` holds now
         self._warned: list = []  # the push precision warning, once
         self._outstanding: list[Request] = []  # sent and not waited on yet, oldest first
+        self._finished: list[tuple[Request, tuple]] = []  # of those, collected by a push when_idle: what wait() returns
         self.rng_to_restore = None  # a checkpoint's generators, restored at the first generate() (Run.resume)
 
     def generate(self, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
@@ -61,14 +62,19 @@ class SamplerClient:
     def wait(self, request: Request) -> tuple[list, float]:
         """(the request's completions in prompt order, the seconds it generated: from sending it to its last
         completion finishing, however much later they were collected), on every rank."""
+        finished = [result for r, result in self._finished if r is request]
+        samples_and_seconds = finished[0] if finished else self._collect(request)
+        self._finished = [(r, result) for r, result in self._finished if r is not request]
+        self._outstanding = [r for r in self._outstanding if r is not request]
+        launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)
+        return samples_and_seconds
+
+    def _collect(self, request: Request) -> tuple[list, float]:
         def done():
             samples = self.engine.wait_for(request.ids)
             since_finished = time.time() - max((s.finished_at for s in samples), default=time.time())
             return samples, time.perf_counter() - request.sent_at - max(since_finished, 0.0)
-        samples_and_seconds = distributed.broadcast(done() if self.dist.is_main else None, self.dist)
-        self._outstanding = [r for r in self._outstanding if r is not request]
-        launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)
-        return samples_and_seconds
+        return distributed.broadcast(done() if self.dist.is_main else None, self.dist)
 
     def check_version(self, samples, version: int, max_lag: int = 0) -> dict:
         """Stop in one line unless every token was sampled by a policy version within `max_lag` of `version`; returns
@@ -79,18 +85,22 @@ class SamplerClient:
 
     def push(self, policy, version: int, when_idle: bool = False, recompute_kv: bool = False,
              background: bool = False) -> dict:
-        """The learner's weights to the sampler as policy `version`: in flight, between two decode steps
-        (`recompute_kv`: running sequences re-prefilled; `background`: sent from a thread), or `when_idle`, once the
-        requests in flight finish. Returns time/push_seconds and what the sampler's copy kept (charts/push_*)."""
+        """The learner's weights to the sampler as policy `version`: in flight (`recompute_kv`: running sequences
+        re-prefilled; `background`: from a thread), or `when_idle`, after the requests in flight, whose wait it returns
+        apart (time/idle_wait_seconds: wait() then returns them at once); time/push_seconds, charts/push_* (kept)."""
         distributed.gather_into(policy, self.weights, self.dist)  # (always: a skipped step may share the version)
         self.weights_version = version
+        idle_wait = time.perf_counter()  # the learner's wait for its data, not the push's: collected apart
+        unfinished = [r for r in self._outstanding if all(r is not done for done, _ in self._finished)]
+        self._finished += [(r, self._collect(r)) for r in (unfinished if when_idle else [])]
+        idle_wait = time.perf_counter() - idle_wait
         seconds, kept = 0.0, {}
         if self.engine is not None:
             seconds = self.engine.push_weights(version, recompute_kv=recompute_kv, when_idle=when_idle,
                                                background=background)
             kept = self.engine.push_metrics() if hasattr(self.engine, "push_metrics") else {}
             checks.warn_push_update(kept, self._warned)
-        return {"time/push_seconds": seconds, **kept}
+        return {"time/push_seconds": seconds, **({"time/idle_wait_seconds": idle_wait} if when_idle else {}), **kept}
 
     def gather(self, policy, version: int) -> None:
         """Rank 0's full copy of `policy` brought to `version` (every rank's shard; the model itself without

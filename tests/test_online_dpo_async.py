@@ -627,8 +627,8 @@ def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
         batch.ref_seq = (ref_logp * batch.logp_mask).sum(1)
         pair_width = max(dpo.pair_lengths(batch.lengths, chosen_rows, rejected_rows))
         both_pairs = common.MicroBatch([0, 1], pair_width)
-        _, _, out = dpo.dpo_micro_batch(policy, batch, both_pairs, chosen_rows, rejected_rows, SimpleNamespace(
-            beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0, autocast_bf16=False))
+        dpo_args = SimpleNamespace(beta=0.1, loss_type="dpo", temperature=0.7, top_p=1.0, autocast_bf16=False)
+        _, _, out = dpo.dpo_micro_batch(policy, batch, both_pairs, chosen_rows, rejected_rows, dpo_args)
         with torch.no_grad():  # by hand: each row's token logprobs on the authors' kept tokens
             seq = {}
             for name, model in (("policy", policy), ("ref", ref)):
@@ -639,6 +639,13 @@ def test_eos_logprob_follows_the_authors_per_task(tiny_path, tokenizer):
                    for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist())]
         assert out["margins"].tolist() == pytest.approx(by_hand, rel=1e-5, abs=1e-6)
         margins[mode] = out["margins"]
+        # charts/logprob_diff on the tokens the learner's logprob sums: 0 for a sampler that is the learner (it read
+        # |log mu(EOS)| for every ending EOS under exclude, as if the two differed there)
+        batch.sampler_logp = common.token_logprobs(policy, *args, temperature=0.7).detach()
+        _, _, out = dpo.dpo_micro_batch(policy, batch, both_pairs, chosen_rows, rejected_rows, dpo_args,
+                                        logprob_diff=True)
+        assert out["diff_sum"] == pytest.approx(0.0, abs=1e-4), (mode, out["diff_sum"])
+        assert out["diff_tokens"] == batch.logp_mask[torch.cat([chosen_rows, rejected_rows])].sum().item()
     assert not torch.allclose(margins["exclude"], margins["include"], atol=1e-5)  # the EOS terms do move every margin
 
 

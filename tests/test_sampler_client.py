@@ -123,3 +123,26 @@ def test_the_learner_has_one_core_while_the_sampler_generates_and_every_core_aft
         assert torch.get_num_threads() == len(os.sched_getaffinity(0)) == launch.learner_threads(engine)
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_push_when_idle_collects_the_rounds_in_flight_first_and_gives_that_wait_apart():
+    """RLOO's --overlap and DPO's async mode push while the next round generates: the push waits for it (no round
+    mixes two policies), and that wait is the learner's for its data (time/idle_wait_seconds, which the scripts add
+    to time/learner_wait_seconds), not the push's time/push_seconds. wait() then returns the round at once."""
+    engine, sampler = client()
+    collected, pending_at_push = [], []
+    wait_for = engine.wait_for
+    engine.wait_for = lambda ids: collected.append(ids) or wait_for(ids)
+    engine.push_weights = lambda version, **how: pending_at_push.append(set(engine.pending)) or 0.01
+    policy = torch.nn.Linear(1, 1)
+    request = sampler.generate([[1], [2]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    pushed = sampler.push(policy, 1, when_idle=True)
+    assert pending_at_push == [set()] and collected == [request.ids]  # collected, then the weights went
+    assert pushed["time/push_seconds"] == 0.01 and pushed["time/idle_wait_seconds"] >= 0
+    assert sampler.checkpoint_rng() == 0  # not waited on by the loop yet: a resumed run samples it again, as before
+    samples, seconds = sampler.wait(request)
+    assert [s.text for s in samples] == ["completion of 0-0", "completion of 0-1"] and seconds >= 0
+    assert collected == [request.ids] and sampler.checkpoint_rng() == 1  # no second collection; nothing in flight
+    request = sampler.generate([[3]], n=1, temperature=1.0, top_p=1.0, max_tokens=4)
+    assert "time/idle_wait_seconds" not in sampler.push(policy, 2)  # in flight (PipelineRL's, OPPO's): no wait
+    assert pending_at_push[-1] == set(request.ids) and len(collected) == 1
