@@ -155,10 +155,11 @@ def scheduled_learning_rate(args: Args, step: int) -> float:
 
 
 def reward_function(task, args: Args):
-    """--binary-reward: 1/0 by the task's own check (the paper's reward); else the task's reward (or --reward's)."""
-    if args.binary_reward and args.reward is None:
-        return lambda completion, problem: float(task.is_correct(completion, problem))
-    return task.reward
+    """A completion's (reward trained on, the task's own score: charts/reward, as in every script): --binary-reward's
+    1/0 by the task's own check (the paper's reward), else the task's reward (or --reward's) for both."""
+    binary = args.binary_reward and args.reward is None
+    return lambda completion, problem: (float(task.is_correct(completion, problem)) if binary
+                                        else task.reward(completion, problem), task.reward(completion, problem))
 
 
 # ALGO LOGIC: the advantage and the truncated-IS loss (Eq. 4-5); the weights and the ESS (Eq. 6) are common.py's
@@ -378,7 +379,8 @@ def main():
             groups = sorted(groups, key=lambda group: group[0])  # in data order, whichever finished first
             problems = [task.problem("train", key) for key, _ in groups]
             samples = [c for _, group in groups for c in group]
-            rewards = torch.tensor([score(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)])
+            rewards, scores = torch.tensor([score(c.text, problems[i // args.group_size])
+                                            for i, c in enumerate(samples)]).T  # trained on, and the task's own
             correct = [task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]
             lags = sampler.check_version(samples, step, max_lag=step)  # (the actor drops what --max-lag refuses)
             sampler.set_learner_threads()  # every core in Conventional RL's training; one beside the pipeline's
@@ -417,6 +419,8 @@ def main():
             run.warn_no_learning(trained, "no optimizer step (the ESS guard or a non-finite loss skipped it)")
             step += trained
             train_seconds = time.perf_counter() - train_start
+            totals["learner_wait_seconds"] += learner_wait  # (a skipped batch's wait and update too)
+            totals["train_seconds"] += train_seconds
 
             # ---- push: PipelineRL's after every step, in flight (pause, update, resume); Conventional RL's per RL step
             pushed = {"time/push_seconds": 0.0}
@@ -438,25 +442,21 @@ def main():
             totals["tokens"] += tokens
             totals["lag_sum"] += lags["charts/lag_mean"]  # the summary's mean token lag: the trained steps'
             totals["episodes"] += len(samples)
-            totals["learner_wait_seconds"] += learner_wait
-            totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {
-                "charts/reward": rewards.mean().item(), "charts/accuracy": float(np.mean(correct)), **lags,
-                "charts/response_length": tokens / len(samples), "charts/ess": batch_ess,
-                "charts/tis_max_ratio": ratios.max().item(),
+                "charts/reward": scores.mean().item(), "charts/accuracy": float(np.mean(correct)), **lags,
+                "charts/response_length": tokens / len(samples), "charts/ess": batch_ess, "losses/pg": out["pg"],
                 "charts/tis_truncated_fraction": (ratios > args.tis_cap).float().mean().item(),
                 "charts/truncated_fraction": float(np.mean([c.finish_reason == "length" for c in samples])),
-                "charts/advantage_std": batch.advantages.std().item(),
+                "charts/advantage_std": batch.advantages.std().item(), "charts/tis_max_ratio": ratios.max().item(),
                 "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
                 "charts/skipped_steps": totals["ess_skipped"], "charts/stale_dropped": totals["stale_dropped"],
                 "charts/in_flight": len(actor.sampler.pending) if actor.sampler else 0, "losses/loss": loss.item(),
                 "charts/kl": out["kl"].mean().item() if ref_policy is not None else math.nan,
                 "charts/learning_rate": optimizer.param_groups[0]["lr"], "losses/grad_norm": grad_norm,
-                "losses/pg": out["pg"], "losses/kl_penalty": out["kl_penalty"],
+                "losses/kl_penalty": out["kl_penalty"], **pushed, **common.throughput(totals, step),
                 "losses/grad_clipped_fraction": float(grad_norm > args.max_grad_norm),
                 "time/learner_wait_seconds": learner_wait, "time/train_seconds": train_seconds,
-                **pushed, **common.throughput(totals, step),
                 **({"charts/logprob_diff": out["diff"] / out["diff_tokens"]} if out["diff_tokens"] else {}),
             }
             run.log(step, metrics, round=step, show=("charts/ess", "charts/lag_mean", "charts/in_flight"))

@@ -360,7 +360,8 @@ def scripted_main(monkeypatch, tmp_path, tokenizer):
     def run(*flags, rewards=(1.0, 0.0, 0.0, 1.0), error=None, **sampler_kw):
         sampler, models = ScriptedSampler(tokenizer, **sampler_kw), []
         monkeypatch.setattr(launch, "start_sampler", lambda *a, **k: sampler)
-        monkeypatch.setattr(prl, "reward_function", lambda task, args: lambda text, problem: rewards[int(text[1:])])
+        scripted = lambda task, args: lambda text, problem: (rewards[int(text[1:])],) * 2  # noqa: E731 (trained, own)
+        monkeypatch.setattr(prl, "reward_function", scripted)
         monkeypatch.setattr(prl, "load_models", lambda *a: models.extend(load_models(*a)) or tuple(models))
         base = [] if "--resume" in flags else ["--exp-name", f"scripted{len(list(tmp_path.glob('runs/*')))}",
                                                "--group-size", "2", "--train-batch-size", "4", "--gen-batch-size", "4",
@@ -698,9 +699,9 @@ def test_a_real_model_gets_the_papers_one_or_zero_reward():
         wrong = f"<answer>{'*'.join(map(str, problem.numbers))}</answer>"
     right = f"<answer>{problem.answer}</answer>"
     assert task.reward(wrong, problem) == tasks.COUNTDOWN_FORMAT_SCORE > 0
-    assert [prl.reward_function(task, real)(c, problem) for c in (right, wrong, "no answer")] == [1.0, 0.0, 0.0]
-    assert [prl.reward_function(task, tiny)(c, problem) for c in (right, wrong, "no answer")] == \
-        [1.0, tasks.COUNTDOWN_FORMAT_SCORE, 0.0]
+    own = [1.0, tasks.COUNTDOWN_FORMAT_SCORE, 0.0]  # charts/reward: the task's own score, whatever is trained on
+    assert [prl.reward_function(task, real)(c, problem) for c in (right, wrong, "no answer")] == [*zip([1, 0, 0], own)]
+    assert [prl.reward_function(task, tiny)(c, problem) for c in (right, wrong, "no answer")] == [*zip(own, own)]
 
 
 def test_a_real_model_gets_the_authors_optimizer_group_size_and_schedule():
