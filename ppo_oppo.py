@@ -28,7 +28,7 @@ from transformers import DynamicCache
 import common
 import tasks
 from common import Run, scheduled_learning_rate, truncated_is_weights  # (Run: every script's setup)
-from fastrl import checks, distributed, launch, memory_plan, runlog, vllm_sampler
+from fastrl import checks, distributed, launch, memory_plan, vllm_sampler
 from fastrl.run import RunArgs
 
 ON_GPU = torch.cuda.is_available()
@@ -525,7 +525,8 @@ def main():
         if args.snapshot_every and start.round == 0:
             run.snapshot(start.step)  # time 0 of the learning curve
         step, overlap.data_position = start.step, start.data_position
-        totals = dict(tokens=0) | start.totals  # this method's counters, checkpointed too
+        totals = dict(tokens=0, round_seconds=0.0, score_hidden_seconds=0.0, score_exposed_seconds=0.0,
+                      push_seconds=0.0, last_rewards=[]) | start.totals  # this method's counters, checkpointed too
         policy.eval()  # (train mode for the update only)
         if start.extra:  # resumed: OPPO's state, and the prompts that were in flight submitted again
             overlap.delta, overlap.reward_history = start.extra["delta"], start.extra["reward_history"]
@@ -610,7 +611,7 @@ def main():
             ages, (joint, actor) = [round_index - r.admitted for r in batch], np.array(norms, float).reshape(-1, 2).T
             metrics = {
                 "charts/reward": task_scores.mean().item(), "charts/reward_penalized": scores.mean().item(),  # (EOS)
-                "charts/no_eos_fraction": no_eos.mean().item(),
+                "charts/no_eos_fraction": no_eos.mean().item(), "charts/learning_rate": learning_rate,
                 "charts/accuracy": mean([task.is_correct(s.text, r.problem) for s, r in zip(samples, batch)]),
                 "charts/kl": common.sampled_kl(old_logp, ref_logp, mask).mean().item(),  # k3 of the sampled tokens
                 "charts/kl_penalty": ((old_logp - ref_logp) * mask).sum(1).mean().item(),  # k1, in the reward
@@ -621,10 +622,8 @@ def main():
                 "charts/batch_age_max": max(ages), "charts/batch_age_mean": mean(ages),
                 "charts/resumed_in_batch": sum(len({v for v, _, _ in s.versions}) > 1 for s in samples),  # 2 versions
                 "charts/explained_variance": (1 - (returns - values)[mask > 0].var() / returns[mask > 0].var()).item(),
-                "charts/logprob_diff": logprob_diff, "charts/first_ratio_deviation": first_ratio_deviation,
+                "charts/logprob_diff": logprob_diff, "charts/first_ratio_deviation": first_ratio_deviation, **lags,
                 "charts/tokens_per_second": totals["tokens"] / totals["wall_seconds"],
-                **lags,
-                "charts/learning_rate": learning_rate,
                 **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()},
                 "losses/grad_norm": mean(joint), "losses/grad_clipped_fraction": mean(joint > args.max_grad_norm),
                 "losses/actor_grad_share": mean((actor / joint) ** 2),  # of the joint norm's square (actor + critic)
@@ -633,6 +632,9 @@ def main():
                 "time/train_seconds": train_seconds, **pushed, **common.throughput(totals, step),
                 **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
             }
+            for stage in ("round", "score_hidden", "score_exposed", "push"):  # the summary's seconds by stage
+                totals[f"{stage}_seconds"] += metrics[f"time/{stage}_seconds"]
+            totals["last_rewards"] = (totals["last_rewards"] + [metrics["charts/reward"]])[-10:]
             run.warn_logprob_diff(logprob_diff)
             if round_index == start.round:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
@@ -651,12 +653,11 @@ def main():
         if sampler.engine is not None:
             sampler.engine.abort(list(sampler.engine.pending))  # the carried-over sequences: none is trained on now
         eval_end = run.log(step, evaluate())  # pass@k at the end
-    rows = [r for r in runlog.read_metrics(run.logger.dir) if "time/round_seconds" in r] if run.is_main else []
     method = {(1, 1): "OPPO", (1, 0): "intra only", (0, 1): "inter only", (0, 0): "plain PPO"}[args.intra, args.inter]
     run.report("PPO with OPPO's overlaps: the paper's Figure 6 (seconds per round by stage)", dict(method=method)
-               | {stage: mean([r[f"time/{stage.replace(' ', '_')}_seconds"] for r in rows]) for stage in (
-                   "round", "generate", "score exposed", "score hidden", "train", "push")}
-               | {"reward (last 10)": mean([r["charts/reward"] for r in rows[-10:]])},
+               | {stage: totals[f"{stage.replace(' ', '_')}_seconds"] / args.num_rounds for stage in (
+                   "round", "generate", "score exposed", "score hidden", "train", "push")}  # (means per round)
+               | {"reward (last 10)": mean(totals["last_rewards"])},
                totals, step, eval_start, eval_end)
 
 
