@@ -111,9 +111,9 @@ def main():
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
             metrics = {"charts/reward": rewards.mean().item(), "charts/accuracy": correct, "losses/loss": loss.item(),
-                       "losses/grad_norm": grad_norm.item(), "charts/response_length": batch.mask.sum(1).mean().item(),
-                       "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds, **pushed,
-                       **common.throughput(totals, step)}
+                       "losses/grad_norm": grad_norm.item() if stepped else float("nan"),  # (NaN: no step taken)
+                       "charts/response_length": batch.mask.sum(1).mean().item(), "time/train_seconds": train_seconds,
+                       "time/generate_seconds": generate_seconds, **pushed, **common.throughput(totals, step)}
             run.log(step, metrics, round=round_index + 1)
 
             # ---- after the round: pass@k, the checkpoint ----

@@ -236,14 +236,14 @@ def tis_applies(args, tis: str = "auto") -> bool:
 def check_sampler_version(samples, learner_version: int, max_lag: int = 0) -> None:
     """Stop with one line unless every token of `samples` was sampled by a policy version between
     `learner_version - max_lag` and `learner_version` (0: by the learner's current weights): a forgotten
-    `sampler.push_weights(...)` or a sampler that lags would otherwise train off-policy in silence."""
+    `sampler.push(policy, step)` or a sampler that lags would otherwise train off-policy in silence."""
     versions = sorted({v for s in samples for v, _, _ in s.versions})
     if versions and (versions[0] < learner_version - max_lag or versions[-1] > learner_version):
         expected = (f"version {learner_version}" if max_lag == 0
                     else f"versions {learner_version - max_lag}..{learner_version}")
         raise SystemExit(f"error: the sampler generated this batch with policy version(s) {versions}, the method "
                          f"expects {expected}: the weights were not pushed after the optimizer steps "
-                         "(sampler.push_weights), or the sampler lags")
+                         "(sampler.push), or the sampler lags")
 
 
 def warn_logprob_diff(diff: float, mismatch_expected: bool, warned: list) -> None:

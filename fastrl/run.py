@@ -368,11 +368,12 @@ class Run:
         return distributed.from_main(lambda: fn(*fn_args), self.dist)
 
     def all_sum(self, x):
-        """Under torchrun: the sum over every rank (tensors, numbers, or dicts of them); else x."""
+        """Under torchrun: the sum over every rank (tensors, numbers, or dicts and tuples of them); else x."""
         return distributed.all_sum(x, self.dist)
 
     def warn_no_learning(self, signal, what: str) -> None:
-        """One warning when the learning signal has been empty for 10 rounds in a row (the whole run if shorter)."""
+        """One warning when the learning signal has been all 0, non-finite or empty for 10 rounds in a row (the
+        whole run if shorter)."""
         checks.warn_no_learning(signal, what, self._no_signal, min(10, self.rounds))
 
     def warn_logprob_diff(self, logprob_diff: float) -> None:
