@@ -605,8 +605,11 @@ def main():
             overlap.update(args, round_index, scores.mean().item(), generate_seconds + train_start - score_start)
             totals["tokens"] += total_tokens
             totals["episodes"] += B
-            totals["generate_seconds"] += generate_seconds
-            totals["train_seconds"] += train_seconds
+            stage_seconds = dict(round=time.perf_counter() - round_start, generate=generate_seconds,
+                                 score_hidden=hidden_score, score_exposed=train_start - score_start,
+                                 train=train_seconds, push=pushed["time/push_seconds"])  # Figure 6's stages
+            totals |= {f"{stage}_seconds": totals[f"{stage}_seconds"] + t for stage, t in stage_seconds.items()}
+            totals["last_rewards"] = (totals["last_rewards"] + [task_scores.mean().item()])[-10:]
             totals["wall_seconds"] = time.perf_counter() - clock
             ages, (joint, actor) = [round_index - r.admitted for r in batch], np.array(norms, float).reshape(-1, 2).T
             metrics = {
@@ -627,14 +630,11 @@ def main():
                 **{f"losses/{k}": v / args.num_ppo_epochs for k, v in sums.items()},
                 "losses/grad_norm": mean(joint), "losses/grad_clipped_fraction": mean(joint > args.max_grad_norm),
                 "losses/actor_grad_share": mean((actor / joint) ** 2),  # of the joint norm's square (actor + critic)
-                "time/round_seconds": time.perf_counter() - round_start, "time/generate_seconds": generate_seconds,
+                "time/round_seconds": stage_seconds["round"], "time/generate_seconds": generate_seconds,
                 "time/score_hidden_seconds": hidden_score, "time/score_exposed_seconds": train_start - score_start,
                 "time/train_seconds": train_seconds, **pushed, **common.throughput(totals, step),
                 **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
             }
-            for stage in ("round", "score_hidden", "score_exposed", "push"):  # the summary's seconds by stage
-                totals[f"{stage}_seconds"] += metrics[f"time/{stage}_seconds"]
-            totals["last_rewards"] = (totals["last_rewards"] + [metrics["charts/reward"]])[-10:]
             run.warn_logprob_diff(logprob_diff)
             if round_index == start.round:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
