@@ -155,11 +155,11 @@ def scheduled_learning_rate(args: Args, step: int) -> float:
 
 
 def reward_function(task, args: Args):
-    """A completion's (reward trained on, the task's own score: charts/reward, as in every script): --binary-reward's
-    1/0 by the task's own check (the paper's reward), else the task's reward (or --reward's) for both."""
-    binary = args.binary_reward and args.reward is None
-    return lambda completion, problem: (float(task.is_correct(completion, problem)) if binary
-                                        else task.reward(completion, problem), task.reward(completion, problem))
+    """A completion's (reward trained on, its own score: charts/reward): --binary-reward's 1/0, else the score."""
+    def score(completion, problem, binary=args.binary_reward and args.reward is None):
+        own = task.reward(completion, problem)
+        return (float(task.is_correct(completion, problem)) if binary else own), own
+    return score
 
 
 # ALGO LOGIC: the advantage and the truncated-IS loss (Eq. 4-5); the weights and the ESS (Eq. 6) are common.py's

@@ -43,7 +43,7 @@ class SamplerClient:
         self.weights_version = None  # the policy version `weights` holds now
         self._warned: list = []  # the push precision warning, once
         self._outstanding: list[Request] = []  # sent and not waited on yet, oldest first
-        self._finished: list[tuple[Request, tuple]] = []  # of those, collected by a push when_idle: what wait() returns
+        self._finished: dict[int, tuple] = {}  # id() of those a push when_idle collected: what wait() returns
         self.rng_to_restore = None  # a checkpoint's generators, restored at the first generate() (Run.resume)
 
     def generate(self, prompts: list[list[int]], *, n: int, temperature: float, top_p: float, max_tokens: int,
@@ -62,9 +62,8 @@ class SamplerClient:
     def wait(self, request: Request) -> tuple[list, float]:
         """(the request's completions in prompt order, the seconds it generated: from sending it to its last
         completion finishing, however much later they were collected), on every rank."""
-        finished = [result for r, result in self._finished if r is request]
-        samples_and_seconds = finished[0] if finished else self._collect(request)
-        self._finished = [(r, result) for r, result in self._finished if r is not request]
+        finished = self._finished.pop(id(request), None)
+        samples_and_seconds = finished if finished is not None else self._collect(request)
         self._outstanding = [r for r in self._outstanding if r is not request]
         launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)
         return samples_and_seconds
@@ -91,8 +90,9 @@ class SamplerClient:
         distributed.gather_into(policy, self.weights, self.dist)  # (always: a skipped step may share the version)
         self.weights_version = version
         idle_wait = time.perf_counter()  # the learner's wait for its data, not the push's: collected apart
-        unfinished = [r for r in self._outstanding if all(r is not done for done, _ in self._finished)]
-        self._finished += [(r, self._collect(r)) for r in (unfinished if when_idle else [])]
+        for request in self._outstanding if when_idle else []:
+            if id(request) not in self._finished:
+                self._finished[id(request)] = self._collect(request)
         idle_wait = time.perf_counter() - idle_wait
         seconds, kept = 0.0, {}
         if self.engine is not None:
