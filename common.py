@@ -526,13 +526,13 @@ class Batch:
                               top_p=args.top_p)
 
 
-def request_overrides(keys: list[int], args, rng) -> list[dict]:
+def request_overrides(keys: list[int], args) -> list[dict]:
     """Each request's sampling overrides (Sampler.submit's per_prompt), keys: its problem's index: --request-seeds, a
     seed per problem (Sampler.submit adds the request id); --long-tail, the benchmark workload's forced length
-    (ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs), drawn from `rng`."""
+    (ignore_eos, not min_tokens: min_tokens would distort the sampled distribution's logprobs), drawn from the seed and
+    the problem alone (a resumed run's resubmitted prompts get their lengths again)."""
     per_prompt = [dict(seed=(args.seed * 1_000_003 + k) % 2**31) if args.request_seeds else {} for k in keys]
-    if args.long_tail:
-        tail = args.long_tail_scale * (1 + rng.pareto(args.long_tail, len(keys)))
-        for extra, n in zip(per_prompt, np.minimum(args.max_new_tokens, tail).astype(int)):
-            extra.update(ignore_eos=True, max_tokens=int(n))
+    for extra, k in zip(per_prompt, keys if args.long_tail else []):
+        tail = args.long_tail_scale * (1 + np.random.default_rng([args.seed, k]).pareto(args.long_tail))
+        extra.update(ignore_eos=True, max_tokens=int(min(args.max_new_tokens, tail)))
     return per_prompt

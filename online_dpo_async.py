@@ -57,16 +57,16 @@ class Args(RunArgs):
     group_size: int = 4
     """samples per prompt; chosen = best reward, rejected = worst [paper 2, gsm8k 4; tiny 4]"""
     num_prompts: int = 32
-    """prompts per minibatch [paper 64; gsm8k, a real model: 252 (Table 10's batch, 6 x 14 x 3 GPUs); tiny 32]"""
+    """prompts per minibatch [a real model 64 (one GPU's; TL;DR's is 512, Sec. 4); gsm8k 252 (Table 10); tiny 32]"""
     num_minibatches: int = 1
     """N: minibatches generated per round and N optimizer steps on them (the paper's off-policyness knob)"""
     num_rounds: int = 60
-    """sampling rounds [paper ~ 512k episodes / batch: 2000; gsm8k, a real model: 512 (Table 10); tiny 60]"""
+    """sampling rounds [a real model 2000 (TL;DR's 256 steps of 512, Sec. 4); gsm8k 512 (Table 10); tiny 60]"""
     loss_type: Literal["dpo", "ipo"] = "dpo"
     """dpo (sigmoid) or ipo"""
     loss_average: Literal["kept", "all"] = "all"
     """all: the kept pairs' summed loss over the minibatch's prompts, a tie's 0 (the authors' code; the paper does not
-    say); kept: the mean over the kept pairs, which scales the step by 1/(kept fraction): many ties weigh more"""
+    say); kept: the mean over the kept pairs, the gradient x 1/(kept fraction): a round with many ties weighs more"""
     beta: float = 0.1
     """DPO beta [0.1; gsm8k 0.05]"""
     eos_logprob: Literal["include", "exclude"] = "include"
@@ -170,7 +170,7 @@ def select_pairs(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 def penalize_missing_eos(scores: torch.Tensor, ended_with_eos: torch.Tensor, penalty: float, mode: str) -> torch.Tensor:
     """Scores [n] with the completions that ended without EOS penalised. replace: -penalty whatever the score (the
-    paper's code: a cut completion is never preferred to a finished one); subtract: score - penalty (TRL's
+    paper's code: a cut one loses to a finished one scoring above -penalty); subtract: score - penalty (TRL's
     missing_eos_penalty); off: as they are (the authors' GSM8K runs: a correct answer cut before EOS still scores 1)."""
     if mode == "off":
         return scores
@@ -369,8 +369,7 @@ def main():
             totals["learner_wait_seconds"] += learner_wait
             totals["train_seconds"] += train_seconds
             totals["wall_seconds"] = time.perf_counter() - clock
-            chosen_r, rejected_r = (rewards[pair_rows, chosen[keep]], rewards[pair_rows, rejected[keep]]) if len(
-                pair_rows) else (torch.zeros(1), torch.zeros(1))
+            chosen_r, rejected_r = rewards[pair_rows, chosen[keep]], rewards[pair_rows, rejected[keep]]  # none: NaN
             logprob_diff = diff_sum / diff_tokens if diff_tokens else math.nan
             metrics = {
                 "charts/reward": scores.mean().item(), "charts/reward_penalized": rewards.mean().item(),

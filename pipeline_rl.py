@@ -240,8 +240,7 @@ class Actor:
         self.ready: deque[tuple] = deque()  # the trainer queue: (data position, the prompt's samples)
         self.rl_step: list[list[tuple]] = []  # Conventional RL: the RL step's batches not handed over yet
         self.on_policy_only = False  # after an ESS skip: Algorithm 2 waits for a batch of the current weights
-        self.rng = np.random.default_rng(args.seed)  # long-tail lengths
-        self.shuffle_rng = np.random.default_rng([args.seed, 1])  # apart: the two modes draw the same lengths
+        self.shuffle_rng = np.random.default_rng([args.seed, 1])  # Conventional RL's batch order
         self.resubmit: list[int] = []  # prompts in flight at the checkpoint a run resumed from: admitted first
         first = tasks.encode_prompts(tokenizer, [task.problem("train", data_position)], args.max_prompt_tokens,
                                      args.chat_template)[1]
@@ -253,13 +252,13 @@ class Actor:
         resumed run submits them first) and the generators, so that every admitted prompt is trained once."""
         plain = lambda groups: [(key, [dataclasses.asdict(c) for c in group]) for key, group in groups]  # noqa: E731
         return dict(ready=plain(self.ready), rl_step=[plain(b) for b in self.rl_step], in_flight=sorted(self.groups),
-                    rngs=[self.rng.bit_generator.state, self.shuffle_rng.bit_generator.state])
+                    rngs=[self.shuffle_rng.bit_generator.state])
 
     def restore(self, state: dict) -> None:
         back = lambda groups: [(key, [vllm_sampler.Completion(**c) for c in group]) for key, group in groups]  # noqa
         self.ready, self.rl_step, self.resubmit = deque(back(state["ready"])), [back(b) for b in state["rl_step"]], \
             list(state["in_flight"])
-        self.rng.bit_generator.state, self.shuffle_rng.bit_generator.state = state["rngs"]
+        self.shuffle_rng.bit_generator.state = state["rngs"][-1]  # (an older checkpoint's: [long-tail, shuffle])
 
     def queued(self) -> int:
         return len(self.ready) * self.args.group_size
@@ -285,7 +284,8 @@ class Actor:
             # a seed per prompt (plus the sample's index): its samples depend on --seed and its data position alone
             overrides.append(dict(seed=((args.seed & 0x7FFFFFFF) << 32) + key * args.group_size))  # (resumes alike)
             if args.long_tail:  # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled distribution
-                length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + self.rng.pareto(args.long_tail))))
+                tail = np.random.default_rng([args.seed, key]).pareto(args.long_tail)  # by the prompt: resumes alike
+                length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + tail)))
                 overrides[-1] |= dict(ignore_eos=True, max_tokens=length)
         if keys:
             self.sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides,
@@ -304,18 +304,18 @@ class Actor:
         """Pipeline mode: receive, drop stale groups, admit prompts. Returns sequences received + prompts admitted."""
         args, sampler = self.args, self.sampler
         received = self.receive(timeout)
-        # in flight: every admitted group not complete yet, its finished samples included
         drop, admit = admission(step, sampler.version, [min(c.version_min for c in g) for _, g in self.ready],
-                                len(self.groups) * args.group_size, args, self.on_policy_only)
+                                len(self.groups) * args.group_size, args, self.on_policy_only)  # in flight: unfinished
         for i in reversed(drop):
             del self.ready[i]
         self.totals["stale_dropped"] += len(drop) * args.group_size
         self.submit(admit)
         if not (received or admit or self.groups) and self.queued() < args.train_batch_size:
-            if sampler.version < step:  # admission waits for the learner's weights to land in the sampler
-                sampler.wait_for_push()
-                return 1
-            raise RuntimeError(f"the pipeline stalled: {self.describe(step)}")  # admission() rules this out
+            landing = sampler.version < step  # admission waits for the learner's weights to land in the sampler
+            sampler.wait_for_push()
+            if not landing or sampler.version < step:  # admission() rules a stall out, unless a push was lost
+                raise RuntimeError(f"the pipeline stalled: {self.describe(step)}")
+            return 1
         return received + admit
 
     def next_batch(self, step: int) -> tuple[float, list[tuple], bool]:
@@ -382,7 +382,8 @@ def main():
             rewards, scores = torch.tensor([score(c.text, problems[i // args.group_size])
                                             for i, c in enumerate(samples)]).T  # trained on, and the task's own
             correct = [task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]
-            lags = sampler.check_version(samples, step, max_lag=step)  # (the actor drops what --max-lag refuses)
+            max_lag = args.steps_per_rl_step - 1 if args.mode == "conventional" else args.max_lag  # a lost push stops
+            lags = sampler.check_version(samples, step, max_lag=step if max_lag is None else max_lag)
             sampler.set_learner_threads()  # every core in Conventional RL's training; one beside the pipeline's
             # ALGO LOGIC: the per-prompt mean baseline; the truncated-IS loss (Eq. 5) summed over the micro-batches
             batch = Batch.from_samples(samples, tokenizer.pad_token_id, run.device)

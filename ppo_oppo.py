@@ -96,7 +96,7 @@ class Args(RunArgs):
     inter: bool = True
     """inter-step overlap: over-commit Delta prompts and carry unfinished ones over (--no-inter: wait for all B)"""
     chunk_size: int | None = None
-    """C: tokens per streamed chunk at the start; None: --max-new-tokens / 4"""
+    """C: tokens per streamed chunk, under --chunk-tune-every 0 (else the tuner's); None: --max-new-tokens / 4"""
     chunk_candidates: tuple[int, ...] | None = None
     """chunk sizes tried every --chunk-tune-every rounds; None: --max-new-tokens / 8, / 4, / 2 (the paper's)"""
     chunk_tune_every: int = 20
@@ -128,6 +128,7 @@ class Args(RunArgs):
             (self.delta_window >= 1 and self.chunk_tune_every >= 0, "--delta-window/--chunk-tune-every", ">= 1; >= 0"),
             (not self.chunk_tune_every or self.chunk_tune_every > len(candidates), "--chunk-tune-every",
              f"must exceed the number of candidates ({len(candidates)})"),
+            (self.chunk_size is None or not self.chunk_tune_every, "--chunk-size", "only with --chunk-tune-every 0"),
             (not (self.sampler_url and self.intra), "--sampler-url", "servers stream no chunks: add --no-intra"),
         ]:
             checks.check_args(ok, flag, message)
@@ -338,7 +339,6 @@ class OPPOBuffer:
     def __init__(self, sampler, task, tokenizer, downstream: dict, args: Args, chunk: int):
         self.sampler, self.task, self.tokenizer, self.downstream, self.args = sampler, task, tokenizer, downstream, args
         self.chunk = chunk  # C of the sequences in flight
-        self.rng = np.random.default_rng(args.seed)  # the long-tail workload's forced lengths
         self.inflight: dict[str, Rollout] = {}
         self.finished: list[Rollout] = []
 
@@ -350,7 +350,7 @@ class OPPOBuffer:
                                                           chat_template=args.chat_template)
         kept = {id(p) for p in problems}
         keys = [k for k, p in zip(keys, candidates) if id(p) in kept]
-        per_prompt = common.request_overrides(keys, args, self.rng)  # --request-seeds, --long-tail
+        per_prompt = common.request_overrides(keys, args)  # --request-seeds, --long-tail
         if prompts:
             ids = self.sampler.submit(prompts, tags=keys, stream_every=self.chunk if args.intra else 0,
                                       per_prompt=per_prompt, max_tokens=args.max_new_tokens,
@@ -601,8 +601,6 @@ def main():
                       else {"time/push_seconds": 0.0})  # none if no step
             if unfinished:  # the carried sequences continue under the new weights (rank 0's count: 0 elsewhere)
                 sampler.engine.resume()
-            # ALGO LOGIC: OPPO's controllers: Delta from the reward trend (Algorithm 1 lines 22-27), C's trial seconds
-            overlap.update(args, round_index, scores.mean().item(), generate_seconds + train_start - score_start)
             totals["tokens"] += total_tokens
             totals["episodes"] += B
             stage_seconds = dict(round=time.perf_counter() - round_start, generate=generate_seconds,
@@ -639,6 +637,8 @@ def main():
             if round_index == start.round:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
             run.log(step, metrics, round=round_index + 1, show=("losses/value", "charts/delta", "charts/carried_over"))
+            # ALGO LOGIC: OPPO's controllers (the round logged the Delta it used): Delta from the reward trend
+            overlap.update(args, round_index, scores.mean().item(), generate_seconds + train_start - score_start)
 
             # ---- after the round: the curve's weights, pass@k, the checkpoint ----
             rounds_done, last = round_index + 1, round_index + 1 == args.num_rounds

@@ -616,3 +616,16 @@ def test_the_linear_schedule_is_hfs_stepped_once_a_round():
         schedule.step()
     assert rates == pytest.approx(hf)
     assert common.scheduled_learning_rate(3e-6, "constant", 3, 4) == 3e-6
+
+
+def test_long_tail_lengths_follow_the_prompt_not_the_order_it_is_sent_in():
+    """--long-tail's forced length of a prompt depends on --seed and its index alone: a resumed run that resubmits the
+    prompts in flight gives them the lengths they had (a shared generator gave them the next draws instead)."""
+    args = SimpleNamespace(seed=3, request_seeds=False, long_tail=0.5, long_tail_scale=8, max_new_tokens=4096)
+    lengths = lambda keys: {k: o["max_tokens"] for k, o in zip(keys, common.request_overrides(keys, args))}  # noqa
+    straight = lengths(list(range(8)))
+    assert lengths([5, 6, 7]) == {k: straight[k] for k in (5, 6, 7)}
+    assert lengths([7, 5]) == {7: straight[7], 5: straight[5]}
+    assert len(set(straight.values())) > 1 and min(straight.values()) >= 8  # a tail, not one length
+    assert all(o["ignore_eos"] for o in common.request_overrides([1, 2], args))
+    assert common.request_overrides([1, 2], SimpleNamespace(**args.__dict__ | dict(long_tail=0.0))) == [{}, {}]

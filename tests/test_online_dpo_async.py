@@ -262,6 +262,7 @@ def _check_rounds(run_dir, mode, minibatches, num_prompts):
         # only where the weights are the sampler's
         assert "charts/logprob_diff" not in rounds[1] and rounds[1]["charts/lag_min"] > 0
     assert all(r["charts/pairs"] + r["charts/ties_dropped"] == num_prompts * minibatches for r in rounds)
+    assert all(math.isnan(r["charts/rewards_margin"]) == (r["charts/pairs"] == 0) for r in rounds)  # no pair: not 0
     assert all("charts/kl" in r and "charts/kl_to_init" not in r and r["charts/nonfinite_skipped"] == 0 for r in rounds)
 
 

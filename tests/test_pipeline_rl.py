@@ -774,7 +774,7 @@ def test_the_actors_state_goes_through_a_checkpoint_and_trains_every_admitted_pr
     """Issue 59, item 1: a checkpoint of pipeline mode dropped the groups admitted and not trained (the trainer queue,
     and the prompts in flight), and Conventional RL's batches of the RL step. Actor.state keeps them as plain data
     (checkpoints load weights_only); a restored actor hands the queued groups over as they were, submits the prompts
-    that were in flight before any new one, and goes on from the same data position and generators."""
+    that were in flight before any new one, and goes on from the same data position and generator."""
     def completion(key, i):
         return vllm_sampler.Completion(request_id=f"{key}-{i}", prompt_token_ids=[1, 2], token_ids=[3, 4],
                                        logprobs=[-0.5, -0.25], finish_reason="stop", versions=[(2, 0, 2)], text="7",
@@ -783,19 +783,22 @@ def test_the_actors_state_goes_through_a_checkpoint_and_trains_every_admitted_pr
     args = prl.mode_defaults(prl.Args(group_size=2))
     actor = object.__new__(prl.Actor)  # the actor's bookkeeping alone: no sampler, no task
     actor.args, actor.data_position, actor.resubmit = args, 9, []
-    actor.rng, actor.shuffle_rng = np.random.default_rng(1), np.random.default_rng([1, 1])
+    actor.shuffle_rng = np.random.default_rng([1, 1])
     actor.ready = prl.deque([(5, [completion(5, 0), completion(5, 1)])])
     actor.rl_step = [[(6, [completion(6, 0), completion(6, 1)])]]
     actor.groups = {7: [completion(7, 0)], 8: []}  # in flight: one sample of prompt 7 back, none of 8
-    actor.rng.random(3)  # (generators part-way through)
+    actor.shuffle_rng.random(3)  # (part-way through)
     path = tmp_path / "actor.pt"
     torch.save(dict(actor=actor.state()), path)
     restored = object.__new__(prl.Actor)
     restored.args, restored.data_position, restored.groups = args, 9, {}
-    restored.rng, restored.shuffle_rng = np.random.default_rng(1), np.random.default_rng([1, 1])
+    restored.shuffle_rng = np.random.default_rng([1, 1])
     restored.restore(torch.load(path, weights_only=True)["actor"])
     assert list(restored.ready) == list(actor.ready) and restored.rl_step == actor.rl_step
-    assert restored.resubmit == [7, 8] and restored.rng.random() == actor.rng.random()
+    assert restored.resubmit == [7, 8] and restored.shuffle_rng.random() == actor.shuffle_rng.random()
+    long_tail = np.random.default_rng(5).bit_generator.state  # an older checkpoint's rngs: [long-tail, shuffle]
+    restored.restore(actor.state() | dict(rngs=[long_tail, actor.shuffle_rng.bit_generator.state]))
+    assert restored.shuffle_rng.random() == actor.shuffle_rng.random()
     submitted = []
     restored.task = SimpleNamespace(problem=lambda split, key: key)
     restored.tokenizer, restored.totals = None, {"skipped_prompts": 0}
@@ -803,3 +806,16 @@ def test_the_actors_state_goes_through_a_checkpoint_and_trains_every_admitted_pr
     monkeypatch.setattr(tasks, "encode_prompts", lambda tokenizer, problems, *a: (None, [[problems[0]]], 0))
     restored.submit(3)
     assert submitted == [7, 8, 9] and restored.data_position == 10  # in flight first, then on from the position
+
+
+@pytest.mark.parametrize("flags, error, message", [
+    (("--mode", "conventional", "--steps-per-rl-step", "2"), SystemExit, "the sampler generated this batch with"),
+    (("--max-lag", "1"), RuntimeError, "the pipeline stalled: 0 of 4 sequences queued, 0 in flight, learner step 2, "
+                                       "sampler version 0")])
+def test_a_lost_push_stops_the_run_where_the_lag_is_bounded(scripted_main, monkeypatch, flags, error, message):
+    """A sampler that never takes the pushed weights (a copy that lost its push) stops the run in one line naming the
+    versions once its data is older than the bound: Conventional RL's G - 1 (the version check), or --max-lag (the
+    actor, which drops that data, finds nothing it may admit: it spun before, admitting and dropping forever)."""
+    monkeypatch.setattr(ScriptedSampler, "push_weights", lambda self, version, **kw: 0.0)  # version stays 0
+    _, _, raised, _ = scripted_main("--num-steps", "4", *flags, error=error)
+    assert message in str(raised), str(raised)

@@ -263,10 +263,12 @@ def test_flags_take_the_paper_defaults_for_a_real_model_and_are_checked_where_de
     assert (tiny.num_rounds, tiny.batch_size, tiny.max_prompt_tokens, tiny.max_new_tokens) == (60, 64, 32, 32)
     assert (real.num_rounds, real.batch_size, real.max_prompt_tokens, real.max_new_tokens) == (1000, 112, 512, 1024)
     assert po.chunk_sizes(tiny) == (8, (4, 8, 16)) and po.chunk_sizes(real) == (256, (128, 256, 512))
+    assert checks.parse_args(po.Args, ["--chunk-size", "2", "--chunk-tune-every", "0"]).chunk_size == 2
     for flags, flag in ((["--num-minibatches", "65"], "--num-minibatches"),
                         (["--delta", "20", "--delta-max", "16"], "--delta"),
                         (["--chunk-candidates", "1", "2", "3", "--chunk-tune-every", "3"], "--chunk-tune-every"),
-                        (["--top-p", "0"], "--top-p"), (["--sampler-url", "http://host:8000"], "--sampler-url")):
+                        (["--top-p", "0"], "--top-p"), (["--sampler-url", "http://host:8000"], "--sampler-url"),
+                        (["--chunk-size", "2"], "--chunk-size")):  # (the tuner replaced it from round 0)
         with pytest.raises(SystemExit) as stop:
             checks.parse_args(po.Args, flags, paper=po.PAPER)
         assert str(stop.value.code).startswith(f"error: {flag}:") and "\n" not in str(stop.value.code), flags
