@@ -7,6 +7,7 @@ Hub task names, how --model resolves to a directory) comes as arguments."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -353,7 +354,8 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     saved = {k: tuple(v) if isinstance(v, list) and "tuple" in str(fields[k].type) else v
              for k, v in json.loads(saved_file.read_text()).items() if k in fields}
-    base = dataclasses.replace(args_cls(), **saved)
+    base = copy.copy(args_cls())  # the saved flags, checked only as the command line leaves them (not replace()):
+    base.__dict__.update(saved)  # a check added since the run was saved can then be met with --resume-changes
     resumed = tyro.cli(args_cls, args=argv, default=base)
     changed = [name for name in fields if name not in RUN_LENGTH + ("resume", "resume_changes", "verbose")
                and getattr(resumed, name) != getattr(base, name)]

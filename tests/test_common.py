@@ -102,6 +102,25 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
     assert checks.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
 
 
+def test_a_saved_run_that_a_newer_check_refuses_resumes_with_the_change_the_error_names(tmp_path):
+    """A check added after a run was saved (PPO's --chunk-size needs --chunk-tune-every 0) stops its resume in one line
+    naming the flag, and --resume-changes with the change it asks for resumes it: the saved flags alone are not
+    checked before the command line applies (they were, and no command line could resume the run)."""
+    import dataclasses
+
+    import ppo_oppo
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = dataclasses.asdict(ppo_oppo.Args(chunk_tune_every=0)) | dict(chunk_size=4, chunk_tune_every=20)
+    (run / "args.json").write_text(json.dumps(saved))
+    with pytest.raises(SystemExit) as refused:
+        checks.parse_args(ppo_oppo.Args, ["--resume", str(run)])
+    assert str(refused.value.code).startswith("error: --chunk-size:") and "\n" not in str(refused.value.code)
+    args = checks.parse_args(ppo_oppo.Args, ["--resume", str(run), "--resume-changes", "--chunk-tune-every", "0"])
+    assert (args.chunk_size, args.chunk_tune_every) == (4, 0)
+
+
 def test_k3_is_never_negative_and_keeps_a_small_kl():
     """k3 = r - log r - 1 (log r = ref - logp) written exp(x) - x - 1 in float32 reads 0 below |x| ~ 1e-4 and goes
     negative where exp rounds (charts/kl -0.000 on a policy at its reference); expm1(x) - x keeps it, in every k3."""
