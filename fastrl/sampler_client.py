@@ -62,8 +62,7 @@ class SamplerClient:
     def wait(self, request: Request) -> tuple[list, float]:
         """(the request's completions in prompt order, the seconds it generated: from sending it to its last
         completion finishing, however much later they were collected), on every rank."""
-        finished = self._finished.pop(id(request), None)
-        samples_and_seconds = finished if finished is not None else self._collect(request)
+        samples_and_seconds = self._finished.pop(id(request), None) or self._collect(request)
         self._outstanding = [r for r in self._outstanding if r is not request]
         launch.learner_threads(self.engine)  # (on CPU: every core, unless another request is generating)
         return samples_and_seconds

@@ -108,6 +108,13 @@ def stochastic_round_bf16(tensor: torch.Tensor, generator: torch.Generator | Non
     return result.view(tensor.shape)
 
 
+def cast_stream(device: torch.device) -> tuple:
+    """(device, the CUDA stream a cast's kernels go to now; None on CPU): what a push's scratch and draws are kept
+    per. vLLM's NCCL producer pulls each chunk's tensors on the next of its streams, without a wait between them
+    (vllm/distributed/weight_transfer/packed_tensor.py:168-189): one scratch on two streams would race."""
+    return device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+
+
 class NoisePool:
     """The uniform draws of one push's (or one save's) stochastic rounding: POOL_WORDS + a tile of numbers in
     [0, 2^16) drawn once on `device`, each tensor's tile a window of them at an offset drawn on the CPU (no device
@@ -273,8 +280,8 @@ class PushCast:
         self.dtype, self.round_to, self.rounding, self.seed, self.probe = dtype, round_to, rounding, seed, probe
         self.residual: dict[str, torch.Tensor] = {}
         self.pushing, self.last_metrics, self.version = False, {}, 0
-        self._pools: dict = {}  # the push's NoisePool per device
-        self._scratch: dict = {}  # stochastic_round_bf16's buffer per device, reused push after push
+        self._pools: dict = {}  # the push's NoisePool per device and stream (cast_stream)
+        self._scratch: dict = {}  # stochastic_round_bf16's buffer per device and stream, reused push after push
         if probe is not None:
             probe.set_dtype(round_to)
 
@@ -304,12 +311,14 @@ class PushCast:
         elif not self.pushing or self.rounding == "nearest":
             sent = tensor.to(self.round_to)
         elif self.rounding == "stochastic":
-            if tensor.device not in self._scratch:
-                self._scratch[tensor.device] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
-            if tensor.device not in self._pools:
-                self._pools[tensor.device] = NoisePool(rounding_seed(self.seed, self.version), tensor.device)
-            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[tensor.device], out=into,
-                                         noise=self._pools[tensor.device].take(tensor.numel()))
+            where = cast_stream(tensor.device)
+            if where not in self._scratch:
+                self._scratch[where] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
+            if where not in self._pools:  # (a stream's own draws: seeded apart from the others')
+                seed = rounding_seed(self.seed, self.version) + 7919 * len(self._pools)
+                self._pools[where] = NoisePool(seed, tensor.device)
+            sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[where], out=into,
+                                         noise=self._pools[where].take(tensor.numel()))
         elif self.rounding == "error-feedback":
             # (a new tensor either way: the learner's weights are never written)
             target = tensor.float() + self.residual[name] if name in self.residual else tensor.float().clone()

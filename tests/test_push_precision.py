@@ -101,6 +101,30 @@ def test_a_seeded_push_is_bit_reproducible_and_each_version_draws_anew():
     assert torch.equal(pushed(a, model, 8)["w"], pushed(PushCast(BF16, "stochastic", seed=3), model, 8)["w"])
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_push_cast_on_two_streams_in_turn_lands_each_weight_on_a_neighbour():
+    """vLLM's NCCL producer pulls chunk after chunk on two streams without a wait between them (packed_tensor.py:
+    168-189): each stream's casts keep their own scratch and draws (weight_sync.cast_stream), so no tensor gets
+    another's sums; every weight lands on one of its two bf16 neighbours, and a rerun gives the same bits."""
+    weights = [torch.randn(3_000_000, device="cuda") * 0.02 for _ in range(8)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def push() -> list:
+        cast, sent = PushCast(BF16, "stochastic", seed=3), []
+        cast.begin(1)
+        for i, w in enumerate(weights):
+            with torch.cuda.stream(streams[i % 2]):
+                sent.append(cast(f"w{i}", w).float())
+        torch.cuda.synchronize()
+        cast.end()
+        return sent
+
+    first, again = push(), push()
+    for w, r, r2 in zip(weights, first, again):
+        assert ((r - w).abs() < spacing(w)).all() and torch.equal(r, r2)
+
+
 def test_no_rounding_writes_the_learners_weights():
     """A push only reads the learner's weights (error feedback once subtracted its residual from them in place)."""
     values = torch.randn(3000) * 0.02
