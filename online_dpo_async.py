@@ -282,7 +282,7 @@ def main():
         policy, ref_policy, optimizer, reward_model = load_models(args, run, run.model_path)
         sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
-        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        eval_start = start.eval_start or run.log(start.step, evaluate())  # pass@k at the run's start
         step, totals = start.step, start.totals
         if args.snapshot_every and start.round == 0:
             run.snapshot(step)  # time 0 of the learning curve
@@ -402,7 +402,8 @@ def main():
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
                 # the data position of the first round not trained on: a round in flight is generated again on resume
-                run.save(step, rounds_done, pending[0][3] if pending else train_problems.position, totals, tokenizer)
+                run.save(step, rounds_done, pending[0][3] if pending else train_problems.position, totals, tokenizer,
+                         eval_start)
         eval_end = run.log(step, evaluate())  # pass@k at the end
     run.report("Online DPO: the paper's synchronous vs asynchronous comparison for this run; held-out pass@k",
                {"mode": "sync" if args.sync else "async", "N": str(args.num_minibatches),

@@ -363,7 +363,7 @@ def main():
         sampler = run.sampler
         start = run.resume(policy, optimizer, extra=("actor",),  # (the checkpoints keep the actor's state)
                            background_push=args.mode == "pipeline" and args.background_push)  # pushes from a thread
-        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        eval_start = start.eval_start or run.log(start.step, evaluate())  # pass@k at the run's start
         if args.snapshot_every and start.round == 0:
             run.snapshot(start.step)  # time 0 of the learning curve
         step, score, nonfinite_in_a_row = start.step, reward_function(task, args), 0
@@ -468,7 +468,7 @@ def main():
             if args.eval_every and step % args.eval_every == 0 and step < args.num_steps:
                 run.log(step, evaluate())
             if step == args.num_steps or (args.save_every and step % args.save_every == 0):
-                run.save(step, step, actor.data_position, totals, tokenizer=tokenizer, actor=actor.state())
+                run.save(step, step, actor.data_position, totals, tokenizer, eval_start, actor=actor.state())
         if sampler.engine is not None:  # the last push landed (the evaluation samples with it); training's dropped
             sampler.engine.wait_for_push()
             sampler.engine.abort(list(sampler.engine.pending))

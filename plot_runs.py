@@ -9,9 +9,9 @@ separate rows, so a metric's curve uses only the rows that have a finite value f
 
 The x axis (--x):
   wall     seconds since the run's logger started (the row's "wall"; it includes model loading and
-           the first evaluation). A resumed run appends to the same metrics.jsonl from a new process
-           whose wall restarts: wherever wall goes back, the rest is shifted to continue from the
-           last wall before it, so the time between the crash and the resume is left out.
+           the first evaluation). A resumed run's clock goes on from its checkpoint's (the time between
+           the crash and the resume left out), and it replaces the rows logged after the checkpoint;
+           in older runs the wall restarted: wherever it goes back, the rest is shifted to continue.
   step     the learner's optimizer step (the row's "step").
   samples  cumulative training samples (completions) behind the row: the "charts/episodes" counter
            that every script logs (a run without it is an error). A row without the counter (an

@@ -520,7 +520,7 @@ def main():
         oppo = OPPOBuffer(sampler.engine, task, tokenizer, downstream, args, overlap.chunk)
         start = run.resume(policy, optimizer, checkpointed=learner,  # actor and critic, and OPPO's state:
                            extra=("delta", "chunk", "reward_history", "carried_keys"))
-        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        eval_start = start.eval_start or run.log(start.step, evaluate())  # pass@k at the run's start
         sampler.set_rng_state(start.sampler_rng)  # (after the start's evaluation, which drew from them)
         if args.snapshot_every and start.round == 0:
             run.snapshot(start.step)  # time 0 of the learning curve
@@ -647,7 +647,7 @@ def main():
             if args.eval_every and rounds_done % args.eval_every == 0 and not last:
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
-                run.save(step, rounds_done, overlap.data_position, totals, tokenizer,
+                run.save(step, rounds_done, overlap.data_position, totals, tokenizer, eval_start,
                          delta=overlap.delta, chunk=overlap.chunk, reward_history=overlap.reward_history,
                          carried_keys=[r.key for r in oppo.inflight.values()])
         if sampler.engine is not None:

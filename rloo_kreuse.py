@@ -256,7 +256,7 @@ def main():
         policy, ref_policy, optimizer = load_models(args, run, run.model_path)
         sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; a checkpoint's weights, Adam, RNGs and counters
-        eval_start = run.log(start.step, evaluate())  # pass@k at the start
+        eval_start = start.eval_start or run.log(start.step, evaluate())  # pass@k at the run's start
         step, totals = start.step, start.totals
         if args.snapshot_every and start.round == 0:
             run.snapshot(step)  # time 0 of the learning curve
@@ -375,7 +375,7 @@ def main():
             if args.eval_every and rounds_done % args.eval_every == 0 and not last:
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
-                run.save(step, rounds_done, data_position, totals, tokenizer)
+                run.save(step, rounds_done, data_position, totals, tokenizer, eval_start)
         eval_end = run.log(step, evaluate())  # pass@k at the end
     run.report("RLOO with K-reuse: the paper's Table 2 for this run; held-out pass@k, its Table 4", {"K": str(args.k)},
                totals, step, eval_start, eval_end)

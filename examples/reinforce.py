@@ -66,7 +66,7 @@ def main():
         optimizer = torch.optim.Adam(policy.parameters(), lr=args.learning_rate)
         sampler = run.sampler
         start = run.resume(policy, optimizer)  # the run directory; on --resume a checkpoint's weights, Adam, counters
-        eval_start = run.log(start.step, evaluate())  # held-out pass@k at the start
+        eval_start = start.eval_start or run.log(start.step, evaluate())  # pass@k at the run's start
         step, totals, clock = start.step, start.totals, time.perf_counter() - start.totals["wall_seconds"]
         train_problems = tasks.TrainProblems(task, tokenizer, args, start.data_position)
         for round_index in range(start.round, args.num_rounds):
@@ -121,7 +121,7 @@ def main():
             if args.eval_every and rounds_done % args.eval_every == 0 and not last:
                 run.log(step, evaluate())
             if last or (args.save_every and rounds_done % args.save_every == 0):
-                run.save(step, rounds_done, train_problems.position, totals, tokenizer)
+                run.save(step, rounds_done, train_problems.position, totals, tokenizer, eval_start)
         eval_end = run.log(step, evaluate())  # held-out pass@k at the end
     run.report("REINFORCE with a mean baseline", {}, totals, step, eval_start, eval_end)
 

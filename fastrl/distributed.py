@@ -203,6 +203,9 @@ class NullLogger:
     def snapshot(self, *args, **kwargs) -> None:
         pass
 
+    def resume_at(self, *args, **kwargs) -> None:
+        pass
+
     def close(self) -> None:
         pass
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable, Literal
 
 import torch
@@ -138,7 +139,8 @@ class RunArgs:
     """how a push rounds the learner's fp32 weights to a bf16 sampler: auto = stochastic there (unbiased: the sampler's
     copy equals the learner's weights on average, where round to nearest drops every change under half a bf16 spacing,
     most of a small-step update: docs/results.md), nearest where nothing is rounded; error-feedback carries each cast's
-    residual into the next push (one more half-size copy of the weights). charts/push_update_* show what was kept"""
+    residual into the next push (one more half-size copy of the weights; not checkpointed: zero again on --resume).
+    charts/push_update_* show what was kept"""
     push_round_to: Literal["sampler", "bfloat16"] = "sampler"
     """the precision a push rounds the weights to: the sampler's dtype, or bfloat16 into an fp32 sampler (bf16's
     rounding of the weights without bf16's arithmetic: the precision experiment's arm, docs/results.md)"""
@@ -171,7 +173,8 @@ class Resumed:
     """Where the loop starts (Run.resume): its first round, the optimizer step, the data position, the sampler's
     generators (the client's first generate() restores them; a loop streaming through its engine, itself, or never
     where its requests carry their own seeds, as PipelineRL's), the run's counters (TOTALS and the method's own) and
-    the method's checkpoint entries, as a checkpoint left them; a new run's: 0, 0, 0, None, TOTALS, {}."""
+    the method's checkpoint entries, and pass@k at the run's start (a new run's to measure), as a checkpoint left
+    them; a new run's: 0, 0, 0, None, TOTALS, {}, None."""
 
     round: int = 0
     step: int = 0
@@ -179,6 +182,7 @@ class Resumed:
     sampler_rng: Any = None
     totals: dict = dataclasses.field(default_factory=lambda: dict(TOTALS))
     extra: dict = dataclasses.field(default_factory=dict)
+    eval_start: dict | None = None
 
 
 class Run:
@@ -281,7 +285,8 @@ class Run:
             self.sampler.gather(policy, state["step"])  # the sampler starts from the resumed weights
             print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
             start = Resumed(state["round"], state["step"], state["data_position"], state.get("sampler_rng"),
-                            start.totals | state["totals"], {k: state[k] for k in extra})
+                            start.totals | state["totals"], {k: state[k] for k in extra}, state.get("eval_start"))
+            self.logger.resume_at(start.step, state.get("wall", 0.0))  # (its log and its clock go on from there)
             self.sampler.rng_to_restore = start.sampler_rng  # (at its first generate(), after the start's evaluation)
         if dist.is_main:
             launch.connect_weights(self.sampler.engine, self.sampler.weights, version=start.step,
@@ -332,10 +337,11 @@ class Run:
         if self.dist.is_main:
             self.logger.snapshot(step, self.sampler.weights)
 
-    def save(self, step: int, round: int, data_position: int, totals: dict, tokenizer=None, **extra) -> None:
+    def save(self, step: int, round: int, data_position: int, totals: dict, tokenizer=None, eval_start=None,
+             **extra) -> None:
         """Write <run>/checkpoint.pt (what resume() was given, the RNGs, `totals`, `data_position`: the first problem
-        not trained on, the method's `extra` entries; --keep-checkpoints), <run>/model/ (the policy as a Hugging Face
-        directory) and model-bf16/ (--save-bf16-copy). Every rank calls it; rank 0 writes."""
+        not trained on, pass@k at the start, the method's `extra` entries; --keep-checkpoints), <run>/model/ (the
+        policy as a Hugging Face directory) and model-bf16/ (--save-bf16-copy). Every rank calls it; rank 0 writes."""
         # the sampler's generators: as they were before the first round not trained on (SamplerClient.checkpoint_rng)
         trained, optimizer = self._saved
         self.sampler.gather(self._policy, step)
@@ -345,7 +351,8 @@ class Run:
                 and next(weights.parameters()).dtype == torch.float32 else None)  # model-bf16/ (--save-bf16-copy)
         runlog.save_checkpoint(path, trained, optimizer, step, data_position, dist=self.dist, hf_model=weights,
                                tokenizer=tokenizer, round=round, totals=totals, bf16_state=bf16,
-                               sampler_rng=self.sampler.checkpoint_rng(), keep=self.args.keep_checkpoints, **extra)
+                               sampler_rng=self.sampler.checkpoint_rng(), keep=self.args.keep_checkpoints,
+                               eval_start=eval_start, wall=time.time() - self.logger.start if path else 0.0, **extra)
         if self.dist.is_main:  # what a bf16 server keeps of what was just saved: the summary's `saved:` line
             self.saved = weight_sync.bf16_server_note(self.update_probe, weights, bf16)
 

@@ -93,6 +93,17 @@ class RunLogger:
             shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in clean.items() if isinstance(v, float))
             print(f"[{record['wall']:7.1f}s] step {step}: {shown}")
 
+    def resume_at(self, step: int, wall: float) -> None:
+        """A resumed run's log goes on from its checkpoint: the wall clock from the `wall` seconds it had run, and
+        metrics.jsonl without the rows logged after it (by a run that went on past the checkpoint, then stopped),
+        which the resumed run logs again. (TensorBoard and W&B keep theirs: they show a step's latest value.)"""
+        self.start = time.time() - wall
+        self._jsonl.close()
+        path = self.dir / "metrics.jsonl"
+        kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+        replace_atomically(lambda tmp: Path(tmp).write_text("".join(kept)), path)
+        self._jsonl = open(path, "a")
+
     def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict,
                scored: str = "", saved: str = "") -> str:
         """The end-of-run report, the same shape in every script: this run's line of its paper's

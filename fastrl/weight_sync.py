@@ -143,7 +143,9 @@ class UpdateProbe:
     - charts/push_update_cosine: the cosine between the two updates;
     - charts/push_update_kept: the sampler's update projected on the learner's, over its length (1: the whole
       update on average; a round-to-nearest bf16 cast of small updates keeps a fraction of it).
-    The sampler's starting copy is the start cast to `dtype` by rounding to nearest, as vLLM loads a checkpoint.
+    The sampler's starting copy is the start cast to `dtype` by rounding to nearest, as vLLM loads a checkpoint. From
+    starting weights not exact in `dtype` (an fp32 checkpoint), a stochastic push moves weights the learner barely
+    did (each to the other neighbour): the figures count that too; from a bf16 checkpoint (SmolLM2's) they do not.
     The updates sit in one flat buffer a side (each tensor's a slice of it): observe writes a tensor's slice, and
     metrics() reduces once, not a dozen small operations for each of a model's hundreds of tensors."""
 

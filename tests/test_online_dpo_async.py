@@ -308,7 +308,7 @@ def test_sync_resume_is_exact(tmp_path, sync_run):
     timing = lambda k: k.startswith(("time/", "memory/")) or k in ("wall", "charts/episodes_per_second")  # noqa: E731
     rounds = [[{k: v for k, v in r.items() if not timing(k)} for r in runlog.read_metrics(d) if "charts/reward" in r]
               for d in (sync_run, run)]
-    assert len(rounds[0]) == 3 and len(rounds[1]) == 5 and rounds[0][1:] == rounds[1][3:]
+    assert len(rounds[0]) == len(rounds[1]) == 3 and rounds[0][1:] == rounds[1][1:]  # (rows after it: logged anew)
     assert [r["charts/learning_rate"] for r in rounds[0]] == pytest.approx([1e-4, 1e-4 * 2 / 3, 1e-4 / 3])
     assert rounds[0][2]["charts/pairs"] > 0 and rounds[0][2]["step"] > rounds[0][1]["step"]  # the third round steps
     assert torch.load(first, weights_only=False)["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-4)

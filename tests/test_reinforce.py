@@ -102,11 +102,16 @@ def test_two_rounds_on_the_tiny_model_then_a_resume():
     assert resumed_dir == run_dir and "resumed from" in resumed.stdout and "round 3/3 step 3" in resumed.stdout
     assert "round 1/" not in resumed.stdout and "round 2/" not in resumed.stdout
     again = _rounds(run_dir)
-    assert [r["step"] for r in again] == [1, 2, 3, 3]
+    assert [r["step"] for r in again] == [1, 2, 3]  # the first run's rows after the checkpoint: replaced
     assert torch.load(run_dir / "checkpoint.pt", weights_only=False)["round"] == 3
     untimed = lambda row: {k: v for k, v in row.items()
                           if not k.startswith(("time/", "wall")) and "per_second" not in k}
-    assert untimed(again[3]) == untimed(rounds[2])
+    assert untimed(again[2]) == untimed(rounds[2])
+    assert again[2]["wall"] > again[1]["wall"]  # the run's clock goes on from the checkpoint's
+    # the summary's start is the run's, from the checkpoint: not a second evaluation at the resumed step
+    assert [r["step"] for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r] == [0, 3]
+    start_row = lambda text: next(line for line in text.splitlines() if line.startswith("| start |"))
+    assert start_row(resumed.stdout) == start_row(out.stdout)
 
 
 @pytest.mark.slow
