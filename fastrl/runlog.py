@@ -96,11 +96,18 @@ class RunLogger:
     def resume_at(self, step: int, wall: float) -> None:
         """A resumed run's log goes on from its checkpoint: the wall clock from the `wall` seconds it had run, and
         metrics.jsonl without the rows logged after it (by a run that went on past the checkpoint, then stopped),
-        which the resumed run logs again. (TensorBoard and W&B keep theirs: they show a step's latest value.)"""
+        which the resumed run logs again; they move to metrics.replaced.jsonl. (TensorBoard and W&B keep theirs:
+        they show a step's latest value.)"""
         self.start = time.time() - wall
         self._jsonl.close()
-        path = self.dir / "metrics.jsonl"
-        kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+        path, kept, replaced = self.dir / "metrics.jsonl", [], []
+        for line in path.read_text().splitlines(keepends=True):
+            with contextlib.suppress(ValueError):  # (a line the stopped run left half-written: dropped)
+                (kept if json.loads(line)["step"] <= step else replaced).append(line)
+        if replaced:
+            with open(self.dir / "metrics.replaced.jsonl", "a") as f:
+                f.write("".join(replaced))
+            print(f"metrics.jsonl: {len(replaced)} rows logged after step {step} moved to metrics.replaced.jsonl")
         replace_atomically(lambda tmp: Path(tmp).write_text("".join(kept)), path)
         self._jsonl = open(path, "a")
 

@@ -107,6 +107,8 @@ def test_two_rounds_on_the_tiny_model_then_a_resume():
     untimed = lambda row: {k: v for k, v in row.items()
                           if not k.startswith(("time/", "wall")) and "per_second" not in k}
     assert untimed(again[2]) == untimed(rounds[2])
+    replaced = [json.loads(line) for line in (run_dir / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert [r for r in replaced if "charts/reward" in r] == rounds[2:] and {r["step"] for r in replaced} == {3}
     assert again[2]["wall"] > again[1]["wall"]  # the run's clock goes on from the checkpoint's
     # the summary's start is the run's, from the checkpoint: not a second evaluation at the resumed step
     assert [r["step"] for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r] == [0, 3]
