@@ -717,17 +717,35 @@ class RemoteSampler(WeightPusher):
         and every server's workers: gloo on CPU (servers started with '{"backend": "gloo"}'),
         vLLM's NCCL when the learner has a GPU ('{"backend": "nccl"}',
         vllm/distributed/weight_transfer/nccl_engine.py, the same client protocol). `background`:
-        pushes send from a snapshot copy while training goes on, as Sampler's do. The weights go in the learner's
-        dtype and each server casts them to its own by rounding to nearest (its loader's copy_), so `rounding` other
-        than "nearest" is refused; `probe` then measures what was sent."""
-        if rounding not in ("auto", "nearest") or round_to is not None:
-            raise ValueError(f"--push-rounding {rounding} / --push-round-to: a server (--sampler-url) rounds what "
-                             "it loads itself; use --push-rounding nearest")
+        pushes send from a snapshot copy while training goes on, as Sampler's do. The weights are cast on the
+        learner to the servers' dtype (weight_dtype), by `rounding`, as the local sampler's are (`probe` then
+        measures what the servers hold); where a server does not say its dtype, they go as they are, each server
+        rounds them to nearest (its loader's copy_), and a rounding other than "nearest" is refused."""
+        dtype = self.weight_dtype()
+        if dtype is None and (rounding not in ("auto", "nearest") or round_to is not None):
+            raise ValueError(f"--push-rounding {rounding} / --push-round-to: the server (--sampler-url) does not say "
+                             "its dtype (/server_info) and rounds what it loads itself; use --push-rounding nearest")
         answers = self._call_all("/get_world_size", method="GET")
         self._world_sizes = [int(a["world_size"]) for a in answers]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         self._start_weight_engine(backend, model, background, self.master_address,
-                                  world_size=1 + sum(self._world_sizes), probe=probe)
+                                  world_size=1 + sum(self._world_sizes), dtype=dtype, rounding=rounding, seed=seed,
+                                  probe=probe, round_to=round_to)
+
+    def weight_dtype(self) -> torch.dtype | None:
+        """The servers' weight dtype, their model_config.dtype (/server_info, a VLLM_SERVER_DEV_MODE endpoint:
+        vllm/entrypoints/serve/dev/server_info/api_router.py:43-59); None where a server does not answer it. Servers
+        that disagree are an error: one push is cast for all of them."""
+        try:
+            answers = self._call_all("/server_info", query={"config_format": "json"}, method="GET")
+            names = {str(a["vllm_config"]["model_config"]["dtype"]).removeprefix("torch.") for a in answers}
+        except (SamplerError, KeyError, TypeError):
+            return None
+        if len(names) != 1:
+            raise SamplerError(f"the servers hold their weights in different dtypes ({', '.join(sorted(names))}): "
+                               "start them with the same --dtype")
+        dtype = getattr(torch, names.pop(), None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     def _push_deadline(self) -> float:
         return 3600.0 if self._when_idle else self.push_timeout

@@ -24,7 +24,7 @@ import torch
 
 import common
 from fastrl import runlog
-from fastrl import remote_sampler
+from fastrl import remote_sampler, weight_sync
 import tasks
 from fastrl.vllm_sampler import SamplerError
 from conftest import scratch_dir
@@ -344,7 +344,83 @@ def test_a_script_trains_through_sampler_url(server_url):
     assert all(r["charts/lag_max"] == 0 for r in rounds)  # on-policy at each round's first k-step
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("vllm_server")
+def test_a_push_to_a_server_rounds_on_the_learner_and_measures_what_the_server_holds(server_url, tiny_path, tokenizer):
+    """The server says its dtype (/server_info), so the learner casts the push as the local sampler's: here
+    --push-round-to bfloat16 with stochastic rounding into the fp32 server (refused before: the server rounded what
+    it loaded itself, and the probe measured the fp32 weights sent). The probe sees every weight, and a small update
+    is kept whole on average; the served logprobs are those of the learner's weights as rounded."""
+    model = common.load_policy(tiny_path, "cpu")
+    with torch.no_grad():
+        for p in model.parameters():  # bf16-exact to start with, as released checkpoints are (SmolLM2's, Qwen's)
+            p.copy_(p.to(torch.bfloat16))
+    probe = weight_sync.UpdateProbe(model)
+    with remote_sampler.RemoteSampler([server_url], tiny_path) as sampler:
+        assert sampler.weight_dtype() == torch.float32
+        sampler.init_weight_sync(model, rounding="stochastic", seed=3, probe=probe, round_to=torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():  # a tenth of a bf16 spacing: round to nearest would keep none of it
+                p.add_(p.abs() / 2560)
+        sampler.push_weights(4)
+        kept = sampler.push_metrics()
+        assert kept["charts/push_update_kept"] == pytest.approx(1.0, abs=0.1), kept
+        assert 0.02 < kept["charts/push_changed_fraction"] < 0.15, kept  # 5-10% of them moved, each a spacing
+        rounded = common.load_policy(tiny_path, "cpu")
+        cast = weight_sync.PushCast(torch.float32, "stochastic", seed=3, round_to=torch.bfloat16)
+        cast.begin(4)
+        with torch.no_grad():
+            for (name, p), q in zip(model.named_parameters(), rounded.parameters()):
+                q.copy_(cast(name, p))
+        out = sampler.generate(_prompts(tokenizer, 4), n=2, max_tokens=16, **SAMPLING)
+        diff = _learner_vs_served(rounded, out, tokenizer.pad_token_id)
+        assert diff[_span_mask(out, diff.shape[1], 4)].max() < 1e-4
+
+
 # ---- splitting, against stand-in servers (no vLLM start-up) ----
+
+class _FakeServerInfo(http.server.BaseHTTPRequestHandler):
+    """/server_info?config_format=json answering `dtype` as vLLM's dev endpoint does ("torch.bfloat16"), or 404."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        known = self.server.dtype is not None and self.path.startswith("/server_info")
+        data = json.dumps({"vllm_config": {"model_config": {"dtype": self.server.dtype}}}).encode() if known else b""
+        self.send_response(200 if known else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_servers_dtype_is_what_their_server_info_says_and_must_agree():
+    servers, urls = [], []
+    for dtype in ("torch.bfloat16", "torch.bfloat16", "torch.float32", None):
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeServerInfo))
+        servers[-1].dtype = dtype
+        threading.Thread(target=servers[-1].serve_forever, daemon=True).start()
+        urls.append(f"http://127.0.0.1:{servers[-1].server_address[1]}")
+    try:
+        _check_server_dtypes(urls)
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def _check_server_dtypes(servers: list[str]):
+    with remote_sampler.RemoteSampler(servers[:2], timeout=5) as sampler:
+        assert sampler.weight_dtype() == torch.bfloat16
+    with remote_sampler.RemoteSampler(servers[1:3], timeout=5) as sampler, pytest.raises(SamplerError) as mixed:
+        sampler.weight_dtype()
+    assert "bfloat16, float32" in str(mixed.value) and "--dtype" in str(mixed.value)
+    with remote_sampler.RemoteSampler(servers[3:], timeout=5) as sampler:
+        assert sampler.weight_dtype() is None  # (no dev endpoint: the server rounds what it loads; nearest only)
+        with pytest.raises(ValueError, match="--push-rounding stochastic"):
+            sampler.init_weight_sync(torch.nn.Linear(2, 2), rounding="stochastic")
 
 class _FakeGenerate(http.server.BaseHTTPRequestHandler):
     """/inference/v1/generate answering n choices of two tokens after `delay` seconds, recording
