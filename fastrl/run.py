@@ -225,9 +225,7 @@ class Run:
         self.sampler = SamplerClient(engine, self.dist)
         util.set_seed(args.seed)
         launch.limit_cpu_threads()
-        self.logger = distributed.NullLogger()
-        self.update_probe = None
-        self.memory: dict = {}
+        self.logger, self.update_probe, self.memory = distributed.NullLogger(), None, {}
         self.scored = ""  # which weights the last pass@k scored (the sampler's copy: its precision, its rounding)
         self.saved = ""  # what a bf16 server would keep of the saved float32 model (weight_sync.bf16_server_note)
         self._warned: list = []  # the logprob_diff warning, once
