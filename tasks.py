@@ -14,8 +14,8 @@ chat template or not), a reward model's scores (RewardModel) and held-out pass@k
   completion without `#### n` scores 0; loose: it falls back to its last number).
 
 Held-out problems do not depend on the seed (HELD_OUT_SEED): runs on different seeds are evaluated on the same test
-problems, so an average over seeds is over one test set; only the train problems (their choice or order) follow the
-seed.
+problems, so an average over seeds is over one test set; only the train problems (their choice, or their order where
+it is drawn) follow the seed.
 
 Scoring is safe and bounded: arithmetic is evaluated with `ast` and exact fractions (no `eval`), and every reward
 runs in time linear in the completion.
@@ -118,7 +118,7 @@ def countdown_reward(completion: str, numbers: list[int], target: int,
 
 
 # a number as GSM8K writes them: commas only as thousands separators ("1,234"; "1,5" is two numbers)
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+"
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
 GSM8K_PROMPT = "[MATH_TASK] Problem:\n{}\n\nSolution:"  # async_rlhf's GSM8k_PROMPT, "from realtreetune"
 _MARKED_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
@@ -413,10 +413,10 @@ def answer_matches(completion: str, answer: str) -> bool:
     predicted = final_answer(completion)
     if predicted is None:
         return False
-    try:
-        return float(predicted.replace(",", "")) == float(str(answer).replace(",", "").strip())
-    except ValueError:
-        return predicted.strip().lower() == str(answer).strip().lower()
+    numbers = [_NUMBER_RE.fullmatch(str(x).strip()) for x in (predicted, answer)]
+    if all(numbers):  # "1,234" or "18.00"; not "1,5" (two numbers) nor "1_0" (float's)
+        return float(numbers[0][0].replace(",", "")) == float(numbers[1][0].replace(",", ""))
+    return predicted.strip().lower() == str(answer).strip().lower()
 
 
 def load_reward(spec: str):
@@ -705,8 +705,8 @@ def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, sample
     held-out problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
     weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
     progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
-    if num_problems is None:
-        num_problems = len(task.test)
+    if hasattr(task, "test"):  # a fixed split: each problem once, not wrapped around (None: all of them)
+        num_problems = min(num_problems or len(task.test), len(task.test))
     problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)],
                                           max_prompt_tokens, chat_template)
     ids = sampler.submit(prompts, n=samples_per_problem, **sampling)
@@ -786,7 +786,7 @@ class ShuffledTrainProblems(TrainProblems):
     order, as the authors' DataLoader(shuffle=True)."""
 
     def problem(self, position: int) -> Problem:
-        size = len(self.task.train) if isinstance(self.task, ListTask) else None  # a fixed split: epochs
+        size = len(self.task.train) if isinstance(getattr(self.task, "task", self.task), ListTask) else None  # epochs
         return self.task.problem("train", train_index(position, size, self.args.seed, self.args.shuffle_train))
 
 

@@ -63,6 +63,7 @@ def test_safe_arithmetic_rejects_names_and_calls():
         ("\u221218 degrees", "#### -18", 0.0, 1.0),
         ("\u221218 degrees", "#### 18", 0.0, 0.0),
         ("1,5", "#### 15", 0.0, 0.0),  # a comma only separates thousands
+        ("#### 1,2345", "#### 1,234", 0.0, 0.0),  # ... of whole groups: not 1,234 and a stray 5
         ("so #### 18 ####", "#### 18", 1.0, 1.0),  # a trailing marker does not drop the answer
         ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0, 1.0),  # text after the answer is not the answer
         ("#### $1,000,000", "#### 1000000", 1.0, 1.0),
@@ -256,9 +257,49 @@ def test_a_round_reads_on_past_long_prompts_and_counts_them(tokenizer):
     kept, _, skipped = shuffled.take(8)  # the first epoch's permutation holds the 8 that fit once each
     assert sorted(p.prompt for p in kept) == sorted(p.prompt for p in train if p.prompt != long)
     assert skipped == shuffled.position - 8 <= 4
+    # a task behind --system-prompt or --reward (Customised) is a fixed split too: a new order every epoch
+    customised, shuffle = tasks.Customised(task, system="s"), SimpleNamespace(**vars(args) | dict(shuffle_train=True))
+    epochs = [[p.prompt for p in ShuffledTrainProblems(customised, tokenizer, shuffle, epoch * 12).take(8)[0]]
+              for epoch in (0, 1)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) and epochs[0] != epochs[1]
+    assert epochs[0] == [p.prompt for p in kept]  # the wrapped task's order is the task's own
     task.train = [Problem(prompt=long, answer="5")] * 1999 + [Problem(prompt="1 + 1 =", answer="2")]
     with pytest.raises(SystemExit, match="^error: --max-prompt-tokens: 1020 training prompts too long"):
         TrainProblems(task, tokenizer, args, 0).take(2)
+
+
+def test_an_answer_is_a_number_only_as_a_number_is_written():
+    """A reference answer matches a number written as one ("1,234", "18.00"), not digits a comma or an underscore
+    joins ("1,5" is two numbers; float() reads "1_0" as 10); text answers compare as text."""
+    matches = [("<answer>1,5</answer>", "15", False), ("<answer>1_0</answer>", "10", False),
+               ("so 1,234", "1234", True), ("<answer>18.00</answer>", "18", True), ("x = -3", "-3", True),
+               ("<answer>Paris</answer>", "paris", True), ("<answer>17</answer>", "18", False)]
+    assert [tasks.answer_matches(c, a) for c, a, _ in matches] == [m for _, _, m in matches]
+
+
+def test_evaluation_scores_each_held_out_problem_once(tokenizer):
+    """--eval-problems past a fixed split's size scores its problems once each (wrapped around, some counted twice:
+    a biased mean) and says how many; None: all of them."""
+    from types import SimpleNamespace
+
+    from tasks import ListTask, Problem
+
+    test = [Problem(prompt=f"{i} + 1 =", answer=str(i + 1)) for i in range(4)]
+    task = ListTask(train=test, test=test, name="list", reward_fn=lambda c, p: float(c == p.answer))
+    asked = []
+
+    class Sampler:  # each problem's samples: "1" (right for problem 0 only)
+        def submit(self, prompts, n, **sampling):
+            asked.extend(prompts)
+            return list(range(len(prompts) * n))
+
+        def wait_for(self, ids):
+            return [SimpleNamespace(text="1") for _ in ids]
+
+    for num_problems in (10, None):
+        asked.clear()
+        scores = tasks.evaluate(Sampler(), task, tokenizer, num_problems, 2, 64)
+        assert len(asked) == 4 and scores["eval/problems"] == 4 and scores["eval/pass@1"] == 0.25, scores
 
 
 def test_last_answer_pairs_tags_like_tinyzeros_regex():
