@@ -1,10 +1,10 @@
 """REINFORCE with a mean baseline, the script to read first. Each round samples a group of responses to each of a few
 prompts, scores them, takes one step on -A * sum_t log pi(y_t | x, y_<t) (A: the reward minus its group's mean) and
 pushes the weights to the sampler, which samples the next round with them. Each method script adds its idea to it:
-- rloo_kreuse.py: the leave-one-out baseline, and K gradient steps per round on one batch, importance-weighted;
+- rloo_kreuse.py: the leave-one-out baseline, K importance-weighted steps per round on one batch, a KL penalty;
 - online_dpo_async.py: preference pairs (a group's best and worst) and the one-step-off overlap;
-- pipeline_rl.py: in-flight weight pushes, after every step, and the lag they give;
-- ppo_oppo.py: a critic, and OPPO's streaming of the actor's chunks to the other models.
+- pipeline_rl.py: in-flight weight pushes after every step, the lag they give, truncated IS and the ESS guard;
+- ppo_oppo.py: a critic, and OPPO's two overlaps: the next round's prompts carried over, the chunks streamed.
 
     python examples/reinforce.py [--model smollm2]  # the built-in tiny model, or SmolLM2-135M-Instruct (CPU)
 """
