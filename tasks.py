@@ -118,7 +118,7 @@ def countdown_reward(completion: str, numbers: list[int], target: int,
 
 
 # a number as GSM8K writes them: commas only as thousands separators ("1,234"; "1,5" is two numbers)
-_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+"
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!,?\d)|\d+)(?:\.\d+)?|-?\.\d+"
 _NUMBER_RE = re.compile(_NUMBER)
 GSM8K_PROMPT = "[MATH_TASK] Problem:\n{}\n\nSolution:"  # async_rlhf's GSM8k_PROMPT, "from realtreetune"
 _MARKED_RE = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
@@ -413,8 +413,8 @@ def answer_matches(completion: str, answer: str) -> bool:
     predicted = final_answer(completion)
     if predicted is None:
         return False
-    numbers = [_NUMBER_RE.fullmatch(str(x).strip()) for x in (predicted, answer)]
-    if all(numbers):  # "1,234" or "18.00"; not "1,5" (two numbers) nor "1_0" (float's)
+    numbers = [_NUMBER_RE.fullmatch(str(x).strip().removeprefix("+").removesuffix(".")) for x in (predicted, answer)]
+    if all(numbers):  # "1,234", "18.00", "+5", "18."; not "1,5" (two numbers) nor "1_0" (float's)
         return float(numbers[0][0].replace(",", "")) == float(numbers[1][0].replace(",", ""))
     return predicted.strip().lower() == str(answer).strip().lower()
 

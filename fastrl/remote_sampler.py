@@ -725,6 +725,9 @@ class RemoteSampler(WeightPusher):
         if dtype is None and (rounding not in ("auto", "nearest") or round_to is not None):
             raise ValueError(f"--push-rounding {rounding} / --push-round-to: the server (--sampler-url) does not say "
                              "its dtype (/server_info) and rounds what it loads itself; use --push-rounding nearest")
+        if dtype is None:
+            print("note: the server does not say its dtype (/server_info): it rounds the pushed weights to nearest "
+                  "itself, and charts/push_* measure what was sent")
         answers = self._call_all("/get_world_size", method="GET")
         self._world_sizes = [int(a["world_size"]) for a in answers]
         backend = "nccl" if torch.cuda.is_available() else "gloo"

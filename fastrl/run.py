@@ -8,14 +8,14 @@ scripts share. A script's main() reads
         policy = run.learner_model(load(...))    # the model whose weights the sampler gets
         optimizer = Adam(policy.parameters())
         start = run.resume(policy, optimizer)    # the run directory; a checkpoint's weights, Adam, RNGs, counters
-        eval_start = run.log(start.step, evaluate())
+        eval_start = start.eval_start or run.log(start.step, evaluate())  # (a resumed run's: its checkpoint's)
         for round_index in range(start.round, args.num_rounds):
             request = sampler.generate(prompts, n=..., temperature=..., top_p=..., max_tokens=...)
             samples, seconds = sampler.wait(request)
             ... the method: reward, advantage, update ...
             pushed = sampler.push(policy, step)
             run.log(step, metrics | pushed, round=round_index + 1)
-            if args.save_every and ...: run.save(step, round_index + 1, data_position, totals)
+            if args.save_every and ...: run.save(step, round_index + 1, data_position, totals, eval_start=eval_start)
         eval_end = run.log(step, evaluate())
     run.report(title, columns, totals, step, eval_start, eval_end)  # the summary table
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Any, Callable, Literal
 
 import torch
@@ -228,8 +227,7 @@ class Run:
         self.logger, self.update_probe, self.memory = distributed.NullLogger(), None, {}
         self.scored = ""  # which weights the last pass@k scored (the sampler's copy: its precision, its rounding)
         self.saved = ""  # what a bf16 server would keep of the saved float32 model (weight_sync.bf16_server_note)
-        self._warned: list = []  # the logprob_diff warning, once
-        self._no_signal: dict = {}  # warn_no_learning's streaks
+        self._warned, self._no_signal = [], {}  # the logprob_diff warning, once; warn_no_learning's streaks
         self._served = dict(save_every=0, snapshot_every=0, eval_every=0)  # (log: a flag no line of the loop serves)
         self._progress, self._first_round = None, None  # (the first round this process logs)
 
@@ -283,8 +281,9 @@ class Run:
             self.sampler.gather(policy, state["step"])  # the sampler starts from the resumed weights
             print(f"resumed from {args.resume}: round {state['round']}, step {state['step']}")
             start = Resumed(state["round"], state["step"], state["data_position"], state.get("sampler_rng"),
-                            start.totals | state["totals"], {k: state[k] for k in extra}, state.get("eval_start"))
-            self.logger.resume_at(start.step, state.get("wall", 0.0))  # (its log and its clock go on from there)
+                            start.totals | state["totals"], {k: state[k] for k in extra},
+                            None if args.resume_changes else state.get("eval_start"))  # (changed: measured again)
+            self.logger.resume_at(start.step, state.get("wall", 0.0), state.get("log_bytes"))  # (log, clock go on)
             self.sampler.rng_to_restore = start.sampler_rng  # (at its first generate(), after the start's evaluation)
         if dist.is_main:
             launch.connect_weights(self.sampler.engine, self.sampler.weights, version=start.step,
@@ -350,7 +349,7 @@ class Run:
         runlog.save_checkpoint(path, trained, optimizer, step, data_position, dist=self.dist, hf_model=weights,
                                tokenizer=tokenizer, round=round, totals=totals, bf16_state=bf16,
                                sampler_rng=self.sampler.checkpoint_rng(), keep=self.args.keep_checkpoints,
-                               eval_start=eval_start, wall=time.time() - self.logger.start if path else 0.0, **extra)
+                               eval_start=eval_start, **(self.logger.position() if path else {}), **extra)
         if self.dist.is_main:  # what a bf16 server keeps of what was just saved: the summary's `saved:` line
             self.saved = weight_sync.bf16_server_note(self.update_probe, weights, bf16)
 

@@ -93,22 +93,33 @@ class RunLogger:
             shown = " ".join(f"{k.split('/')[-1]}={v:.4g}" for k, v in clean.items() if isinstance(v, float))
             print(f"[{record['wall']:7.1f}s] step {step}: {shown}")
 
-    def resume_at(self, step: int, wall: float) -> None:
-        """A resumed run's log goes on from its checkpoint: the wall clock from the `wall` seconds it had run, and
-        metrics.jsonl without the rows logged after it (by a run that went on past the checkpoint, then stopped),
-        which the resumed run logs again; they move to metrics.replaced.jsonl. (TensorBoard and W&B keep theirs:
-        they show a step's latest value.)"""
+    def position(self) -> dict:
+        """Where the log stands, for a checkpoint: the seconds the run has run and metrics.jsonl's length in bytes."""
+        self._jsonl.flush()
+        return dict(wall=time.time() - self.start, log_bytes=(self.dir / "metrics.jsonl").stat().st_size)
+
+    def resume_at(self, step: int, wall: float, log_bytes: int | None = None) -> None:
+        """A resumed run's log goes on from its checkpoint (position()'s): the wall clock from the `wall` seconds it
+        had run, and metrics.jsonl as it was then (its first `log_bytes` bytes; from a checkpoint without them, the
+        rows up to its `step`). What a run logged after it (it went on, then stopped) moves to metrics.replaced.jsonl,
+        and the resumed run logs those steps anew. (TensorBoard and W&B keep theirs: they show a step's latest.)"""
         self.start = time.time() - wall
         self._jsonl.close()
-        path, kept, replaced = self.dir / "metrics.jsonl", [], []
-        for line in path.read_text().splitlines(keepends=True):
-            with contextlib.suppress(ValueError):  # (a line the stopped run left half-written: dropped)
-                (kept if json.loads(line)["step"] <= step else replaced).append(line)
-        if replaced:
-            with open(self.dir / "metrics.replaced.jsonl", "a") as f:
-                f.write("".join(replaced))
-            print(f"metrics.jsonl: {len(replaced)} rows logged after step {step} moved to metrics.replaced.jsonl")
-        replace_atomically(lambda tmp: Path(tmp).write_text("".join(kept)), path)
+        path = self.dir / "metrics.jsonl"
+        data, cut = path.read_bytes(), log_bytes
+        if cut is None:  # the rows up to the first logged past `step`, or one that does not read as a row
+            cut = 0
+            for line in data.splitlines(keepends=True):
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    if json.loads(line)["step"] <= step:
+                        cut += len(line)
+                        continue
+                break
+        if rows := data[cut:].count(b"\n"):
+            with open(self.dir / "metrics.replaced.jsonl", "ab") as f:
+                f.write(data[cut:])
+            print(f"metrics.jsonl: {rows} rows logged after the checkpoint moved to metrics.replaced.jsonl")
+        replace_atomically(lambda tmp: Path(tmp).write_bytes(data[:cut]), path)
         self._jsonl = open(path, "a")
 
     def report(self, step: int, title: str, row: dict[str, Any], eval_start: dict, eval_end: dict, memory: dict,

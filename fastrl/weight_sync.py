@@ -317,7 +317,7 @@ class PushCast:
             if where not in self._scratch:
                 self._scratch[where] = torch.empty(SCRATCH_WORDS, dtype=torch.int32, device=tensor.device)
             if where not in self._pools:  # (a stream's own draws: seeded apart from the others')
-                seed = rounding_seed(self.seed, self.version) + 7919 * len(self._pools)
+                seed = rounding_seed(self.seed, self.version) ^ len(self._pools) << 48
                 self._pools[where] = NoisePool(seed, tensor.device)
             sent = stochastic_round_bf16(tensor, None, scratch=self._scratch[where], out=into,
                                          noise=self._pools[where].take(tensor.numel()))

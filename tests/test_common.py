@@ -159,6 +159,34 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
             and inits[1]["resume"] == "allow")
 
 
+def test_a_resumed_log_goes_on_from_where_its_checkpoint_left_it(tmp_path, capsys):
+    """RunLogger.resume_at: metrics.jsonl as it was at the checkpoint (position()), the rows logged after it, at its
+    own step too (a skipped batch, the end's evaluation), moved to metrics.replaced.jsonl, and the clock from the
+    checkpoint's; from a checkpoint without a position, the rows up to its step, stopping at a line that is no row."""
+    from types import SimpleNamespace
+
+    log = runlog.RunLogger("run", SimpleNamespace(resume=None, seed=1), root=str(tmp_path))
+    log.log(1, {"charts/reward": 0.1}, echo=False)
+    log.log(2, {"charts/reward": 0.2}, echo=False)
+    saved = log.position()
+    log.log(2, {"charts/skipped_steps": 1.0}, echo=False)  # after the save, at its step
+    log.log(3, {"charts/reward": 0.3}, echo=False)
+    log.close()
+    again = runlog.RunLogger("run", SimpleNamespace(resume=str(log.dir / "checkpoint.pt"), seed=1))
+    again.resume_at(2, wall=100.0, log_bytes=saved["log_bytes"])
+    again.log(3, {"charts/reward": 0.4}, echo=False)
+    again.close()
+    rows = runlog.read_metrics(log.dir)
+    assert [(r["step"], r.get("charts/reward")) for r in rows] == [(1, 0.1), (2, 0.2), (3, 0.4)]
+    assert rows[2]["wall"] >= 100.0 and saved["wall"] < 100.0
+    replaced = [json.loads(line) for line in (log.dir / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in replaced] == [2, 3] and "2 rows logged after the checkpoint" in capsys.readouterr().out
+    (log.dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n[1]\n{"step": 3}\n')  # an older checkpoint's
+    runlog.RunLogger("run", SimpleNamespace(resume=str(log.dir), seed=1)).resume_at(3, wall=0.0)
+    assert [r["step"] for r in runlog.read_metrics(log.dir)] == [1, 2]
+    assert (log.dir / "metrics.replaced.jsonl").read_text().endswith('[1]\n{"step": 3}\n')
+
+
 def test_a_sampler_at_the_wrong_version_is_one_line():
     from types import SimpleNamespace
 

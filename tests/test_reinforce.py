@@ -114,6 +114,11 @@ def test_two_rounds_on_the_tiny_model_then_a_resume():
     assert [r["step"] for r in runlog.read_metrics(run_dir) if "eval/pass@1" in r] == [0, 3]
     start_row = lambda text: next(line for line in text.splitlines() if line.startswith("| start |"))
     assert start_row(resumed.stdout) == start_row(out.stdout)
+    # a resume that changes a flag measures its start again (the saved one would be another measurement, here without
+    # the pass@4 that 4 samples a problem give)
+    changed, _ = _run("--num-rounds", "3", "--resume", str(run_dir / "checkpoints" / "2.pt"), "--resume-changes",
+                      "--eval-samples", "4")
+    assert "| model | pass@1 | pass@2 | pass@4 |" in changed.stdout and start_row(changed.stdout).count("|") == 5
 
 
 @pytest.mark.slow

@@ -64,6 +64,7 @@ def test_safe_arithmetic_rejects_names_and_calls():
         ("\u221218 degrees", "#### 18", 0.0, 0.0),
         ("1,5", "#### 15", 0.0, 0.0),  # a comma only separates thousands
         ("#### 1,2345", "#### 1,234", 0.0, 0.0),  # ... of whole groups: not 1,234 and a stray 5
+        ("#### 1,234,5678", "#### 1,234", 0.0, 0.0),  # ... every one of them
         ("so #### 18 ####", "#### 18", 1.0, 1.0),  # a trailing marker does not drop the answer
         ("#### 18\n\nQuestion: 5 apples", "#### 18", 1.0, 1.0),  # text after the answer is not the answer
         ("#### $1,000,000", "#### 1000000", 1.0, 1.0),
@@ -273,7 +274,8 @@ def test_an_answer_is_a_number_only_as_a_number_is_written():
     joins ("1,5" is two numbers; float() reads "1_0" as 10); text answers compare as text."""
     matches = [("<answer>1,5</answer>", "15", False), ("<answer>1_0</answer>", "10", False),
                ("so 1,234", "1234", True), ("<answer>18.00</answer>", "18", True), ("x = -3", "-3", True),
-               ("<answer>Paris</answer>", "paris", True), ("<answer>17</answer>", "18", False)]
+               ("<answer>Paris</answer>", "paris", True), ("<answer>17</answer>", "18", False),
+               ("<answer>+5</answer>", "5", True), ("<answer>18.</answer>", "18", True)]
     assert [tasks.answer_matches(c, a) for c, a, _ in matches] == [m for _, _, m in matches]
 
 
