@@ -701,10 +701,10 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
 
 def evaluate(sampler: Sampler, task, tokenizer, num_problems: int | None, samples_per_problem: int,
              max_prompt_tokens: int, chat_template: bool = False, **sampling) -> dict[str, float]:
-    """pass@k for every k the samples allow (eval_ks: 1, 2, 4, ... and samples_per_problem) on the first `num_problems`
-    held-out problems (None: the whole test split of a fixed dataset), sampling with the sampler's current
-    weights and `sampling` (temperature=0 is greedy pass@1, as the GSM8K evaluations report). Shows its
-    progress (Progress): all samples are asked for at once, and waited for in twenty parts."""
+    """pass@k for every k the samples allow (eval_ks) on the first `num_problems` held-out problems (None: a fixed
+    dataset's whole test split), sampled with `sampling` (temperature=0: greedy pass@1, as GSM8K's evaluations) by the
+    sampler's weights once a push in flight has landed; all asked for at once, waited for in twenty parts (Progress)."""
+    getattr(sampler, "wait_for_push", lambda: None)()  # (PipelineRL's background push: one version scores them all)
     if hasattr(task, "test"):  # a fixed split: each problem once, not wrapped around (None: all of them)
         num_problems = min(num_problems or len(task.test), len(task.test))
     problems, prompts, _ = encode_prompts(tokenizer, [task.problem("test", i) for i in range(num_problems)],

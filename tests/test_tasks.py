@@ -291,7 +291,11 @@ def test_evaluation_scores_each_held_out_problem_once(tokenizer):
     asked = []
 
     class Sampler:  # each problem's samples: "1" (right for problem 0 only)
+        def wait_for_push(self):  # (a push in flight lands before the evaluation asks: one policy version)
+            asked.append("push landed")
+
         def submit(self, prompts, n, **sampling):
+            assert asked == ["push landed"]
             asked.extend(prompts)
             return list(range(len(prompts) * n))
 
@@ -301,7 +305,7 @@ def test_evaluation_scores_each_held_out_problem_once(tokenizer):
     for num_problems in (10, None):
         asked.clear()
         scores = tasks.evaluate(Sampler(), task, tokenizer, num_problems, 2, 64)
-        assert len(asked) == 4 and scores["eval/problems"] == 4 and scores["eval/pass@1"] == 0.25, scores
+        assert len(asked) == 5 and scores["eval/problems"] == 4 and scores["eval/pass@1"] == 0.25, scores
 
 
 def test_last_answer_pairs_tags_like_tinyzeros_regex():
