@@ -78,7 +78,8 @@ class Args(RunArgs):
     """training-inference mismatch correction (truncated importance sampling): auto = on whenever the sampler's
     numbers differ from the learner's (a sampler not in fp32, the GPU default; a bf16 learner; bf16-rounded pushes),
     as TRL 1.16's GRPOTrainer by default. On: log pi_theta0 is the learner's own recomputation, the sampler's logprobs
-    enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level (docs/defaults.md); not --overlap"""
+    enter only the weight min(pi_learner / pi_sampler, --tis-cap) at --tis-level (docs/defaults.md); --overlap: the
+    learner's weights at the round's start (decoupled, as ppo_oppo's: the round's staleness in that weight too)"""
     tis_cap: float = 2.0
     """C, the truncated importance weight's cap (verl's rollout_is_threshold 2.0; TRL 1.16's GRPOTrainer zeroes a
     weight above its vllm_importance_sampling_clip_max 3.0 instead)"""
@@ -97,10 +98,9 @@ class Args(RunArgs):
             (self.iw_clip is None or self.iw_clip > 0, "--iw-clip", "must be > 0"),
             (self.ppo_clip is None or 0 < self.ppo_clip < 1, "--ppo-clip", "must be in (0, 1)"),
             (not (self.recompute_old_logprobs and self.overlap), "--recompute-old-logprobs",
-             "cannot be combined with --overlap: the learner no longer holds the sampling weights"),
+             "cannot be combined with --overlap: the learner no longer holds the sampling weights (--tis on: the "
+             "round's start, its staleness in the truncated weight)"),
             (self.tis_cap >= 1, "--tis-cap", f"must be >= 1, got {self.tis_cap}"),
-            (not (self.tis == "on" and self.overlap), "--tis",
-             "on cannot be combined with --overlap: the learner no longer holds the sampling weights"),
         ]:
             if not ok:  # one line naming the flag, before any process starts
                 raise SystemExit(f"error: {flag}: {message}")
@@ -247,9 +247,7 @@ def load_models(args: Args, run: Run, model_path: str):
 def main():
     args = checks.parse_args(Args, paper=PAPER, smollm2=SMOLLM2)  # on --resume: the saved run's flags
     run = Run(args, memory_plan.GROUPS, overlapped=args.overlap)  # P x G
-    tis_on = not args.overlap and checks.tis_applies(args, args.tis)  # (--overlap: no sampling weights to recompute)
-    if args.overlap and args.tis == "auto" and checks.tis_applies(args):
-        print("note: --overlap with a sampler whose precision differs from the learner's: K-reuse's weights include it")
+    tis_on = checks.tis_applies(args, args.tis)  # (--overlap: pi_theta0 is the round's start, a proximal policy)
     recompute_old_logprobs = args.recompute_old_logprobs or tis_on  # pi_theta0 at the learner's precision
     with run:  # the sampler closes however this ends
         tokenizer, task, evaluate = tasks.load(args, run.model_path, run.sampler.engine)  # evaluate: its Table 4
@@ -285,7 +283,7 @@ def main():
             batch.ref_logp = None if ref_policy is None else batch.logprobs(ref_policy, args)
             k1_shaped = args.kl_estimator == "k1" and ref_policy is not None  # reward r - kl_coef * sum_t log pi/pi_ref
             # log pi_theta0: the sampler's, or the learner's own (--tis, --recompute-old-logprobs): k-step 1's forward
-            # (at the sampling weights) writes it, unless k1's penalty needs it before, which takes a pass of its own
+            # (the sampling weights; --overlap: the round's start) writes it, unless k1's penalty needs it before
             batch.old_logp, batch.tis_on = batch.sampler_logp, tis_on
             if recompute_old_logprobs:
                 batch.theta0_from_forward = not k1_shaped

@@ -256,6 +256,23 @@ def test_overlap_mode_runs_one_round_off_policy():
     assert any(not torch.equal(snapshots[0]["model"][k], v) for k, v in trained.items())
 
 
+@pytest.mark.slow
+def test_overlap_with_a_bf16_sampler_corrects_the_mismatch_against_the_rounds_start():
+    """--overlap with a sampler whose precision differs (bf16 on CPU: the GPU's split): --tis auto is on and
+    pi_theta0 is the learner's weights at the round's start (decoupled, as ppo_oppo's), so k-step 1's K-reuse weight is
+    1 and the truncated weight min(pi_learner / pi_sampler, 2) carries both the precision and the round's staleness."""
+    out = _run("--exp-name", "pytest_rloo_overlap_bf16", "--k", "2", "--num-prompts", "4", "--group-size", "2",
+               "--num-rounds", "3", "--overlap", "--sampler-dtype", "bfloat16", "--eval-problems", "4",
+               "--eval-samples", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [r for r in runlog.read_metrics(WORK / out.stdout.split("run directory: ")[1].split()[0])
+            if "charts/reward" in r]
+    assert [r["charts/lag_max"] for r in rows] == [0, 2, 2]  # rounds 2 and 3 sampled a round (K=2 steps) earlier
+    for r in rows:
+        assert r["charts/iw_mean_k1"] == pytest.approx(1.0, abs=1e-4), r  # pi_theta0: the learner at k-step 1
+        assert r["charts/tis_max_ratio"] > 1.0 and 0.0 <= r["charts/tis_truncated_fraction"] <= 1.0, r
+
+
 class _Loaded(Exception):
     pass
 
@@ -284,7 +301,6 @@ def test_the_reference_model_is_loaded_only_when_a_term_uses_it(monkeypatch, tin
                                          (["--overlap", "--recompute-old-logprobs"], "--recompute-old-logprobs"),
                                          (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
                                          (["--tis-cap", "0.5"], "--tis-cap"),
-                                         (["--tis", "on", "--overlap"], "--tis"),
                                          (["--snapshot-every", "-1"], "--snapshot-every"),
                                          (["--model", "/no/such/model"], "--model"),
                                          (["--model", "./my-checkpoint"], "--model"),
