@@ -323,7 +323,7 @@ def test_a_bad_flag_is_one_line_on_the_command_line():
 
 @pytest.mark.parametrize("fields, flag",
                          [(dict(k=0), "--k"), (dict(group_size=1), "--group-size"), (dict(iw_clip=0.0), "--iw-clip"),
-                                          (dict(ppo_clip=1.0), "--ppo-clip"), (dict(tis="on", overlap=True), "--tis"),
+                                          (dict(ppo_clip=1.0), "--ppo-clip"), (dict(tis_cap=0.5), "--tis-cap"),
                                           (dict(sampler_url=["localhost:8000"]), "--sampler-url")])
 def test_flag_checks_live_with_the_flags(fields, flag):
     """Args checks its own values when it is made (the parser makes it), one line naming the flag."""
