@@ -786,7 +786,7 @@ class ShuffledTrainProblems(TrainProblems):
     order, as the authors' DataLoader(shuffle=True)."""
 
     def problem(self, position: int) -> Problem:
-        size = len(self.task.train) if isinstance(getattr(self.task, "task", self.task), ListTask) else None  # epochs
+        size = len(self.task.train) if hasattr(self.task, "train") else None  # a fixed split (Customised's too): epochs
         return self.task.problem("train", train_index(position, size, self.args.seed, self.args.shuffle_train))
 
 

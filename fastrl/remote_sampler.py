@@ -722,10 +722,11 @@ class RemoteSampler(WeightPusher):
         measures what the servers hold); where a server does not say its dtype, they go as they are, each server
         rounds them to nearest (its loader's copy_), and a rounding other than "nearest" is refused."""
         dtype = self.weight_dtype()
-        if dtype is None and (rounding not in ("auto", "nearest") or round_to is not None):
-            raise ValueError(f"--push-rounding {rounding} / --push-round-to: the server (--sampler-url) does not say "
-                             "its dtype (/server_info) and rounds what it loads itself; use --push-rounding nearest")
-        if dtype is None:
+        if dtype is None:  # the server rounds what it loads itself
+            if rounding not in ("auto", "nearest") or round_to is not None:
+                raise ValueError(f"--push-rounding {rounding} / --push-round-to: the server (--sampler-url) does not "
+                                 "say its dtype (/server_info) and rounds what it loads itself; use --push-rounding "
+                                 "nearest")
             print("note: the server does not say its dtype (/server_info): it rounds the pushed weights to nearest "
                   "itself, and charts/push_* measure what was sent")
         answers = self._call_all("/get_world_size", method="GET")
