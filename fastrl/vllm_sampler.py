@@ -317,9 +317,11 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
     `tmpdir`, which the learner removes when the sampler ends, however it ends (vLLM's
     single-process executor rendezvous through a file, vllm/utils/network_utils.py
     get_file_store_init_method, that only a clean process-group teardown would delete)."""
+    import gc
     import tempfile
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # first: close() may stop us while we still import vLLM
+    gc.disable()  # until the engine is built: collections over vLLM's import cost ~1 s of every start (SamplerServer)
     os.environ["TMPDIR"] = tempfile.tempdir = tmpdir
     os.environ.update(sampler_environment(cuda_device))
     for name, value in {**SAMPLER_ENV_DEFAULTS, "OMP_NUM_THREADS": str(config.threads),
@@ -412,6 +414,7 @@ class SamplerServer:
                 "shutdown": "shutdown"}
 
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
+        import gc
         import logging
 
         from vllm import EngineArgs, LLMEngine
@@ -432,9 +435,14 @@ class SamplerServer:
         # pushed) and a tied lm_head (its weight arrives as embed_tokens'). Any other is a failed push:
         # weights_finish raises it (gloo_transfer.weights_not_loaded), and the message stays visible.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_expected_reload_message)
+        # the imports' objects set aside from the collector, as vLLM sets its own aside after the build (v1/engine/
+        # core.py:253, utils/gc_utils.py:120 freeze_gc_heap): its gc.collect() calls while loading the model
+        # (model_loader/base_loader.py:92, 112) then scan what the build makes, not every imported object (~0.7 s)
+        gc.freeze()
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             **engine_settings(config, config.placement),
             weight_transfer_config=WeightTransferConfig(backend=weight_backend(config.placement))))
+        gc.enable()
         self.conn, self.parent_pid, self.outbox = conn, parent_pid, outbox
         self.paused = self.updating = False
         self.streaming: dict[str, list] = {}  # request id -> [chunk size, tokens, logprobs, tokens sent, text pieces]
