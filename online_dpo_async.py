@@ -391,7 +391,6 @@ def main():
                 "time/step_seconds": time.perf_counter() - wait_start, **pushed, **common.throughput(totals, step),
                 **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}),
             }
-            run.warn_logprob_diff(logprob_diff)  # (a NaN: not measured this round)
             run.log(step, metrics, round=round_index + 1, show=("charts/pairs", "losses/dpo_accuracy"))
 
             # ---- after the round: the curve's weights, pass@k, the checkpoint ----

@@ -633,7 +633,6 @@ def main():
                 "time/train_seconds": train_seconds, **pushed, **common.throughput(totals, step),
                 **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
             }
-            run.warn_logprob_diff(logprob_diff)
             if round_index == start.round:  # what the model really sees (chat template, special tokens) and writes
                 print(f"sample: {tokenizer.decode(batch[0].tokens)!r}")
             run.log(step, metrics, round=round_index + 1, show=("losses/value", "charts/delta", "charts/carried_over"))

@@ -363,7 +363,6 @@ def main():
                 **{f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)},
                 **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}, **common.throughput(totals, step),
             }
-            run.warn_logprob_diff(logprob_diff)  # (a NaN: not measured this round)
             run.log(step, metrics, round=round_index + 1, show=("charts/ess", f"charts/iw_mean_k{args.k}"))
 
             # ---- after the round: the curve's weights, pass@k, the checkpoint ----

@@ -294,8 +294,8 @@ class Run:
 
     def log(self, step: int, metrics: dict, round: int | None = None, show: tuple = ()) -> dict:
         """Write `metrics` at optimizer step `step` (metrics.jsonl, TensorBoard; rank 0) and return them. A round's row
-        (`round`: rounds done) also moves the progress bar and prints one line, CONSOLE's metrics then `show`'s, those
-        measured (no NaN); any other row (an evaluation) is printed whole."""
+        (`round`: rounds done) also moves the progress bar, prints one line, CONSOLE's metrics then `show`'s, those
+        measured (no NaN), and warns once if its charts/logprob_diff is off; any other row is printed whole."""
         if round is None:
             self._served["eval_every"] += self._first_round is not None  # (every rank: {} off rank 0)
             self.logger.log(step, metrics)
@@ -304,6 +304,7 @@ class Run:
             self._first_round = round - 1
             self._progress = util.Progress(self.rounds, "train", unit=self.unit, initial=round - 1, show=self.is_main)
         self._check_served(round)
+        self._warn_logprob_diff(metrics)  # (a copy that logs charts/logprob_diff cannot lose the check)
         self.logger.log(step, metrics, echo=False)
         measured = [k for k in CONSOLE + tuple(show) if k in metrics and math.isfinite(float(metrics[k]))]
         bar = {k.split("/")[-1]: float(metrics[k]) for k in CONSOLE[:3] if k in measured}  # reward, accuracy, kl
@@ -380,7 +381,8 @@ class Run:
         whole run if shorter)."""
         checks.warn_no_learning(signal, what, self._no_signal, min(10, self.rounds))
 
-    def warn_logprob_diff(self, logprob_diff: float) -> None:
-        """One warning when the sampler's logprobs on fresh weights are further from the learner's than the
-        precisions explain (checks.tis_applies: whether they differ, whatever --tis; a NaN: not measured)."""
-        checks.warn_logprob_diff(logprob_diff, checks.tis_applies(self.args), self._warned)
+    def _warn_logprob_diff(self, metrics: dict) -> None:
+        """One warning when a round's charts/logprob_diff (fresh weights) is beyond what the precisions explain
+        (checks.tis_applies: whether they differ, whatever --tis; absent or NaN: not measured)."""
+        checks.warn_logprob_diff(metrics.get("charts/logprob_diff", math.nan), checks.tis_applies(self.args),
+                                 self._warned)
