@@ -368,8 +368,7 @@ class Run:
         self.logger.close()
 
     def from_main(self, fn: Callable, *fn_args):
-        """fn(*fn_args) on rank 0 (the sampler's side), its result handed to every rank; a one-line error (SystemExit)
-        there stops every rank."""
+        """fn(*fn_args) on rank 0 (the sampler's side), its result handed to every rank (a SystemExit stops each)."""
         return distributed.from_main(lambda: fn(*fn_args), self.dist)
 
     def all_sum(self, x):
@@ -382,7 +381,6 @@ class Run:
         checks.warn_no_learning(signal, what, self._no_signal, min(10, self.rounds))
 
     def _warn_logprob_diff(self, metrics: dict) -> None:
-        """One warning when a round's charts/logprob_diff (fresh weights) is beyond what the precisions explain
-        (checks.tis_applies: whether they differ, whatever --tis; absent or NaN: not measured)."""
-        checks.warn_logprob_diff(metrics.get("charts/logprob_diff", math.nan), checks.tis_applies(self.args),
-                                 self._warned)
+        """One warning if a round's charts/logprob_diff is beyond the precisions' (checks.tis_applies, not --tis)."""
+        diff = metrics.get("charts/logprob_diff", math.nan)  # (absent or NaN: not measured)
+        checks.warn_logprob_diff(diff, checks.tis_applies(self.args), self._warned)

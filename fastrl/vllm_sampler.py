@@ -262,13 +262,16 @@ def eager_logprob_ranks() -> None:
 
 
 def sampler_paths(worker) -> dict[str, str]:
-    """(Run in the sampler's worker.) Which model runner and top-k/top-p the engine uses, for the tests."""
+    """(Run in the sampler's worker.) Which model runner and top-k/top-p the engine uses, for the tests, and whether
+    the process collects garbage again (off while vLLM imports and builds: SamplerServer)."""
+    import gc
+
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
 
     runner = type(worker.model_runner)
     return {"model_runner": f"{runner.__module__}.{runner.__qualname__}",
             "top_k_top_p": ("pytorch" if getattr(topk_topp.apply_top_k_top_p, "pinned_pytorch", False)
-                            else "vllm default")}
+                            else "vllm default"), "garbage_collector": "on" if gc.isenabled() else "off"}
 
 
 def resolve_placement(placement: str) -> str:

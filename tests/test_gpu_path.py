@@ -367,7 +367,7 @@ def _push_then_compare(placement, tiny_path, tokenizer):
         assert (learner - behaviour)[mask].abs().mean() < 1e-3 and {s.version_max for s in samples} == {1}
         # the GPU path is the CPU one (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
         assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.gpu_model_runner.GPUModelRunner",
-                                           "top_k_top_p": "pytorch"}
+                                           "top_k_top_p": "pytorch", "garbage_collector": "on"}
         memory = launch.peak_memory_mib(sampler)  # the sampler's GPU peak beside the learner's
         assert memory["sampler_gpu"] > 0 and memory["learner_gpu"] > 0 and memory["sampler"] > 0
 

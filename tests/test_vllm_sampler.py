@@ -44,9 +44,10 @@ def _learner_logprobs(model, samples, pad_id):
 
 @pytest.mark.slow
 def test_weight_push_matches_learner_logprobs(tiny_path, tokenizer, sampler):
-    # the sampler path the GPU pins too (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p
+    # the sampler path the GPU pins too (vllm_sampler.engine_settings): V1 runner, PyTorch top-k/top-p; and the
+    # collector on again once the engine is built (off over vLLM's import and build: the start's ~1 s)
     assert sampler.sampler_paths() == {"model_runner": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
-                                       "top_k_top_p": "pytorch"}
+                                       "top_k_top_p": "pytorch", "garbage_collector": "on"}
     model = common.load_policy(tiny_path, "cpu")
     sampler.init_weight_sync(model)
     assert sampler.weight_load_path() == "in place"  # the CPU sampler kept its linear weights: no layerwise reload
