@@ -292,10 +292,12 @@ def main():
             first, (problems, prompts, skipped) = train_problems.position, train_problems.take(args.prompts_per_round)
             return problems, skipped, sampler.generate(prompts, n=args.group_size, temperature=args.temperature,
                                                        top_p=args.top_p, max_tokens=args.max_new_tokens), first
-        # Algorithm 1: a first round y_0 ~ pi_theta_0(x_0); `pending`, the rounds in flight, oldest first
-        pending, clock = deque([sample_round()]), time.perf_counter() - totals["wall_seconds"]
+        # `pending`: the rounds in flight, oldest first (Algorithm 1's y_0 ~ pi_theta_0(x_0) sent in the first round)
+        pending, clock = deque(), time.perf_counter() - totals["wall_seconds"]
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: the oldest in flight (sync: by the weights just pushed; async: by theta_{t-1}) ----
+            if not pending:  # sync: sent here, after the evaluation and checkpoint before (a resume samples it again)
+                pending.append(sample_round())
             wait_start, (problems, skipped, request, _) = time.perf_counter(), pending.popleft()
             samples, generate_seconds = sampler.wait(request)  # (sent to finished, however late we collect them)
             learner_wait, finished_at = time.perf_counter() - wait_start, max(s.finished_at for s in samples)
@@ -360,9 +362,8 @@ def main():
             # ---- push: applied once the round in flight (async) is done with the old weights, so none mixes two ----
             pushed = sampler.push(policy, step, when_idle=True)
             learner_wait += pushed.pop("time/idle_wait_seconds")  # (async: the wait for the round in flight)
-            if not args.staleness and more:  # sync: the next round samples with the weights just pushed
+            if not args.staleness and more:  # sync: the next round samples with the weights just pushed (sent above)
                 sampler_wait = time.time() - finished_at
-                pending.append(sample_round())
             totals["episodes"] += len(samples)
             totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds

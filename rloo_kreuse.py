@@ -22,7 +22,7 @@ import torch
 
 import common
 import tasks
-from common import Run, truncated_is_weights  # (Run: every script's setup)
+from common import Run  # (Run: every script's setup)
 from fastrl import checks, memory_plan
 from fastrl.run import RunArgs
 
@@ -220,8 +220,9 @@ def micro_batch_loss(policy, batch: Batch, mb, args: Args, logprob_diff: bool = 
         batch.old_logp[rows, :logp.shape[1]] = logp.detach()
     old_logp = logp.detach() if batch.theta0_from_forward else cut(batch.old_logp)
     tis = None  # the mismatch correction's weight min(pi_learner / pi_sampler, C), apart from K-reuse's weights
-    if batch.tis_on:
-        tis = truncated_is_weights(old_logp, cut(batch.sampler_logp), cut(batch.mask), args.tis_level, args.tis_cap)[0]
+    if batch.tis_on:  # (the same ratio as K-reuse's weights: pi_theta0 over the sampler's policy, truncated at C)
+        tis = importance_weights(old_logp, cut(batch.sampler_logp), cut(batch.mask), args.tis_level)
+        tis = tis.clamp(max=args.tis_cap)
     loss, stats = rloo_loss(logp, old_logp, cut(batch.ref_logp), entropy, cut(batch.mask),
                             batch.advantages[rows], tis=tis, ppo_clip=args.ppo_clip, iw_level=args.iw_level,
                             iw_clip=args.iw_clip, kl_estimator=args.kl_estimator, kl_coef=args.kl_coef,
@@ -264,10 +265,12 @@ def main():
             problems, prompts, skipped = train_problems.take(args.num_prompts)
             return problems, skipped, sampler.generate(prompts, n=args.group_size, temperature=args.temperature,
                                                        top_p=args.top_p, max_tokens=args.max_new_tokens)
-        pending, clock = sample_round(), time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
+        pending, clock = None, time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
-            wait_start, (problems, skipped, request) = time.perf_counter(), pending
+            # (sent here, after the last round's evaluation and checkpoint, which then do not share the sampler with
+            # it: a mid-run resume samples it again as it was; --overlap: sent during the round before)
+            wait_start, (problems, skipped, request) = time.perf_counter(), pending or sample_round()
             samples, generate_seconds = sampler.wait(request)  # (sent to finished, however late we collect them)
             lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # (--overlap: K older)
             learner_wait = time.perf_counter() - wait_start  # (--overlap: mostly in the push's wait, below)
@@ -328,15 +331,15 @@ def main():
                 w = out["w"] if stepped else torch.full_like(out["w"], math.nan)  # (iw_mean_k{j}, ess_k{j}: k-step j's)
                 iw_means.append(w.mean().item())
                 ess_values.append((w.sum() ** 2 / (len(w) * w.pow(2).sum())).item())  # ESS / N
-            tis_stats = truncated_is_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level,
-                                             args.tis_cap)[1] if tis_on else {}  # tis_max_ratio, tis_truncated_fraction
+            ratio = importance_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level)  # --tis's
+            ratio = ratio[batch.mask.bool()] if args.tis_level == "token" else ratio  # (per token: the responses')
+            tis_stats = {"charts/tis_max_ratio": ratio.max().item(), "charts/tis_truncated_fraction":
+                         (ratio > args.tis_cap).float().mean().item()} if tis_on else {}
             train_seconds = time.perf_counter() - train_start
 
-            # ---- push: the next round sent samples with the new weights (--overlap: the one after the round in flight)
+            # ---- push: the next round samples with the new weights (--overlap: the one after the round in flight)
             pushed = sampler.push(policy, step, when_idle=args.overlap)  # (so that no round mixes two policies)
             learner_wait += pushed.pop("time/idle_wait_seconds", 0.0)  # (--overlap: the wait for the round in flight)
-            if not args.overlap and round_index + 1 < args.num_rounds:
-                pending = sample_round()
             totals["episodes"] += len(samples)
             totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds
@@ -358,8 +361,7 @@ def main():
                 "losses/grad_norm": float(np.mean(grad_norms)) if grad_norms else math.nan,
                 "losses/grad_clipped_fraction": np.mean([g > args.max_grad_norm for g in grad_norms] or [math.nan]),
                 "time/generate_seconds": generate_seconds, "time/train_seconds": train_seconds, **pushed,
-                **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}),
-                **{f"charts/tis_{k}": v for k, v in tis_stats.items()},  # tis_max_ratio, tis_truncated_fraction
+                **({"charts/logprob_diff": logprob_diff} if math.isfinite(logprob_diff) else {}), **tis_stats,
                 **{f"charts/iw_mean_k{j + 1}": w for j, w in enumerate(iw_means)},
                 **{f"charts/ess_k{j + 1}": e for j, e in enumerate(ess_values)}, **common.throughput(totals, step),
             }

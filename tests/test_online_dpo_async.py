@@ -279,7 +279,7 @@ def test_async_short_run_and_lag_from_sampler_versions(minibatches, tmp_path):
 # fixture: made once in each xdist worker that runs one of them). A small --micro-batch-tokens: under torchrun each
 # rank gets several micro-batches of pairs and of reference rows; a linear schedule, which a resume must continue.
 SYNC = [*SMALL, "--sync", "--micro-batch-tokens", "256", "--num-rounds", "3", "--seed", "3", "--save-every", "1",
-        "--keep-checkpoints", "3", "--lr-schedule", "linear"]
+        "--keep-checkpoints", "3", "--lr-schedule", "linear", "--eval-every", "1"]  # (evaluations mid-run: resume)
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +299,9 @@ def test_sync_run_has_lag_0(sync_run):
 def test_sync_resume_is_exact(tmp_path, sync_run):
     """--sync resumed from its checkpoint after round 1 (written mid-run: --save-every 1) gives the uninterrupted run's
     rounds 2 and 3, row for row, and its weights (the checkpoint keeps the sampler's generators as they were before
-    the next round). --lr-schedule linear: the rate follows the round the checkpoint keeps, not the Adam state it saves
-    (round 1's lr). charts/reward is the task's score, charts/reward_penalized the one pairs are chosen by."""
+    the next round, which is sent after the round's evaluation: --eval-every 1 once made the resume sample another).
+    --lr-schedule linear: the rate follows the round the checkpoint keeps, not the Adam state it saves (round 1's lr).
+    charts/reward is the task's score, charts/reward_penalized the one pairs are chosen by."""
     run = tmp_path / sync_run.name  # a copy: the resumed run goes on in the checkpoint's directory
     shutil.copytree(sync_run, run)
     first = min(run.glob("checkpoints/*.pt"), key=lambda p: int(p.stem))
@@ -331,7 +332,7 @@ def test_async_at_staleness_zero_reproduces_sync(tmp_path, sync_run):
     lag0_dir = _run_dir(_run(*flags, "--exp-name", "pytest_dpo_parity_lag0", "--staleness", "0", cwd=tmp_path),
                         tmp_path)
     sync_rows, lag0_rows = runlog.read_metrics(sync_dir), runlog.read_metrics(lag0_dir)
-    assert len(sync_rows) == len(lag0_rows) == 6  # eval, 3 rounds, eval, the end-of-run report
+    assert len(sync_rows) == len(lag0_rows) == 8  # eval, 3 rounds with an eval after 2 (--eval-every 1), eval, report
     assert (sum(r.get("charts/pairs", 0) for r in sync_rows) > 0
             and all(r.get("charts/lag_max", 0) == 0 for r in lag0_rows))
     for a, b in zip(sync_rows, lag0_rows):

@@ -122,7 +122,7 @@ def test_two_rounds_from_the_command_line_then_resume(request):
     nucleus (the logprob contract)."""
     flags = ["--exp-name", "pytest_rloo", "--k", "2", "--top-p", "0.9", "--num-prompts", "8", "--group-size", "4",
              "--eval-problems", "16", "--eval-samples", "4"]
-    out = _run(*flags, "--num-rounds", "2", "--save-every", "1", "--keep-checkpoints", "3")
+    out = _run(*flags, "--num-rounds", "2", "--save-every", "1", "--keep-checkpoints", "3", "--eval-every", "1")
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = WORK / out.stdout.split("run directory: ")[1].split()[0]
     rows = runlog.read_metrics(run_dir)
@@ -148,9 +148,10 @@ def test_two_rounds_from_the_command_line_then_resume(request):
     state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
     assert (state["round"], state["step"]) == (3, 6)
     assert json.loads((run_dir / "args.json").read_text())["top_p"] == 0.9
-    # and exactly as it was, from either checkpoint. Resumed from the one written mid-run (after round 1, round 2
-    # already submitted), rounds 2 and 3 come again: round 2 as the run that never stopped made it, and round 3 as
-    # the resume from round 2's checkpoint made it (each resume against a run that went on without a stop)
+    # and exactly as it was, from either checkpoint. Resumed from the one written mid-run (after round 1 and its
+    # evaluation, --eval-every 1: round 2 is sent after both, so they never share the sampler), rounds 2 and 3 come
+    # again: round 2 as the run that never stopped made it, and round 3 as the resume from round 2's checkpoint made
+    # it (each resume against a run that went on without a stop)
     def same(a, b):
         assert {k: v for k, v in a.items() if not k.startswith(("time/", "wall")) and "per_second" not in k} == \
                {k: v for k, v in b.items() if not k.startswith(("time/", "wall")) and "per_second" not in k}
@@ -576,10 +577,13 @@ def test_truncated_is_weights_by_hand():
     learner = torch.tensor([[-1.0, -1.0], [-2.0, -0.1]])
     sampler = torch.tensor([[-1.0, -2.0], [-1.0, -0.1]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    w, stats = rloo.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
+    for level in ("sequence", "token"):  # the script's: its own importance_weights, truncated at C
+        assert torch.equal(rloo.importance_weights(learner, sampler, mask, level).clamp(max=2.0),
+                           common.truncated_is_weights(learner, sampler, mask, level, cap=2.0)[0])
+    w, stats = common.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
     assert torch.allclose(w, torch.tensor([2.0, torch.e ** -1]))  # e^1 = 2.72 truncated at 2
     assert stats["max_ratio"] == pytest.approx(torch.e) and stats["truncated_fraction"] == 0.5
-    w, stats = rloo.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
+    w, stats = common.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0], [torch.e ** -1, 0.0]]))
     assert stats["truncated_fraction"] == pytest.approx(1 / 3)  # of the 3 response tokens
     # the loss is weighted by them: a sequence at weight 0.5 pushes half as hard
@@ -599,7 +603,7 @@ def test_truncated_is_per_token_by_default_whatever_the_iw_level():
     learner = torch.tensor([[-1.0, -1.0, -1.0]])
     sampler = torch.tensor([[-1.5, -0.5, -1.0]])
     mask = torch.ones(1, 3)
-    tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
+    tis, _ = common.truncated_is_weights(learner, sampler, mask, "token", cap=2.0)
     assert torch.allclose(tis, torch.tensor([[min(torch.e ** 0.5, 2.0), torch.e ** -0.5, 1.0]]))
     for extra in ({}, {"ppo_clip": 0.2}, {"iw_level": "token"}):
         logp = learner.clone().requires_grad_(True)
@@ -607,7 +611,7 @@ def test_truncated_is_per_token_by_default_whatever_the_iw_level():
                        tis=tis)[0].backward()
         assert torch.allclose(logp.grad, -tis), extra  # w = 1 (theta = theta0), A = 1: -tis_t per token
     # per sequence (--tis-level sequence): one weight for every token
-    seq_tis, _ = rloo.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
+    seq_tis, _ = common.truncated_is_weights(learner, sampler, mask, "sequence", cap=2.0)
     logp = learner.clone().requires_grad_(True)
     rloo.rloo_loss(logp, learner, learner, torch.zeros_like(logp), mask, torch.ones(1), **_hp(),
                    tis=seq_tis)[0].backward()
