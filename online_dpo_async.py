@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 import common
 import tasks
-from common import Run, scheduled_learning_rate  # (Run: every script's setup)
+from common import Run  # (Run: every script's setup)
 from fastrl import checks, memory_plan
 from fastrl.run import RunArgs
 
@@ -326,7 +326,8 @@ def main():
 
             # ALGO LOGIC: N DPO steps, one per minibatch of pairs, at this round's learning rate (--lr-schedule)
             losses, accuracies, margins, grad_norms, diff_sum, diff_tokens = [], [], [], [], 0, 0
-            learning_rate = scheduled_learning_rate(args.learning_rate, args.lr_schedule, round_index, args.num_rounds)
+            learning_rate = args.learning_rate * (max(0.0, 1 - round_index / args.num_rounds)  # HF's linear, stepped
+                                                  if args.lr_schedule == "linear" else 1.0)  # once a round, to 0
             for group in optimizer.param_groups:  # from the round alone, not Adam's saved lr: a resume continues it
                 group["lr"] = learning_rate
             for pairs, total in minibatch_pairs(keep, args.num_minibatches, args.loss_average):
@@ -374,8 +375,7 @@ def main():
             logprob_diff = diff_sum / diff_tokens if diff_tokens else math.nan
             metrics = {
                 "charts/reward": scores.mean().item(), "charts/reward_penalized": rewards.mean().item(),
-                "charts/eos_penalized_fraction": (scores != rewards).float().mean().item(),
-                "charts/accuracy": float(correct),
+                "charts/eos_penalized_fraction": (scores != rewards).float().mean().item(), "charts/accuracy": correct,
                 "charts/rewards_chosen": chosen_r.mean().item(), "charts/rewards_rejected": rejected_r.mean().item(),
                 "charts/rewards_margin": (chosen_r - rejected_r).mean().item(),
                 "charts/response_length": batch.mask.sum(1).mean().item(),

@@ -651,8 +651,9 @@ def test_throughput_gives_the_runs_counters_one_meaning_in_every_script():
 
 
 def test_the_linear_schedule_is_hfs_stepped_once_a_round():
-    """common.scheduled_learning_rate (online_dpo_async.py's and ppo_oppo.py's): HF's get_linear_schedule_with_warmup
-    without warmup (TRL's lr_scheduler_type "linear"), stepped once a round; or constant."""
+    """common.scheduled_learning_rate (ppo_oppo.py's; online_dpo_async.py writes the same expression in its round,
+    test_sync_resume_is_exact reads its rates): HF's get_linear_schedule_with_warmup without warmup (TRL's
+    lr_scheduler_type "linear"), stepped once a round; or constant."""
     from transformers import get_linear_schedule_with_warmup
 
     rates = [common.scheduled_learning_rate(3e-6, "linear", r, 4) for r in range(4)]

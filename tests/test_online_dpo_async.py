@@ -573,7 +573,6 @@ def test_learning_rate_schedule_per_task_as_the_paper():
     assert dpo.parse_args(["--model", "some/model", "--lr-schedule", "constant"]).lr_schedule == "constant"
     gsm8k_linear = dpo.parse_args(["--model", "some/model", "--task", "gsm8k", "--lr-schedule", "linear"])
     assert gsm8k_linear.lr_schedule == "linear"
-    assert dpo.scheduled_learning_rate is common.scheduled_learning_rate  # (tests/test_common.py)
 
 
 def _first_true_indices(bools: torch.Tensor) -> torch.Tensor:

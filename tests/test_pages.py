@@ -118,7 +118,7 @@ def test_the_round_calls_the_sampler_with_its_sampling_parameters_in_view(script
 
 # Issue 60 asks for at most 25 project names a script and 10 distinct project calls in its round; these are where the
 # scripts stand (examples/reinforce.py within them, the methods not: the issue's note), kept from growing (names, calls)
-NAME_BUDGETS = {"rloo_kreuse.py": (28, 11), "online_dpo_async.py": (33, 14), "pipeline_rl.py": (37, 13),
+NAME_BUDGETS = {"rloo_kreuse.py": (28, 11), "online_dpo_async.py": (32, 13), "pipeline_rl.py": (37, 13),
                 "ppo_oppo.py": (45, 17), "examples/reinforce.py": (25, 10)}
 PROJECT_MODULES = {"common", "tasks", "fastrl"}
 
