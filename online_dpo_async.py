@@ -363,8 +363,8 @@ def main():
             # ---- push: applied once the round in flight (async) is done with the old weights, so none mixes two ----
             pushed = sampler.push(policy, step, when_idle=True)
             learner_wait += pushed.pop("time/idle_wait_seconds")  # (async: the wait for the round in flight)
-            if not args.staleness and more:  # sync: the next round samples with the weights just pushed (sent above)
-                sampler_wait = time.time() - finished_at
+            if not args.staleness and more:  # sync: the sampler's idle time until these weights could sample the next
+                sampler_wait = time.time() - finished_at  # round (sent at the loop's top, after the lines below)
             totals["episodes"] += len(samples)
             totals["skipped_prompts"] += skipped
             totals["generate_seconds"] += generate_seconds

@@ -13,8 +13,6 @@ G steps, then the push. --max-lag 0 gives PipelineRL the batches of Conventional
     torchrun --nproc-per-node 2 pipeline_rl.py --model tiny   # the learner data-parallel (FSDP2)
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import os
@@ -30,8 +28,6 @@ import tasks
 from common import Run, ess, truncated_is_weights  # (Run: every script's setup)
 from fastrl import checks, memory_plan, util, vllm_sampler
 from fastrl.run import RunArgs
-
-MAX_CONSECUTIVE_NONFINITE = 10  # then the data or the model is broken: stop instead of skipping forever
 
 
 @dataclasses.dataclass
@@ -105,8 +101,7 @@ class Args(RunArgs):
             (n >= 2, "--group-size", "the per-prompt baseline needs at least 2 samples per prompt"),
             (B >= n and B % n == 0, "--train-batch-size", f"must be a positive multiple of --group-size ({B} vs {n})"),
             (self.gen_batch_size is None or self.gen_batch_size >= n, "--gen-batch-size", "must hold a prompt's group"),
-            (self.temperature > 0, "--temperature", "must be > 0: the importance weights need the sampler's logprobs "
-             "of a sampled distribution (greedy has none)"),
+            (self.temperature > 0, "--temperature", "must be > 0 (greedy has no logprobs for the importance weights)"),
             (0 < self.top_p <= 1, "--top-p", f"must be in (0, 1], got {self.top_p}"),
             (self.tis_cap > 0, "--tis-cap", f"must be > 0, got {self.tis_cap}"),
             (self.ess_threshold is None or 0 <= self.ess_threshold <= 1, "--ess-threshold", "must be in [0, 1]"),
@@ -118,22 +113,19 @@ class Args(RunArgs):
             (self.max_grad_norm > 0 and self.data_timeout > 0 and self.long_tail_scale >= 1,
              "--max-grad-norm/--data-timeout/--long-tail-scale", "must be > 0 (the scale >= 1)"),
         ]:
-            if not ok:  # one line naming the flag, before any process starts
-                raise SystemExit(f"error: {flag}: {message}")
+            checks.check_args(ok, flag, message)  # one line naming the flag, before any process starts
         super().__post_init__()
 
 
-GPU = torch.cuda.is_available()
 # a real model's defaults; the group size, weight decay, schedule and clipping: the authors' conf/finetune/base.yaml
 PAPER = dict(num_steps=1000, learning_rate=1e-6, binary_reward=True, max_new_tokens=1024, max_prompt_tokens=512,
-             autocast_bf16=GPU, gradient_checkpointing=GPU, group_size=8, weight_decay=0.01, lr_schedule="cosine",
-             warmup_steps=50, lr_schedule_steps=100_000, max_grad_norm=0.3)
+             autocast_bf16=torch.cuda.is_available(), gradient_checkpointing=torch.cuda.is_available(), group_size=8,
+             weight_decay=0.01, lr_schedule="cosine", warmup_steps=50, lr_schedule_steps=100_000, max_grad_norm=0.3)
 # --model smollm2 on a CPU: arithmetic at T 0.8 (at 1.0 a seed found no signal), constant rate, pushes from the loop
-SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, group_size=8, learning_rate=2e-5,
-                       temperature=0.8, max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4,
-                       autocast_bf16=False, gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant",
-                       warmup_steps=0, lr_schedule_steps=None, max_grad_norm=1.0, micro_batch_tokens=512,
-                       background_push=False)
+SMOLLM2 = PAPER | dict(task="arithmetic", num_steps=20, train_batch_size=32, learning_rate=2e-5, temperature=0.8,
+                       max_new_tokens=64, max_prompt_tokens=128, eval_problems=100, eval_samples=4, autocast_bf16=False,
+                       gradient_checkpointing=False, weight_decay=0.0, lr_schedule="constant", warmup_steps=0,
+                       lr_schedule_steps=None, max_grad_norm=1.0, micro_batch_tokens=512, background_push=False)
 
 
 def mode_defaults(args: Args) -> Args:
@@ -210,7 +202,6 @@ def micro_batch_loss(policy, ref_policy, batch: Batch, mb, args: Args):
                             diff_tokens=mask[fresh].sum().item())
 
 
-# ---- the actor (rank 0): prompts in, finished groups out ----
 def admission(step: int, sampler_version: int, queued_versions: list[int], in_flight: int, args: Args,
               on_policy_only: bool = False) -> tuple[list[int], int]:
     """(queued groups to drop, prompts to admit): drop groups older than --max-lag (after an ESS skip: not of the
@@ -260,12 +251,10 @@ class Actor:
             list(state["in_flight"])
         self.shuffle_rng.bit_generator.state = state["rngs"][-1]  # (an older checkpoint's: [long-tail, shuffle])
 
-    def queued(self) -> int:
-        return len(self.ready) * self.args.group_size
-
     def describe(self, step: int) -> str:  # (--data-timeout's and a stall's error)
-        return (f"{self.queued()} of {self.args.train_batch_size} sequences queued, {len(self.sampler.pending)} in "
-                f"flight, learner step {step}, sampler version {self.sampler.version}, --max-lag {self.args.max_lag}")
+        return (f"{len(self.ready) * self.args.group_size} of {self.args.train_batch_size} sequences queued, "
+                f"{len(self.sampler.pending)} in flight, learner step {step}, sampler version {self.sampler.version}, "
+                f"--max-lag {self.args.max_lag}")
 
     def submit(self, count: int) -> None:
         """The next `count` prompts that fit --max-prompt-tokens (the others counted), group_size samples each."""
@@ -284,9 +273,8 @@ class Actor:
             # a seed per prompt (plus the sample's index): its samples depend on --seed and its data position alone
             overrides.append(dict(seed=((args.seed & 0x7FFFFFFF) << 32) + key * args.group_size))  # (resumes alike)
             if args.long_tail:  # ignore_eos, not min_tokens: min_tokens masks EOS out of the sampled distribution
-                tail = np.random.default_rng([args.seed, key]).pareto(args.long_tail)  # by the prompt: resumes alike
-                length = int(min(args.max_new_tokens, args.long_tail_scale * (1 + tail)))
-                overrides[-1] |= dict(ignore_eos=True, max_tokens=length)
+                tail = args.long_tail_scale * (1 + np.random.default_rng([args.seed, key]).pareto(args.long_tail))
+                overrides[-1] |= dict(ignore_eos=True, max_tokens=int(min(args.max_new_tokens, tail)))  # resumes alike
         if keys:
             self.sampler.submit(prompts, n=args.group_size, tags=keys, per_prompt=overrides,
                                 temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_new_tokens)
@@ -302,18 +290,17 @@ class Actor:
 
     def pump(self, timeout: float, step: int) -> int:
         """Pipeline mode: receive, drop stale groups, admit prompts. Returns sequences received + prompts admitted."""
-        args, sampler = self.args, self.sampler
+        args, engine = self.args, self.sampler
         received = self.receive(timeout)
-        drop, admit = admission(step, sampler.version, [min(c.version_min for c in g) for _, g in self.ready],
+        drop, admit = admission(step, engine.version, [min(c.version_min for c in g) for _, g in self.ready],
                                 len(self.groups) * args.group_size, args, self.on_policy_only)  # in flight: unfinished
-        for i in reversed(drop):
-            del self.ready[i]
+        self.ready = deque(group for i, group in enumerate(self.ready) if i not in drop)
         self.totals["stale_dropped"] += len(drop) * args.group_size
         self.submit(admit)
-        if not (received or admit or self.groups) and self.queued() < args.train_batch_size:
-            landing = sampler.version < step  # admission waits for the learner's weights to land in the sampler
-            sampler.wait_for_push()
-            if not landing or sampler.version < step:  # admission() rules a stall out, unless a push was lost
+        if not (received or admit or self.groups) and len(self.ready) * args.group_size < args.train_batch_size:
+            landing = engine.version < step  # admission waits for the learner's weights to land in the sampler
+            engine.wait_for_push()
+            if not landing or engine.version < step:  # admission() rules a stall out, unless a push was lost
                 raise RuntimeError(f"the pipeline stalled: {self.describe(step)}")
             return 1
         return received + admit
@@ -322,29 +309,26 @@ class Actor:
         """(seconds waited, the next B sequences, whether they end an RL step): the B oldest finished (H in flight), or
         Conventional RL's next of the G batches it generated at once."""
         args, per_batch = self.args, self.args.train_batch_size // self.args.group_size
+        wait = lambda ready, work: util.wait_until(ready, work, args.data_timeout, lambda: self.describe(step))
         if args.mode == "pipeline":
             self.pump(0.0, step)
-            waited = util.wait_until(lambda: self.queued() >= args.train_batch_size, lambda: self.pump(0.1, step),
-                                    args.data_timeout, lambda: self.describe(step))
+            waited = wait(lambda: len(self.ready) >= per_batch, lambda: self.pump(0.1, step))
             return waited, [self.ready.popleft() for _ in range(per_batch)], False
         waited = 0.0
         if not self.rl_step:
             steps = min(args.steps_per_rl_step, args.num_steps - step)
             self.submit(per_batch * steps)
-            waited = util.wait_until(lambda: self.queued() >= args.train_batch_size * steps, lambda: self.receive(0.5),
-                                    args.data_timeout, lambda: self.describe(step))
-            self.rl_step = shuffled_batches(list(self.ready), per_batch, self.shuffle_rng)
-            self.ready.clear()
+            waited = wait(lambda: len(self.ready) >= per_batch * steps, lambda: self.receive(0.5))
+            self.rl_step, self.ready = shuffled_batches(list(self.ready), per_batch, self.shuffle_rng), deque()
         return waited, self.rl_step.pop(0), not self.rl_step
 
 
 # TRY NOT TO MODIFY: loading
 def load_models(args: Args, run: Run, model_path: str):
     """The policy, the frozen reference (for --kl-coef) and the authors' AdamW (pipelinerl/finetune/optim.py)."""
-    dtype = getattr(torch, args.dtype)
-    policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype))
-    ref_policy = run.learner_model(common.load_policy(model_path, run.device, dtype=dtype).eval().requires_grad_(False)
-                                  if args.kl_coef else None, pushed=False)
+    load = lambda: common.load_policy(model_path, run.device, dtype=getattr(torch, args.dtype))  # noqa: E731
+    policy = run.learner_model(load())
+    ref_policy = run.learner_model(load().eval().requires_grad_(False) if args.kl_coef else None, pushed=False)
     exempt = lambda name: args.weight_decay > 0 and any(k in name for k in ("bias", "LayerNorm.weight"))  # noqa: E731
     groups = [dict(params=[p for n, p in policy.named_parameters() if not exempt(n)]),
               dict(params=[p for n, p in policy.named_parameters() if exempt(n)], weight_decay=0.0)]
@@ -376,12 +360,10 @@ def main():
             # ---- sample: the actor's next B finished sequences (under torchrun: rank 0's, on every rank) ----
             learner_wait, groups, rl_step_done = run.from_main(lambda: actor.next_batch(step))
             train_start = time.perf_counter()
-            groups = sorted(groups, key=lambda group: group[0])  # in data order, whichever finished first
-            problems = [task.problem("train", key) for key, _ in groups]
-            samples = [c for _, group in groups for c in group]
-            rewards, scores = torch.tensor([score(c.text, problems[i // args.group_size])
-                                            for i, c in enumerate(samples)]).T  # trained on, and the task's own
-            correct = [task.is_correct(c.text, problems[i // args.group_size]) for i, c in enumerate(samples)]
+            samples = [c for _, group in sorted(groups, key=lambda group: group[0]) for c in group]  # in data order
+            problems = [task.problem("train", c.tag[0]) for c in samples]  # (a sample's tag: its data position, index)
+            rewards, scores = torch.tensor([score(c.text, p) for c, p in zip(samples, problems)]).T  # trained on, own
+            correct = [task.is_correct(c.text, p) for c, p in zip(samples, problems)]
             max_lag = args.steps_per_rl_step - 1 if args.mode == "conventional" else args.max_lag  # a lost push stops
             lags = sampler.check_version(samples, step, max_lag=step if max_lag is None else max_lag)
             sampler.set_learner_threads()  # every core in Conventional RL's training; one beside the pipeline's
@@ -414,15 +396,13 @@ def main():
                 optimizer.step()
             optimizer.zero_grad()
             low_ess = not trained and batch_ess < args.ess_threshold and math.isfinite(loss.item())
-            if trained or low_ess:  # after an ESS skip the actor keeps only data of the current weights (line 22)
-                actor.on_policy_only = low_ess
+            actor.on_policy_only = low_ess or (actor.on_policy_only and not trained)  # line 22, until a step trains
             run.warn_no_learning(batch.advantages, "every advantage is 0 (each prompt's rewards tie)")
             run.warn_no_learning(trained, "no optimizer step (the ESS guard or a non-finite loss skipped it)")
             step += trained
             train_seconds = time.perf_counter() - train_start
             totals["learner_wait_seconds"] += learner_wait  # (a skipped batch's wait and update too)
             totals["train_seconds"] += train_seconds
-
             # ---- push: PipelineRL's after every step, in flight (pause, update, resume); Conventional RL's per RL step
             pushed = {"time/push_seconds": 0.0}
             if args.mode == "pipeline" and trained:
@@ -434,7 +414,7 @@ def main():
                 totals["ess_skipped" if low_ess else "nonfinite_skipped"] += 1
                 if not low_ess:
                     print(f"step {step + 1} skipped: ESS {batch_ess:.3g}, loss {loss.item():.3g}, grad {grad_norm:.3g}")
-                    if nonfinite_in_a_row >= MAX_CONSECUTIVE_NONFINITE:  # the data or the model is broken
+                    if nonfinite_in_a_row >= 10:  # the data or the model is broken: stop, not skip forever
                         raise RuntimeError(f"{nonfinite_in_a_row} batches in a row gave a non-finite ESS, loss or grad")
                 run.logger.log(step, {"charts/ess": batch_ess, **lags, "charts/tis_max_ratio": ratios.max().item(),
                                       "charts/skipped_steps": totals["ess_skipped"],
@@ -461,7 +441,6 @@ def main():
                 **({"charts/logprob_diff": out["diff"] / out["diff_tokens"]} if out["diff_tokens"] else {}),
             }
             run.log(step, metrics, round=step, show=("charts/ess", "charts/lag_mean", "charts/in_flight"))
-
             # ---- after the step: the curve's weights, pass@k, the checkpoint ----
             if args.snapshot_every and step % args.snapshot_every == 0:
                 run.snapshot(step)

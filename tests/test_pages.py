@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # (pipeline 450 -> 470: its actor's state in the checkpoint: a mid-run resume trains every prompt once, issue 59)
 # (each + 15, issue 60: the sampler called in the script, the counters its own, the lines after the round written out)
 # (pipeline 484 -> 485: its summary's mean ESS and token lag from its own counters, not read back from its log)
-BUDGETS = {"rloo_kreuse.py": 385, "online_dpo_async.py": 415, "pipeline_rl.py": 486, "ppo_oppo.py": 665,
+# (pipeline 486 -> 465, issue 60's own budget: its plumbing lines merged, the same metrics bit for bit)
+BUDGETS = {"rloo_kreuse.py": 385, "online_dpo_async.py": 415, "pipeline_rl.py": 465, "ppo_oppo.py": 665,
            "examples/reinforce.py": 130}
 ROUND_BUDGET = 120  # (100 -> 120, issue 60: the round's counters and its after-round lines are in it now)
 # every Python file of the repository is kept within 120 columns by ruff (configured in pyproject.toml)
@@ -118,7 +119,7 @@ def test_the_round_calls_the_sampler_with_its_sampling_parameters_in_view(script
 
 # Issue 60 asks for at most 25 project names a script and 10 distinct project calls in its round; these are where the
 # scripts stand (examples/reinforce.py within them, the methods not: the issue's note), kept from growing (names, calls)
-NAME_BUDGETS = {"rloo_kreuse.py": (28, 11), "online_dpo_async.py": (32, 13), "pipeline_rl.py": (37, 13),
+NAME_BUDGETS = {"rloo_kreuse.py": (28, 11), "online_dpo_async.py": (32, 13), "pipeline_rl.py": (36, 13),
                 "ppo_oppo.py": (45, 17), "examples/reinforce.py": (25, 10)}
 PROJECT_MODULES = {"common", "tasks", "fastrl"}
 

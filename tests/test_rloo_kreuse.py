@@ -151,14 +151,16 @@ def test_two_rounds_from_the_command_line_then_resume(request):
     # and exactly as it was, from either checkpoint. Resumed from the one written mid-run (after round 1 and its
     # evaluation, --eval-every 1: round 2 is sent after both, so they never share the sampler), rounds 2 and 3 come
     # again: round 2 as the run that never stopped made it, and round 3 as the resume from round 2's checkpoint made
-    # it (each resume against a run that went on without a stop)
+    # it (each resume against a run that went on without a stop). --eval-every 0 from there: the 2-round run's last
+    # round did not evaluate (its end's evaluation came after its checkpoint), so neither may before round 3
     def same(a, b):
         assert {k: v for k, v in a.items() if not k.startswith(("time/", "wall")) and "per_second" not in k} == \
                {k: v for k, v in b.items() if not k.startswith(("time/", "wall")) and "per_second" not in k}
 
     first = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r]
     assert [r["step"] for r in first] == [2, 4, 6]
-    midrun = _run("--num-rounds", "3", "--resume", str(run_dir / "checkpoints" / "2.pt"))
+    midrun = _run("--num-rounds", "3", "--eval-every", "0", "--resume-changes", "--resume",
+                  str(run_dir / "checkpoints" / "2.pt"))
     assert midrun.returncode == 0, midrun.stderr[-3000:]
     again = [r for r in runlog.read_metrics(run_dir) if "charts/reward" in r][1:]  # (those after step 2: anew)
     assert [r["step"] for r in again] == [4, 6]
