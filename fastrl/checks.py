@@ -352,8 +352,9 @@ def parse_args(args_cls, argv: list[str] | None = None, paper: dict | None = Non
     if not saved_file.is_file():
         return args
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    # (--resume-changes is this resume's own, never the saved run's: the next resume checks the flags again)
     saved = {k: tuple(v) if isinstance(v, list) and "tuple" in str(fields[k].type) else v
-             for k, v in json.loads(saved_file.read_text()).items() if k in fields}
+             for k, v in json.loads(saved_file.read_text()).items() if k in fields and k != "resume_changes"}
     base = copy.copy(args_cls())  # the saved flags, checked only as the command line leaves them (not replace()):
     base.__dict__.update(saved)  # a check added since the run was saved can then be met with --resume-changes
     resumed = tyro.cli(args_cls, args=argv, default=base)

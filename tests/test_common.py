@@ -100,6 +100,10 @@ def test_resume_continues_with_the_saved_flags_and_refuses_a_changed_one(tmp_pat
             and "\n" not in str(refused.value))
     assert checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4", "--resume-changes"]).k == 4
     assert checks.parse_args(rloo.Args, ["--k", "4"]).k == 4  # no resume: the flags as given
+    # a run resumed once with --resume-changes saves it in args.json; the next resume checks its flags again
+    (run / "args.json").write_text(json.dumps(saved | {"resume_changes": True}))
+    with pytest.raises(SystemExit, match="error: --k 4 "):
+        checks.parse_args(rloo.Args, ["--resume", str(run), "--k", "4"])
 
 
 def test_a_saved_run_that_a_newer_check_refuses_resumes_with_the_change_the_error_names(tmp_path):
