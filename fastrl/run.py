@@ -382,5 +382,5 @@ class Run:
 
     def _warn_logprob_diff(self, metrics: dict) -> None:
         """One warning if a round's charts/logprob_diff is beyond the precisions' (checks.tis_applies, not --tis)."""
-        diff = metrics.get("charts/logprob_diff", math.nan)  # (absent or NaN: not measured)
-        checks.warn_logprob_diff(diff, checks.tis_applies(self.args), self._warned)
+        if math.isfinite(diff := metrics.get("charts/logprob_diff", math.nan)):  # (absent or NaN: not measured)
+            checks.warn_logprob_diff(diff, checks.tis_applies(self.args), self._warned)
