@@ -268,8 +268,7 @@ def main():
         pending, clock = None, time.perf_counter() - totals["wall_seconds"]  # (a resumed run's time too)
         for round_index in range(start.round, args.num_rounds):
             # ---- sampling round: G responses for each prompt, with the sampler's logprobs ----
-            # (sent here, after the last round's evaluation and checkpoint, which then do not share the sampler with
-            # it: a mid-run resume samples it again as it was; --overlap: sent during the round before)
+            # (sent after the last round's evaluation and checkpoint: a resume samples it alike; --overlap: sent before)
             wait_start, (problems, skipped, request) = time.perf_counter(), pending or sample_round()
             samples, generate_seconds = sampler.wait(request)  # (sent to finished, however late we collect them)
             lags = sampler.check_version(samples, step, max_lag=args.k if args.overlap else 0)  # (--overlap: K older)
@@ -331,10 +330,12 @@ def main():
                 w = out["w"] if stepped else torch.full_like(out["w"], math.nan)  # (iw_mean_k{j}, ess_k{j}: k-step j's)
                 iw_means.append(w.mean().item())
                 ess_values.append((w.sum() ** 2 / (len(w) * w.pow(2).sum())).item())  # ESS / N
-            ratio = importance_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level)  # --tis's
-            ratio = ratio[batch.mask.bool()] if args.tis_level == "token" else ratio  # (per token: the responses')
-            tis_stats = {"charts/tis_max_ratio": ratio.max().item(), "charts/tis_truncated_fraction":
-                         (ratio > args.tis_cap).float().mean().item()} if tis_on else {}
+            tis_stats = {}  # --tis: pi_theta0 over the sampler's policy, untruncated, and how often C cut it
+            if tis_on:
+                ratio = importance_weights(batch.old_logp, batch.sampler_logp, batch.mask, args.tis_level)
+                ratio = ratio[batch.mask.bool()] if args.tis_level == "token" else ratio  # (per token: the responses')
+                tis_stats = {"charts/tis_max_ratio": ratio.max().item(),
+                             "charts/tis_truncated_fraction": (ratio > args.tis_cap).float().mean().item()}
             train_seconds = time.perf_counter() - train_start
 
             # ---- push: the next round samples with the new weights (--overlap: the one after the round in flight)

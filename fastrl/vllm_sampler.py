@@ -32,6 +32,7 @@ drives an in-process `LLMEngine` step by step (started in ~3 s on CPU instead of
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import queue
 import shutil
@@ -264,8 +265,6 @@ def eager_logprob_ranks() -> None:
 def sampler_paths(worker) -> dict[str, str]:
     """(Run in the sampler's worker.) Which model runner and top-k/top-p the engine uses, for the tests, and whether
     the process collects garbage again (off while vLLM imports and builds: SamplerServer)."""
-    import gc
-
     import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
 
     runner = type(worker.model_runner)
@@ -320,7 +319,6 @@ def _sampler_main(config: SamplerConfig, conn, parent_pid: int, cuda_device: str
     `tmpdir`, which the learner removes when the sampler ends, however it ends (vLLM's
     single-process executor rendezvous through a file, vllm/utils/network_utils.py
     get_file_store_init_method, that only a clean process-group teardown would delete)."""
-    import gc
     import tempfile
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # first: close() may stop us while we still import vLLM
@@ -417,7 +415,6 @@ class SamplerServer:
                 "shutdown": "shutdown"}
 
     def __init__(self, config: SamplerConfig, conn, parent_pid: int, outbox: _Outbox):
-        import gc
         import logging
 
         from vllm import EngineArgs, LLMEngine
